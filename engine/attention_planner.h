@@ -1,0 +1,104 @@
+// QKV preparation (the DeFT paper's first phase): turns the step's queries over one or more
+// trees into an AttentionPlan, the flat arrays that kernels/ execute (see
+// kernels/attention_params.h). Pure host code. One plan serves every layer of a step.
+//
+// A query is one token of the tree: it sees every token of its node's proper ancestors and the
+// tokens of its own node up to and including itself. That one rule covers decoding (the new
+// token of each live leaf), prefill / extend (a run of new tokens of one node, causal among
+// themselves) and speculative verification (a token tree hung under a node, one node per
+// token or per chain).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/sequence_tree.h"
+#include "kernels/attention_params.h"
+
+namespace deft::engine {
+
+enum class PlanKind {
+  kDeftFlatten,    // DFS-flattened tree KV cut into even chunks; KV-guided query groups
+  kDeftNode,       // one task per node (paper ablation)
+  kDeftNodeChunk,  // nodes cut into chunks of at most chunk_tokens (paper ablation)
+  kSequence,       // baseline: each query reads its whole path (Flash-Decoding / radix attention)
+  kDenseMask,      // baseline: every query of a tree against every tree token, dense mask (Medusa)
+};
+std::string_view plan_kind_name(PlanKind kind);
+// Parses the names plan_kind_name() prints; INVALID_ARGUMENT names the bad value.
+absl::Status parse_plan_kind(std::string_view name, PlanKind* kind);
+
+struct PlannerOptions {
+  PlanKind kind = PlanKind::kDeftFlatten;
+  // B: tokens per chunk (Flatten, Node-Chunk, and the split-KV chunks of the sequence baseline).
+  // 128 is the paper's default; bench/ sweeps it.
+  int32_t chunk_tokens = 128;
+  // Cap on the queries of a task that needs no mask (masked tasks hold <= kMaskWordBits).
+  int32_t max_unmasked_queries = 256;
+};
+
+// One query: token `token_index` of `node`.
+struct QueryToken {
+  NodeId node = -1;
+  int32_t token_index = 0;
+};
+
+// The queries of one tree in one step. Query rows of the plan follow the order of the trees
+// and, within a tree, the order of `queries`.
+struct TreeQueries {
+  const SequenceTree* tree = nullptr;
+  std::span<const QueryToken> queries;
+};
+
+// The paper's IO quantities for one plan.
+struct PlanIo {
+  int64_t kv_tokens_read = 0;     // sum over tasks of their KV run (per KV head, per layer)
+  int64_t query_chunk_pairs = 0;  // entries: partial results written by stage 1
+  int64_t mask_words = 0;         // 64-bit mask words read
+  int64_t tasks = 0;
+};
+
+// Owning, host-side plan; view() gives the flat arrays the kernels take.
+struct AttentionPlan {
+  PlanKind kind = PlanKind::kDeftFlatten;
+  int32_t num_queries = 0;
+  std::vector<int32_t> kv_slots;
+  std::vector<int32_t> task_kv_begin;
+  std::vector<int32_t> task_kv_end;
+  std::vector<int32_t> task_entry_begin;  // num_tasks + 1
+  std::vector<int32_t> task_mask_begin;
+  std::vector<uint64_t> mask_words;
+  std::vector<int32_t> entry_query;
+  std::vector<int32_t> query_entry_begin;  // num_queries + 1
+  std::vector<int32_t> query_entries;
+  // Per query row: its RoPE position (depth) and KV slot of its own token.
+  std::vector<int32_t> query_position;
+  std::vector<int32_t> query_slot;
+  PlanIo io;
+
+  int32_t num_tasks() const { return static_cast<int32_t>(task_kv_begin.size()); }
+  int32_t num_entries() const { return static_cast<int32_t>(entry_query.size()); }
+  kernels::AttentionPlanView view() const;
+  void clear();  // keeps capacity, so a planner reusing the plan allocates nothing per step
+};
+
+class AttentionPlanner {
+ public:
+  explicit AttentionPlanner(PlannerOptions options = {});
+  const PlannerOptions& options() const { return options_; }
+
+  // Builds the plan for the given trees' queries into `plan` (its buffers are reused).
+  // INVALID_ARGUMENT for an unknown node, a token index outside its node, a tree without KV,
+  // a repeated query, or options out of range; `plan` is then left empty.
+  absl::Status plan(std::span<const TreeQueries> trees, AttentionPlan& plan);
+
+ private:
+  PlannerOptions options_;
+  // Scratch reused across steps.
+  std::vector<int32_t> scratch_i32_;
+};
+
+}  // namespace deft::engine

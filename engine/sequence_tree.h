@@ -1,0 +1,84 @@
+// The topology of one decoding tree: nodes are runs of tokens with one parent; a query's context
+// is the concatenation of the nodes on its root-to-leaf path. RoPE position of a token = its
+// depth = tokens on the path before it. Optionally bound to a KvCacheManager, in which case the
+// tree keeps the node's KV pages in step with its tokens: appending reserves slots (all or
+// nothing), pruning frees pages at once.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/kv_cache_manager.h"
+
+namespace deft::engine {
+
+using NodeId = int32_t;
+using TokenId = int32_t;
+
+struct TreeNode {
+  NodeId id = -1;
+  NodeId parent = -1;  // -1 for the root
+  std::vector<NodeId> children;
+  std::vector<TokenId> tokens;
+  int64_t depth_begin = 0;  // depth (RoPE position) of tokens[0] = tokens on the path above
+  bool alive = false;
+};
+
+class SequenceTree {
+ public:
+  // The tree starts with one empty root node (id 0). `kv` may be null (topology only).
+  explicit SequenceTree(uint32_t tree_id, KvCacheManager* kv = nullptr);
+  ~SequenceTree();  // releases every page the tree holds
+  SequenceTree(const SequenceTree&) = delete;
+  SequenceTree& operator=(const SequenceTree&) = delete;
+
+  uint32_t tree_id() const { return tree_id_; }
+  NodeId root() const { return 0; }
+
+  // Appends tokens to a node that has no live children. NOT_FOUND for an unknown or pruned
+  // node, FAILED_PRECONDITION for an inner node, RESOURCE_EXHAUSTED when KV is short; on
+  // error nothing changes.
+  absl::Status append(NodeId node, std::span<const TokenId> tokens);
+
+  // Creates `k` (>= 1) empty children under `node`; returns their ids. Copies no KV.
+  absl::StatusOr<std::vector<NodeId>> branch(NodeId node, int32_t k);
+
+  // Removes `node` and its whole subtree and frees their pages. Pruning the root is refused
+  // (FAILED_PRECONDITION) while it has live children; with none, it empties the root.
+  absl::Status prune(NodeId node);
+
+  bool contains(NodeId node) const;  // live node
+  // The live node; aborts on an unknown id (check contains() first for untrusted ids).
+  const TreeNode& node(NodeId id) const;
+  // Root-to-node path (root first). NOT_FOUND for an unknown node.
+  absl::StatusOr<std::vector<NodeId>> path(NodeId node) const;
+  // Depth (RoPE position) of token `index` of `node` (index may equal size: next token).
+  int64_t depth(NodeId node, int64_t index) const;
+  // Live nodes with no live children, in depth-first order.
+  std::vector<NodeId> live_leaves() const;
+  // Live nodes in depth-first pre-order (children in creation order).
+  std::vector<NodeId> dfs_order() const;
+
+  int32_t num_live_nodes() const { return num_live_nodes_; }
+  int64_t total_tokens() const { return total_tokens_; }
+  // Slot ids live in the KV manager under this key.
+  KvCacheManager::OwnerKey kv_key(NodeId node) const {
+    return (uint64_t{tree_id_} << 32) | static_cast<uint32_t>(node);
+  }
+  KvCacheManager* kv() const { return kv_; }
+
+  // Full consistency check (parents, children, depths, counts, KV pages); for tests.
+  bool check_invariants() const;
+
+ private:
+  uint32_t tree_id_;
+  KvCacheManager* kv_;
+  std::vector<TreeNode> nodes_;  // indexed by NodeId; pruned nodes stay as tombstones
+  int32_t num_live_nodes_ = 0;
+  int64_t total_tokens_ = 0;
+};
+
+}  // namespace deft::engine

@@ -1,0 +1,59 @@
+// Plain structs shared by every tree-attention kernel and its CPU twin: the shapes of one
+// attention layer and the step's plan as flat arrays. Nothing here knows about trees: the
+// planner in engine/ produces an AttentionPlanView, kernels only execute it ("plan, then run").
+#pragma once
+
+#include <cstdint>
+
+namespace deft::kernels {
+
+// Shapes of one attention layer.
+struct AttentionDims {
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;  // GQA: num_q_heads is a multiple of num_kv_heads
+  int32_t head_dim = 0;
+  float softmax_scale = 0.0f;  // usually 1 / sqrt(head_dim)
+
+  int32_t group_size() const { return num_q_heads / num_kv_heads; }
+};
+
+// One mask word holds the visibility of one KV token for up to 64 queries of a task.
+inline constexpr int32_t kMaskWordBits = 64;
+
+// The step's attention plan: a list of tasks, each (a run of KV tokens, a group of queries).
+//
+// Memory layouts the plan indexes into:
+//   q, out:            [num_queries][num_q_heads][head_dim]
+//   k_cache, v_cache:  [num_slots][num_kv_heads][head_dim]   (slot = page * page_tokens + offset)
+//   partial_out:       [num_entries][num_q_heads][head_dim]  (fp32)
+//   partial_lse:       [num_entries][num_q_heads]            (fp32, natural log)
+//
+// Task t reads the KV tokens at slots kv_slots[task_kv_begin[t] .. task_kv_end[t]) for the
+// queries of its entries [task_entry_begin[t], task_entry_begin[t + 1]); entry e is query row
+// entry_query[e]. Stage 1 writes one partial result (normalised O and its log-sum-exp) per
+// entry. Stage 2 merges, for each query q, the partials of entries
+// query_entries[query_entry_begin[q] .. query_entry_begin[q + 1]).
+//
+// Masks: task_mask_begin[t] == -1 means every entry of the task sees every token of its run.
+// Otherwise the task has at most kMaskWordBits entries and mask_words[task_mask_begin[t] + i]
+// is the visibility word of its i-th KV token: bit j set <=> entry task_entry_begin[t] + j sees it.
+// Every entry of a task sees at least one token of that task's run.
+struct AttentionPlanView {
+  int32_t num_queries = 0;
+  int32_t num_tasks = 0;
+  int32_t num_entries = 0;
+  int32_t num_kv_indices = 0;  // length of kv_slots
+  int32_t num_mask_words = 0;  // length of mask_words
+
+  const int32_t* kv_slots = nullptr;           // [num_kv_indices]
+  const int32_t* task_kv_begin = nullptr;      // [num_tasks]
+  const int32_t* task_kv_end = nullptr;        // [num_tasks]
+  const int32_t* task_entry_begin = nullptr;   // [num_tasks + 1]
+  const int32_t* task_mask_begin = nullptr;    // [num_tasks], -1 = no mask
+  const uint64_t* mask_words = nullptr;        // [num_mask_words]
+  const int32_t* entry_query = nullptr;        // [num_entries]
+  const int32_t* query_entry_begin = nullptr;  // [num_queries + 1]
+  const int32_t* query_entries = nullptr;      // [num_entries]
+};
+
+}  // namespace deft::kernels
