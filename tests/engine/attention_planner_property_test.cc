@@ -1,0 +1,493 @@
+// Property tests of the attention planner on seeded random trees, for every plan kind and every
+// kind of query a step can hold:
+//   decode      one new token per live leaf;
+//   extend      a run of new tokens of one node (a prefill when the tree is a bare root);
+//   token tree  a token tree of single-token nodes hung under a node (speculative verification);
+//   multi-tree  several trees, each with one of the kinds above, planned in one step.
+// Properties checked on every plan:
+//   (a) expanding the plan (each entry sees the slots its task's run and mask give it) yields,
+//       for every query row, exactly the slots of its context, each once: every visible
+//       (query, KV token) pair is covered by exactly one entry and no invisible pair by any;
+//       the rows' positions and slots are those of their tokens;
+//   (b) deft_attention_cpu on the plan equals the float64 naive attention over each row's
+//       context (relative error < 1e-5), for GQA group sizes 1, 4 and 8;
+//   (c) io.kv_tokens_read is the sum of the task runs and at least the number of tree tokens
+//       some query sees; for DeFT-Flatten with at most 64 queries per tree (and unmasked groups
+//       of at least 64) it equals that number; for the sequence baseline it is the sum of the
+//       queries' context lengths.
+// A failure prints the seed; DEFT_TEST_SEED=<seed> with --gtest_filter on the test replays it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "engine/attention_planner.h"
+#include "engine/kv_cache_manager.h"
+#include "engine/sequence_tree.h"
+#include "kernels/attention_params.h"
+#include "kernels/deft_attention_cpu.h"
+#include "tests/testing/naive_tree_attention.h"
+
+namespace deft::engine {
+namespace {
+
+using test::TestRng;
+
+#define DEFT_ASSERT_OK(expr)              \
+  do {                                    \
+    const absl::Status status_ = (expr);  \
+    ASSERT_TRUE(status_.ok()) << status_; \
+  } while (false)
+
+constexpr double kMaxRelativeError = 1e-5;
+constexpr int32_t kPageTokens = 16;
+constexpr int32_t kMaxWidth = 64;  // live leaves a random tree aims at, at most
+constexpr int32_t kMaxDepth = 12;  // node levels of a random tree, at most
+constexpr int32_t kMaxNodeTokens = 2000;
+// Tokens per tree beyond which nodes get short: keeps the whole binary well under a minute on
+// one core (the naive attention costs queries x context x heads x head_dim).
+constexpr int64_t kTreeTokenBudget = 12000;
+constexpr int32_t kMaxExtendTokens = 200;
+constexpr int32_t kMaxTokenTreeTokens = 64;
+constexpr int32_t kMaxTreesPerStep = 4;
+constexpr int32_t kHeadDim = 16;  // kernels/ tests cover 64 and 128; the planner is shape-blind
+constexpr int32_t kNumKvHeads = 2;
+constexpr int32_t kCasesPerGroupSize = 4;
+
+enum class QueryKind { kDecode, kExtend, kTokenTree, kMultiTree };
+
+std::string query_kind_name(QueryKind kind) {
+  switch (kind) {
+    case QueryKind::kDecode:
+      return "decode";
+    case QueryKind::kExtend:
+      return "extend";
+    case QueryKind::kTokenTree:
+      return "token_tree";
+    case QueryKind::kMultiTree:
+      return "multi_tree";
+  }
+  return "unknown";
+}
+
+// Pools big enough for kMaxTreesPerStep trees at their budget: every node wastes at most one
+// partial page, a node may overshoot the budget by one long node, plus extend runs and token
+// trees.
+constexpr int32_t kMaxNodesPerTree = kMaxWidth * kMaxDepth + kMaxTokenTreeTokens + 16;
+constexpr int32_t kPagesPerTree =
+    (kTreeTokenBudget + kMaxNodeTokens + kMaxExtendTokens + kMaxWidth) / kPageTokens +
+    kMaxNodesPerTree;
+constexpr int32_t kNumPages = kMaxTreesPerStep * kPagesPerTree;
+
+// One step's input: trees over one KV pool and each tree's queries.
+struct Step {
+  std::unique_ptr<KvCacheManager> kv;
+  std::vector<std::unique_ptr<SequenceTree>> trees;  // destroyed before kv (declared after)
+  std::vector<std::vector<QueryToken>> queries;      // per tree
+
+  std::vector<TreeQueries> input() const {
+    std::vector<TreeQueries> result;
+    for (size_t t = 0; t < trees.size(); ++t) result.push_back({trees[t].get(), queries[t]});
+    return result;
+  }
+  int64_t max_queries_per_tree() const {
+    size_t most = 0;
+    for (const auto& q : queries) most = std::max(most, q.size());
+    return static_cast<int64_t>(most);
+  }
+};
+
+std::vector<TokenId> random_tokens(TestRng& rng, int64_t count) {
+  std::vector<TokenId> tokens(count);
+  for (TokenId& token : tokens) token = static_cast<TokenId>(rng.uniform_int(0, 31999));
+  return tokens;
+}
+
+// The KV pool hands out pages in ascending order when fresh; scramble its free list so that a
+// tree's slots are scattered as they are after a while of serving.
+void scramble_free_pages(KvCacheManager& kv, TestRng& rng) {
+  const int32_t num_pages = kv.num_pages();
+  for (int32_t page = 0; page < num_pages; ++page) {
+    const absl::Status status = kv.reserve(~uint64_t{0} - page, 1);
+    ASSERT_TRUE(status.ok()) << status;
+  }
+  std::vector<int32_t> order(num_pages);
+  std::iota(order.begin(), order.end(), 0);
+  for (int32_t i = num_pages - 1; i > 0; --i) std::swap(order[i], order[rng.uniform_int(0, i)]);
+  for (int32_t page : order) kv.release(~uint64_t{0} - page);
+}
+
+int64_t node_tokens(TestRng& rng, const SequenceTree& tree) {
+  if (rng.bernoulli(0.04)) return 0;  // an empty node now and then (e.g. a fresh branch)
+  if (tree.total_tokens() >= kTreeTokenBudget) return rng.uniform_int(1, 8);
+  return rng.log_uniform_int(1, kMaxNodeTokens);
+}
+
+// A random tree of up to kMaxWidth leaves and kMaxDepth node levels; leaves end at different
+// depths, some nodes are empty, and now and then a subtree is pruned.
+void grow_random_tree(SequenceTree& tree, TestRng& rng) {
+  // Half the trees narrow (log-uniform width), half anywhere up to kMaxWidth.
+  const auto width = static_cast<int32_t>(rng.bernoulli(0.5) ? rng.uniform_int(1, kMaxWidth)
+                                                             : rng.log_uniform_int(1, kMaxWidth));
+  const auto depth = static_cast<int32_t>(rng.uniform_int(1, kMaxDepth));
+  DEFT_ASSERT_OK(tree.append(tree.root(), random_tokens(rng, node_tokens(rng, tree))));
+  std::vector<NodeId> frontier = {tree.root()};
+  int32_t leaves = 1;
+  for (int32_t level = 1; level < depth && !frontier.empty(); ++level) {
+    std::vector<NodeId> next;
+    for (NodeId node : frontier) {
+      if (level > 1 && rng.bernoulli(0.15)) continue;  // this branch stops here
+      // The root may fan out wide at once (few-shot: one prompt, many samples); deeper
+      // nodes branch a few ways at a time.
+      const int32_t most = std::min(level == 1 ? kMaxWidth : 4, width - leaves + 1);
+      const auto fanout = static_cast<int32_t>(rng.uniform_int(1, std::max(1, most)));
+      const absl::StatusOr<std::vector<NodeId>> children = tree.branch(node, fanout);
+      ASSERT_TRUE(children.ok()) << children.status();
+      leaves += fanout - 1;
+      for (NodeId child : *children) {
+        DEFT_ASSERT_OK(tree.append(child, random_tokens(rng, node_tokens(rng, tree))));
+        next.push_back(child);
+      }
+    }
+    frontier = std::move(next);
+  }
+  if (tree.num_live_nodes() > 2 && rng.bernoulli(0.3)) {
+    const std::vector<NodeId> nodes = tree.dfs_order();
+    DEFT_ASSERT_OK(tree.prune(nodes[rng.uniform_int(1, static_cast<int64_t>(nodes.size()) - 1)]));
+  }
+  ASSERT_TRUE(tree.check_invariants());
+}
+
+template <typename T>
+void shuffle(std::vector<T>& values, TestRng& rng) {
+  for (int64_t i = static_cast<int64_t>(values.size()) - 1; i > 0; --i) {
+    std::swap(values[i], values[rng.uniform_int(0, i)]);
+  }
+}
+
+// Adds one tree with queries of `kind` (not kMultiTree) to `step`.
+void add_tree(QueryKind kind, TestRng& rng, Step& step) {
+  const auto tree_id = static_cast<uint32_t>(step.trees.size() + 1);
+  step.trees.push_back(std::make_unique<SequenceTree>(tree_id, step.kv.get()));
+  SequenceTree& tree = *step.trees.back();
+  std::vector<QueryToken>& queries = step.queries.emplace_back();
+  const bool bare_prefill = kind == QueryKind::kExtend && rng.bernoulli(0.25);
+  if (!bare_prefill) {
+    ASSERT_NO_FATAL_FAILURE(grow_random_tree(tree, rng));
+  }
+  const std::vector<NodeId> leaves = tree.live_leaves();
+
+  switch (kind) {
+    case QueryKind::kDecode:
+      for (NodeId leaf : leaves) {
+        DEFT_ASSERT_OK(tree.append(leaf, random_tokens(rng, 1)));
+        queries.push_back({leaf, static_cast<int32_t>(tree.node(leaf).tokens.size()) - 1});
+      }
+      break;
+    case QueryKind::kExtend: {
+      const NodeId node = leaves[rng.uniform_int(0, static_cast<int64_t>(leaves.size()) - 1)];
+      const auto old_size = static_cast<int32_t>(tree.node(node).tokens.size());
+      const int64_t run = bare_prefill ? rng.log_uniform_int(1, kMaxNodeTokens / 4)
+                                       : rng.log_uniform_int(1, kMaxExtendTokens);
+      DEFT_ASSERT_OK(tree.append(node, random_tokens(rng, run)));
+      for (int32_t i = 0; i < run; ++i) queries.push_back({node, old_size + i});
+      break;
+    }
+    case QueryKind::kTokenTree: {
+      // Hung under a leaf (the usual case: the accepted path's end) or now and then under an
+      // inner node; parents are earlier tokens of the token tree or the anchor.
+      const std::vector<NodeId> nodes = tree.dfs_order();
+      const NodeId anchor =
+          rng.bernoulli(0.8) ? leaves[rng.uniform_int(0, static_cast<int64_t>(leaves.size()) - 1)]
+                             : nodes[rng.uniform_int(0, static_cast<int64_t>(nodes.size()) - 1)];
+      const int64_t count = rng.log_uniform_int(1, kMaxTokenTreeTokens);
+      std::vector<NodeId> token_nodes;
+      for (int64_t i = 0; i < count; ++i) {
+        const NodeId parent =
+            i == 0 || rng.bernoulli(0.2) ? anchor : token_nodes[rng.uniform_int(0, i - 1)];
+        const absl::StatusOr<std::vector<NodeId>> child = tree.branch(parent, 1);
+        ASSERT_TRUE(child.ok()) << child.status();
+        DEFT_ASSERT_OK(tree.append(child->front(), random_tokens(rng, 1)));
+        token_nodes.push_back(child->front());
+        queries.push_back({child->front(), 0});
+      }
+      break;
+    }
+    case QueryKind::kMultiTree:
+      FAIL() << "multi_tree is a step of several trees, not a tree";
+  }
+  // Rows need not come in depth-first order.
+  if (rng.bernoulli(0.5)) shuffle(queries, rng);
+  ASSERT_TRUE(tree.check_invariants());
+}
+
+void make_step(QueryKind kind, TestRng& rng, Step& step) {
+  step.kv = std::make_unique<KvCacheManager>(
+      KvCacheConfig{.page_tokens = kPageTokens, .num_pages = kNumPages});
+  ASSERT_NO_FATAL_FAILURE(scramble_free_pages(*step.kv, rng));
+  if (kind != QueryKind::kMultiTree) {
+    ASSERT_NO_FATAL_FAILURE(add_tree(kind, rng, step));
+    return;
+  }
+  const int64_t num_trees = rng.uniform_int(2, kMaxTreesPerStep);
+  for (int64_t t = 0; t < num_trees; ++t) {
+    const auto tree_kind = static_cast<QueryKind>(rng.uniform_int(0, 2));
+    ASSERT_NO_FATAL_FAILURE(add_tree(tree_kind, rng, step));
+  }
+}
+
+// Per query row, in plan row order: the slots of its context (every token of its node's proper
+// ancestors, and its own node's tokens up to itself).
+std::vector<std::vector<int32_t>> expected_context(const Step& step) {
+  std::vector<std::vector<int32_t>> context;
+  for (size_t t = 0; t < step.trees.size(); ++t) {
+    const SequenceTree& tree = *step.trees[t];
+    for (const QueryToken& query : step.queries[t]) {
+      std::vector<int32_t>& slots = context.emplace_back();
+      const std::vector<NodeId> path = tree.path(query.node).value();
+      for (NodeId node : path) {
+        const int64_t visible = node == query.node
+                                    ? int64_t{query.token_index} + 1
+                                    : static_cast<int64_t>(tree.node(node).tokens.size());
+        for (int64_t i = 0; i < visible; ++i) {
+          slots.push_back(step.kv->slot(tree.kv_key(node), i));
+        }
+      }
+    }
+  }
+  return context;
+}
+
+// "tree 2 node 7 token 3" for a slot, for failure messages.
+std::string describe_slot(const Step& step, int32_t slot) {
+  for (const auto& tree : step.trees) {
+    for (NodeId node : tree->dfs_order()) {
+      for (size_t i = 0; i < tree->node(node).tokens.size(); ++i) {
+        if (step.kv->slot(tree->kv_key(node), static_cast<int64_t>(i)) == slot) {
+          std::ostringstream out;
+          out << "tree " << tree->tree_id() << " node " << node << " token " << i;
+          return out.str();
+        }
+      }
+    }
+  }
+  return "a slot no live token owns";
+}
+
+// Property (a) for one row: the plan gives it exactly `expected` (sorted), each slot once.
+// Returns false (after reporting the failure) when it does not.
+bool expect_row_coverage(const Step& step, int32_t row, std::vector<int32_t> got,
+                         const std::vector<int32_t>& expected) {
+  std::sort(got.begin(), got.end());
+  if (got == expected) return true;
+  std::ostringstream what;
+  for (size_t i = 1; i < got.size(); ++i) {
+    if (got[i] == got[i - 1]) {
+      what << "slot " << got[i] << " (" << describe_slot(step, got[i]) << ") covered twice; ";
+      break;
+    }
+  }
+  std::vector<int32_t> missing, extra;
+  std::set_difference(expected.begin(), expected.end(), got.begin(), got.end(),
+                      std::back_inserter(missing));
+  std::set_difference(got.begin(), got.end(), expected.begin(), expected.end(),
+                      std::back_inserter(extra));
+  if (!missing.empty()) {
+    what << missing.size() << " visible slots missing, e.g. " << missing.front() << " ("
+         << describe_slot(step, missing.front()) << "); ";
+  }
+  if (!extra.empty()) {
+    what << extra.size() << " invisible slots covered, e.g. " << extra.front() << " ("
+         << describe_slot(step, extra.front()) << "); ";
+  }
+  ADD_FAILURE() << "row " << row << ": " << what.str() << "plan gives " << got.size()
+                << " slots, context has " << expected.size();
+  return false;
+}
+
+struct PlannerCase {
+  PlannerOptions options;
+  int32_t group_size = 1;
+};
+
+// Checks properties (a), (b), (c) of `plan` for `step`.
+void check_plan(const Step& step, const PlannerOptions& options, const AttentionPlan& plan,
+                int32_t group_size, TestRng& rng, std::vector<float>& k_cache,
+                std::vector<float>& v_cache) {
+  const kernels::AttentionPlanView view = plan.view();
+  std::vector<std::vector<int32_t>> context = expected_context(step);
+  const auto num_queries = static_cast<int32_t>(context.size());
+  ASSERT_EQ(plan.num_queries, num_queries);
+  ASSERT_EQ(static_cast<int32_t>(plan.query_position.size()), num_queries);
+  ASSERT_EQ(static_cast<int32_t>(plan.query_slot.size()), num_queries);
+
+  // (a) Coverage, and each row's own position and slot.
+  std::vector<std::vector<int32_t>> covered = test::plan_visible_slots(view);
+  int32_t row = 0;
+  for (size_t t = 0; t < step.trees.size(); ++t) {
+    const SequenceTree& tree = *step.trees[t];
+    for (const QueryToken& query : step.queries[t]) {
+      EXPECT_EQ(plan.query_position[row], tree.depth(query.node, query.token_index))
+          << "row " << row;
+      EXPECT_EQ(plan.query_slot[row], step.kv->slot(tree.kv_key(query.node), query.token_index))
+          << "row " << row;
+      ++row;
+    }
+  }
+  int64_t context_tokens = 0;
+  int32_t failing_rows = 0;
+  for (row = 0; row < num_queries; ++row) {
+    std::sort(context[row].begin(), context[row].end());
+    context_tokens += static_cast<int64_t>(context[row].size());
+    if (failing_rows < 5) {  // a few rows say enough
+      failing_rows += !expect_row_coverage(step, row, std::move(covered[row]), context[row]);
+    }
+  }
+  // Every entry sees at least one token of its task (the kernels rely on it).
+  for (int32_t task = 0; task < view.num_tasks; ++task) {
+    if (view.task_mask_begin[task] == -1) continue;
+    uint64_t any = 0;
+    for (int32_t i = 0; i < view.task_kv_end[task] - view.task_kv_begin[task]; ++i) {
+      any |= view.mask_words[view.task_mask_begin[task] + i];
+    }
+    const int32_t entries = view.task_entry_begin[task + 1] - view.task_entry_begin[task];
+    ASSERT_LE(entries, kernels::kMaskWordBits) << "task " << task;
+    const uint64_t all = entries == 64 ? ~uint64_t{0} : (uint64_t{1} << entries) - 1;
+    ASSERT_EQ(any & all, all) << "task " << task << " has an entry that sees no token";
+  }
+  if (::testing::Test::HasFailure()) return;  // (b) and (c) mean little on a wrong cover
+
+  // (c) IO accounting.
+  int64_t runs = 0;
+  for (int32_t task = 0; task < view.num_tasks; ++task) {
+    runs += view.task_kv_end[task] - view.task_kv_begin[task];
+  }
+  EXPECT_EQ(plan.io.kv_tokens_read, runs);
+  EXPECT_EQ(plan.io.tasks, view.num_tasks);
+  EXPECT_EQ(plan.io.query_chunk_pairs, view.num_entries);
+  EXPECT_EQ(plan.io.mask_words, view.num_mask_words);
+  std::unordered_set<int32_t> seen_by_some;
+  for (const std::vector<int32_t>& slots : context) seen_by_some.insert(slots.begin(), slots.end());
+  const auto distinct_visible = static_cast<int64_t>(seen_by_some.size());
+  EXPECT_GE(plan.io.kv_tokens_read, distinct_visible);
+  if (options.kind == PlanKind::kDeftFlatten && step.max_queries_per_tree() <= 64 &&
+      options.max_unmasked_queries >= 64) {
+    EXPECT_EQ(plan.io.kv_tokens_read, distinct_visible)
+        << "DeFT-Flatten must read each visible tree token once";
+  }
+  if (options.kind == PlanKind::kSequence) {
+    EXPECT_EQ(plan.io.kv_tokens_read, context_tokens);
+  }
+
+  // (b) Attention through the plan equals the naive attention over each row's context.
+  kernels::AttentionDims dims;
+  dims.num_kv_heads = kNumKvHeads;
+  dims.num_q_heads = kNumKvHeads * group_size;
+  dims.head_dim = kHeadDim;
+  dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  const size_t slot_floats = static_cast<size_t>(kNumKvHeads) * kHeadDim;
+  // Unowned slots hold NaN: a plan reading one would poison its row.
+  std::fill(k_cache.begin(), k_cache.end(), NAN);
+  std::fill(v_cache.begin(), v_cache.end(), NAN);
+  for (int32_t slot : seen_by_some) {
+    rng.fill(std::span(k_cache).subspan(slot * slot_floats, slot_floats));
+    rng.fill(std::span(v_cache).subspan(slot * slot_floats, slot_floats));
+  }
+  std::vector<float> q(static_cast<size_t>(num_queries) * dims.num_q_heads * kHeadDim);
+  rng.fill(q);
+  std::vector<float> out(q.size(), NAN);
+  kernels::deft_attention_cpu(view, dims, q.data(), k_cache.data(), v_cache.data(), out.data());
+  const std::vector<double> ref =
+      test::naive_tree_attention(dims, q.data(), k_cache.data(), v_cache.data(), context);
+  EXPECT_LT(test::relative_error<float>(out, ref), kMaxRelativeError);
+}
+
+// Planner options the random cases draw from: the paper's default, small chunks, chunks that
+// are not a multiple of the page and tiny unmasked groups, and one query per unmasked task.
+const PlannerOptions kOptionSets[] = {
+    {.chunk_tokens = 128, .max_unmasked_queries = 256},
+    {.chunk_tokens = 16, .max_unmasked_queries = 64},
+    {.chunk_tokens = 7, .max_unmasked_queries = 5},
+    {.chunk_tokens = 300, .max_unmasked_queries = 1},
+};
+
+class AttentionPlannerPropertyTest
+    : public ::testing::TestWithParam<std::tuple<PlanKind, QueryKind>> {};
+
+TEST_P(AttentionPlannerPropertyTest, PlanCoversContextsAndMatchesNaiveAttention) {
+  const auto [kind, query_kind] = GetParam();
+  const uint64_t seed = test::test_seed(0xdef7'0000 + 16 * static_cast<uint64_t>(kind) +
+                                        static_cast<uint64_t>(query_kind));
+  SCOPED_TRACE(test::seed_message(seed));
+  TestRng rng(seed);
+
+  // One planner per option set, reused across cases (its scratch must not leak between steps),
+  // and one plan object reused too (clear() must reset it).
+  std::vector<AttentionPlanner> planners;
+  for (PlannerOptions options : kOptionSets) {
+    options.kind = kind;
+    planners.emplace_back(options);
+  }
+  AttentionPlan plan;
+  std::vector<float> k_cache(static_cast<size_t>(kNumPages) * kPageTokens * kNumKvHeads * kHeadDim);
+  std::vector<float> v_cache(k_cache.size());
+
+  int32_t case_index = 0;
+  for (int32_t group_size : {1, 4, 8}) {
+    for (int32_t i = 0; i < kCasesPerGroupSize; ++i, ++case_index) {
+      AttentionPlanner& planner =
+          planners[rng.uniform_int(0, static_cast<int64_t>(planners.size()) - 1)];
+      SCOPED_TRACE(::testing::Message()
+                   << "case " << case_index << ": group_size " << group_size << ", chunk_tokens "
+                   << planner.options().chunk_tokens << ", max_unmasked_queries "
+                   << planner.options().max_unmasked_queries);
+      Step step;
+      ASSERT_NO_FATAL_FAILURE(make_step(query_kind, rng, step));
+      const std::vector<TreeQueries> input = step.input();
+      DEFT_ASSERT_OK(planner.plan(input, plan));
+      ASSERT_EQ(plan.kind, kind);
+      ASSERT_NO_FATAL_FAILURE(
+          check_plan(step, planner.options(), plan, group_size, rng, k_cache, v_cache));
+      if (HasFailure()) return;  // one failing case is enough to read
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllPlanKindsAndQueryKinds, AttentionPlannerPropertyTest,
+    ::testing::Combine(::testing::Values(PlanKind::kDeftFlatten, PlanKind::kDeftNode,
+                                         PlanKind::kDeftNodeChunk, PlanKind::kSequence,
+                                         PlanKind::kDenseMask),
+                       ::testing::Values(QueryKind::kDecode, QueryKind::kExtend,
+                                         QueryKind::kTokenTree, QueryKind::kMultiTree)),
+    [](const ::testing::TestParamInfo<std::tuple<PlanKind, QueryKind>>& info) {
+      return std::string(plan_kind_name(std::get<0>(info.param))) + "_" +
+             query_kind_name(std::get<1>(info.param));
+    });
+
+TEST(AttentionPlannerKindNames, RoundTrip) {
+  for (PlanKind kind : {PlanKind::kDeftFlatten, PlanKind::kDeftNode, PlanKind::kDeftNodeChunk,
+                        PlanKind::kSequence, PlanKind::kDenseMask}) {
+    PlanKind parsed = PlanKind::kDeftFlatten;
+    DEFT_ASSERT_OK(parse_plan_kind(plan_kind_name(kind), &parsed));
+    EXPECT_EQ(parsed, kind);
+  }
+  PlanKind unchanged = PlanKind::kSequence;
+  const absl::Status status = parse_plan_kind("deft-flatten", &unchanged);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("deft-flatten"), std::string::npos) << status;
+  EXPECT_EQ(unchanged, PlanKind::kSequence);
+}
+
+}  // namespace
+}  // namespace deft::engine
