@@ -27,8 +27,6 @@
 #include <sstream>
 #include <string>
 #include <tuple>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "engine/attention_planner.h"
@@ -376,8 +374,13 @@ void check_plan(const Step& step, const PlannerOptions& options, const Attention
   EXPECT_EQ(plan.io.tasks, view.num_tasks);
   EXPECT_EQ(plan.io.query_chunk_pairs, view.num_entries);
   EXPECT_EQ(plan.io.mask_words, view.num_mask_words);
-  std::unordered_set<int32_t> seen_by_some;
-  for (const std::vector<int32_t>& slots : context) seen_by_some.insert(slots.begin(), slots.end());
+  // Sorted, so that the random K/V below do not depend on a hash order.
+  std::vector<int32_t> seen_by_some;
+  for (const std::vector<int32_t>& slots : context) {
+    seen_by_some.insert(seen_by_some.end(), slots.begin(), slots.end());
+  }
+  std::sort(seen_by_some.begin(), seen_by_some.end());
+  seen_by_some.erase(std::unique(seen_by_some.begin(), seen_by_some.end()), seen_by_some.end());
   const auto distinct_visible = static_cast<int64_t>(seen_by_some.size());
   EXPECT_GE(plan.io.kv_tokens_read, distinct_visible);
   if (options.kind == PlanKind::kDeftFlatten && step.max_queries_per_tree() <= 64 &&
@@ -396,9 +399,8 @@ void check_plan(const Step& step, const PlannerOptions& options, const Attention
   dims.head_dim = kHeadDim;
   dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
   const size_t slot_floats = static_cast<size_t>(kNumKvHeads) * kHeadDim;
-  // Unowned slots hold NaN: a plan reading one would poison its row.
-  std::fill(k_cache.begin(), k_cache.end(), NAN);
-  std::fill(v_cache.begin(), v_cache.end(), NAN);
+  // The caches hold NaN outside the slots some query sees (a plan reading one would poison its
+  // row), and are put back that way afterwards.
   for (int32_t slot : seen_by_some) {
     rng.fill(std::span(k_cache).subspan(slot * slot_floats, slot_floats));
     rng.fill(std::span(v_cache).subspan(slot * slot_floats, slot_floats));
@@ -410,6 +412,10 @@ void check_plan(const Step& step, const PlannerOptions& options, const Attention
   const std::vector<double> ref =
       test::naive_tree_attention(dims, q.data(), k_cache.data(), v_cache.data(), context);
   EXPECT_LT(test::relative_error<float>(out, ref), kMaxRelativeError);
+  for (int32_t slot : seen_by_some) {
+    std::fill_n(k_cache.begin() + slot * slot_floats, slot_floats, NAN);
+    std::fill_n(v_cache.begin() + slot * slot_floats, slot_floats, NAN);
+  }
 }
 
 // Planner options the random cases draw from: the paper's default, small chunks, chunks that
@@ -439,8 +445,9 @@ TEST_P(AttentionPlannerPropertyTest, PlanCoversContextsAndMatchesNaiveAttention)
     planners.emplace_back(options);
   }
   AttentionPlan plan;
-  std::vector<float> k_cache(static_cast<size_t>(kNumPages) * kPageTokens * kNumKvHeads * kHeadDim);
-  std::vector<float> v_cache(k_cache.size());
+  std::vector<float> k_cache(static_cast<size_t>(kNumPages) * kPageTokens * kNumKvHeads * kHeadDim,
+                             NAN);
+  std::vector<float> v_cache(k_cache.size(), NAN);
 
   int32_t case_index = 0;
   for (int32_t group_size : {1, 4, 8}) {
