@@ -78,13 +78,14 @@ std::string query_kind_name(QueryKind kind) {
   return "unknown";
 }
 
-// Pools big enough for kMaxTreesPerStep trees at their budget: every node wastes at most one
-// partial page, a node may overshoot the budget by one long node, plus extend runs and token
-// trees.
-constexpr int32_t kMaxNodesPerTree = kMaxWidth * kMaxDepth + kMaxTokenTreeTokens + 16;
-constexpr int32_t kPagesPerTree =
-    (kTreeTokenBudget + kMaxNodeTokens + kMaxExtendTokens + kMaxWidth) / kPageTokens +
-    kMaxNodesPerTree;
+// Pools big enough for kMaxTreesPerStep trees: a tree's nodes before the budget runs out hold
+// at most kTreeTokenBudget + kMaxNodeTokens tokens, and every node (at most kMaxWidth per level,
+// plus a token tree's) holds at most one partial page; decoding may open a page per leaf and an
+// extend run needs a few more.
+constexpr int32_t kMaxNodesPerTree = kMaxWidth * kMaxDepth + kMaxTokenTreeTokens;
+constexpr int32_t kPagesPerTree = (kTreeTokenBudget + kMaxNodeTokens) / kPageTokens +
+                                  kMaxNodesPerTree + kMaxWidth + kMaxNodeTokens / 4 / kPageTokens +
+                                  1;
 constexpr int32_t kNumPages = kMaxTreesPerStep * kPagesPerTree;
 
 // One step's input: trees over one KV pool and each tree's queries.
