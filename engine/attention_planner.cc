@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -21,16 +22,22 @@ uint64_t bit_range(int32_t lo, int32_t hi) {
   return upper & ~lower;
 }
 
-// One tree's visible KV, flattened depth-first: per token its slot and the interval
-// [query_begin, query_end) of the queries (numbered in depth-first order) that see it. Depth-first
-// numbering makes every token's viewers one interval: the queries of its own node at or after it,
-// then every query below its node.
+// One tree's visible KV, flattened depth-first, as runs of consecutive tokens that the same
+// queries see. Queries are numbered in depth-first order, which makes every token's viewers one
+// interval [query_begin, query_end): the queries of its own node at or after it, then every
+// query below its node. A node without queries of its own is one run; a node with queries is
+// cut after each of them (prefill, extend, token trees).
+struct ViewRun {
+  int32_t flat_begin;
+  int32_t flat_end;
+  int32_t query_begin;
+  int32_t query_end;
+};
+
 struct FlatTree {
-  std::vector<int32_t> slot;
-  std::vector<int32_t> query_begin;
-  std::vector<int32_t> query_end;
+  int32_t num_tokens = 0;
+  std::vector<ViewRun> runs;
   std::vector<int32_t> node_token_begin;  // per flattened node: first flat token; plus the end
-  std::vector<NodeId> node_of_run;        // per flattened node: its id
 };
 
 // The step's queries of one tree in depth-first order.
@@ -209,12 +216,12 @@ class PlanBuilder {
     return absl::OkStatus();
   }
 
-  // Depth-first flattening of the KV that at least one query sees, with each token's viewers.
+  // Depth-first flattening of the KV that at least one query sees: slots go straight into the
+  // plan, viewers into runs.
   void flatten(const SequenceTree& tree) {
     const int32_t num_nodes = static_cast<int32_t>(dfs_nodes_.size());
     const int32_t num_queries = static_cast<int32_t>(queries_.row.size());
-    // own_begin[r]: first depth-first query at or after node rank r; subtree_end[r]: one past
-    // the last query in the subtree of the node of rank r.
+    // own_begin_[r]: first depth-first query at or after node rank r.
     own_begin_.assign(num_nodes + 1, num_queries);
     for (int32_t q = num_queries - 1; q >= 0; --q) own_begin_[rank_[queries_.node[q]]] = q;
     for (int32_t r = num_nodes - 1; r >= 0; --r) {
@@ -225,12 +232,10 @@ class PlanBuilder {
       subtree_size_[rank_[tree.node(dfs_nodes_[r]).parent]] += subtree_size_[r];
     }
     const KvCacheManager& kv = *tree.kv();
-    const int32_t page_tokens = kv.page_tokens();
-    flat_.slot.clear();
-    flat_.query_begin.clear();
-    flat_.query_end.clear();
+    flat_base_ = static_cast<int32_t>(plan_->kv_slots.size());
+    flat_.runs.clear();
     flat_.node_token_begin.clear();
-    flat_.node_of_run.clear();
+    int32_t flat = 0;
     for (int32_t r = 0; r < num_nodes; ++r) {
       const int32_t subtree_end = own_begin_[r + subtree_size_[r]];
       const int32_t own_begin = own_begin_[r];
@@ -243,30 +248,48 @@ class PlanBuilder {
       const int32_t visible = own_end < subtree_end
                                   ? static_cast<int32_t>(node.tokens.size())
                                   : queries_.token_index[own_end - 1] + 1;
-      flat_.node_token_begin.push_back(static_cast<int32_t>(flat_.slot.size()));
-      flat_.node_of_run.push_back(id);
-      std::span<const int32_t> pages = kv.pages(tree.kv_key(id));
-      int32_t viewer = own_begin;
-      for (int32_t j = 0; j < visible; ++j) {
-        while (viewer < own_end && queries_.token_index[viewer] < j) ++viewer;
-        flat_.slot.push_back(pages[j / page_tokens] * page_tokens + j % page_tokens);
-        flat_.query_begin.push_back(viewer);
-        flat_.query_end.push_back(subtree_end);
+      flat_.node_token_begin.push_back(flat);
+      append_slots(kv, tree.kv_key(id), visible);
+      // Tokens up to and including own query k are seen by own queries k.. and the subtree.
+      int32_t token = 0;
+      for (int32_t q = own_begin; q < own_end && token < visible; ++q) {
+        const int32_t last = queries_.token_index[q] + 1;
+        if (last > token) {
+          flat_.runs.push_back({flat + token, flat + last, q, subtree_end});
+          token = last;
+        }
       }
+      if (token < visible) flat_.runs.push_back({flat + token, flat + visible, own_end, subtree_end});
+      flat += visible;
     }
-    flat_.node_token_begin.push_back(static_cast<int32_t>(flat_.slot.size()));
+    flat_.node_token_begin.push_back(flat);
+    flat_.num_tokens = flat;
+  }
+
+  // Appends the slots of tokens [0, count) of an owner, a page at a time.
+  void append_slots(const KvCacheManager& kv, KvCacheManager::OwnerKey owner, int32_t count) {
+    std::span<const int32_t> pages = kv.pages(owner);
+    const int32_t page_tokens = kv.page_tokens();
+    std::vector<int32_t>& slots = plan_->kv_slots;
+    const size_t base = slots.size();
+    slots.resize(base + count);
+    int32_t* out = slots.data() + base;
+    for (int32_t j = 0; j < count; j += page_tokens) {
+      const int32_t first = pages[j / page_tokens] * page_tokens;
+      const int32_t n = std::min(page_tokens, count - j);
+      for (int32_t i = 0; i < n; ++i) out[j + i] = first + i;
+    }
   }
 
   // Cuts the flattened tree into pieces by plan kind and turns each piece into tasks.
   void add_piece_tasks() {
-    const int32_t flat_base = static_cast<int32_t>(plan_->kv_slots.size());
-    plan_->kv_slots.insert(plan_->kv_slots.end(), flat_.slot.begin(), flat_.slot.end());
     const int32_t chunk = options_.chunk_tokens;
-    const int32_t total = static_cast<int32_t>(flat_.slot.size());
+    const int32_t total = flat_.num_tokens;
+    run_cursor_ = 0;
     switch (options_.kind) {
       case PlanKind::kDeftFlatten:
       case PlanKind::kDenseMask:
-        for (int32_t a = 0; a < total; a += chunk) add_piece(flat_base, a, std::min(total, a + chunk));
+        for (int32_t a = 0; a < total; a += chunk) add_piece(a, std::min(total, a + chunk));
         break;
       case PlanKind::kDeftNode:
       case PlanKind::kDeftNodeChunk: {
@@ -275,7 +298,7 @@ class PlanBuilder {
           const int32_t begin = flat_.node_token_begin[n];
           const int32_t end = flat_.node_token_begin[n + 1];
           const int32_t step = cut ? chunk : end - begin;
-          for (int32_t a = begin; a < end; a += step) add_piece(flat_base, a, std::min(end, a + step));
+          for (int32_t a = begin; a < end; a += step) add_piece(a, std::min(end, a + step));
         }
         break;
       }
@@ -284,87 +307,101 @@ class PlanBuilder {
     }
   }
 
-  // Flat tokens [a, b) of the current tree become one or more tasks.
-  void add_piece(int32_t flat_base, int32_t a, int32_t b) {
-    const bool dense = options_.kind == PlanKind::kDenseMask;
-    if (dense) {
+  // Flat tokens [a, b) of the current tree become one or more tasks. Pieces come in increasing
+  // order, so the runs they overlap are found by a forward-moving cursor.
+  void add_piece(int32_t a, int32_t b) {
+    while (flat_.runs[run_cursor_].flat_end <= a) ++run_cursor_;
+    int32_t run_end = run_cursor_;
+    while (run_end < static_cast<int32_t>(flat_.runs.size()) && flat_.runs[run_end].flat_begin < b) {
+      ++run_end;
+    }
+    const std::span<const ViewRun> runs(flat_.runs.data() + run_cursor_, run_end - run_cursor_);
+    if (options_.kind == PlanKind::kDenseMask) {
       // Medusa-style: groups of queries in fixed order read the whole piece under a dense mask.
       const int32_t num_queries = static_cast<int32_t>(queries_.row.size());
       for (int32_t g = 0; g < num_queries; g += kMaskWordBits) {
-        add_masked_group(flat_base, a, b, g, std::min(num_queries, g + kMaskWordBits),
-                         /*trim=*/false);
+        add_masked_group(runs, a, b, g, std::min(num_queries, g + kMaskWordBits), /*trim=*/false);
       }
       return;
     }
-    const int32_t query_lo = flat_.query_begin[a];  // non-decreasing along the flattening
+    const int32_t query_lo = runs.front().query_begin;  // non-decreasing along the flattening
     int32_t query_hi = 0;
     bool uniform = true;
-    for (int32_t i = a; i < b; ++i) {
-      query_hi = std::max(query_hi, flat_.query_end[i]);
-      uniform = uniform && flat_.query_begin[i] == query_lo && flat_.query_end[i] == flat_.query_end[a];
+    for (const ViewRun& run : runs) {
+      query_hi = std::max(query_hi, run.query_end);
+      uniform = uniform && run.query_begin == query_lo && run.query_end == runs.front().query_end;
     }
     if (uniform) {
       for (int32_t g = query_lo; g < query_hi; g += options_.max_unmasked_queries) {
-        add_task(flat_base + a, flat_base + b, g, std::min(query_hi, g + options_.max_unmasked_queries),
-                 /*mask_begin=*/-1);
+        add_task(flat_base_ + a, flat_base_ + b, g,
+                 std::min(query_hi, g + options_.max_unmasked_queries), /*mask_begin=*/-1);
       }
       return;
     }
     for (int32_t g = query_lo; g < query_hi; g += kMaskWordBits) {
-      add_masked_group(flat_base, a, b, g, std::min(query_hi, g + kMaskWordBits), /*trim=*/true);
+      add_masked_group(runs, a, b, g, std::min(query_hi, g + kMaskWordBits), /*trim=*/true);
     }
   }
 
-  // Queries [g0, g1) (depth-first numbers, at most 64) against flat tokens [a, b). With `trim`,
-  // the run shrinks to the tokens the group sees and a fully visible run drops its mask.
-  void add_masked_group(int32_t flat_base, int32_t a, int32_t b, int32_t g0, int32_t g1, bool trim) {
-    auto sees = [&](int32_t i) { return flat_.query_begin[i] < g1 && flat_.query_end[i] > g0; };
+  // Queries [g0, g1) (depth-first numbers, at most 64) against flat tokens [a, b) covered by
+  // `runs`. With `trim`, the range shrinks to the tokens the group sees and a fully visible
+  // range drops its mask. Queries that see nothing of the range get no entry.
+  void add_masked_group(std::span<const ViewRun> runs, int32_t a, int32_t b, int32_t g0,
+                        int32_t g1, bool trim) {
+    auto word_of = [&](const ViewRun& run) {
+      return bit_range(std::max(run.query_begin, g0) - g0, std::min(run.query_end, g1) - g0);
+    };
+    size_t first = 0, last = runs.size();
     if (trim) {
-      while (a < b && !sees(a)) ++a;
-      while (b > a && !sees(b - 1)) --b;
+      while (first < last && word_of(runs[first]) == 0) ++first;
+      while (last > first && word_of(runs[last - 1]) == 0) --last;
+      if (first == last) return;
+      a = std::max(a, runs[first].flat_begin);
+      b = std::min(b, runs[last - 1].flat_end);
     }
-    if (a == b) return;
-    // Entries: the group's queries that see at least one token of the run.
     const uint64_t group_bits = bit_range(0, g1 - g0);
     uint64_t any = 0;
     bool full = true;
-    words_.clear();
-    for (int32_t i = a; i < b; ++i) {
-      const uint64_t word = bit_range(std::max(flat_.query_begin[i], g0) - g0,
-                                      std::min(flat_.query_end[i], g1) - g0);
-      words_.push_back(word);
+    for (size_t r = first; r < last; ++r) {
+      const uint64_t word = word_of(runs[r]);
       any |= word;
       full = full && word == group_bits;
     }
     if (any == 0) return;
     if (trim && full) {
-      add_task(flat_base + a, flat_base + b, g0, g1, /*mask_begin=*/-1);
+      add_task(flat_base_ + a, flat_base_ + b, g0, g1, /*mask_begin=*/-1);
       return;
     }
-    // Compact the words onto the entries that exist (queries seeing nothing are dropped).
-    int32_t mask_begin = static_cast<int32_t>(plan_->mask_words.size());
-    if (any == group_bits) {
-      plan_->mask_words.insert(plan_->mask_words.end(), words_.begin(), words_.end());
-      add_task(flat_base + a, flat_base + b, g0, g1, mask_begin);
-      return;
+    // One word per token, the same for every token of a run; bits compacted onto the queries
+    // that get an entry.
+    const int32_t mask_begin = static_cast<int32_t>(plan_->mask_words.size());
+    for (size_t r = first; r < last; ++r) {
+      const uint64_t word = compact_bits(word_of(runs[r]), any);
+      const int32_t count = std::min(b, runs[r].flat_end) - std::max(a, runs[r].flat_begin);
+      plan_->mask_words.insert(plan_->mask_words.end(), count, word);
     }
-    for (uint64_t word : words_) {
-      uint64_t packed = 0;
-      int32_t out_bit = 0;
-      for (int32_t j = 0; j < g1 - g0; ++j) {
-        if (!((any >> j) & 1)) continue;
-        packed |= ((word >> j) & 1) << out_bit;
-        ++out_bit;
-      }
-      plan_->mask_words.push_back(packed);
-    }
-    plan_->task_kv_begin.push_back(flat_base + a);
-    plan_->task_kv_end.push_back(flat_base + b);
+    plan_->task_kv_begin.push_back(flat_base_ + a);
+    plan_->task_kv_end.push_back(flat_base_ + b);
     plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
     plan_->task_mask_begin.push_back(mask_begin);
     for (int32_t j = 0; j < g1 - g0; ++j) {
       if ((any >> j) & 1) plan_->entry_query.push_back(queries_.row[g0 + j]);
     }
+  }
+
+  // Keeps the bits of `word` at the positions set in `keep`, packed to the low end.
+  static uint64_t compact_bits(uint64_t word, uint64_t keep) {
+    if (keep == ~uint64_t{0} || keep == bit_range(0, 64 - std::countl_zero(keep))) {
+      return word;  // `keep` is a low-end block: nothing to move
+    }
+    uint64_t packed = 0;
+    int32_t out_bit = 0;
+    for (int32_t j = 0; j < kMaskWordBits; ++j) {
+      if (!((keep >> j) & 1)) continue;
+      packed |= ((word >> j) & 1) << out_bit;
+      ++out_bit;
+    }
+    return packed;
   }
 
   void add_task(int32_t kv_begin, int32_t kv_end, int32_t g0, int32_t g1, int32_t mask_begin) {
@@ -378,7 +415,6 @@ class PlanBuilder {
   // Baseline: every query reads its own root-to-token path in split-KV chunks, no sharing.
   void add_sequence_tasks(const SequenceTree& tree) {
     const KvCacheManager& kv = *tree.kv();
-    const int32_t page_tokens = kv.page_tokens();
     for (size_t q = 0; q < queries_.row.size(); ++q) {
       const int32_t path_begin = static_cast<int32_t>(plan_->kv_slots.size());
       path_.clear();
@@ -388,10 +424,7 @@ class PlanBuilder {
         const int32_t visible = id == queries_.node[q]
                                     ? queries_.token_index[q] + 1
                                     : static_cast<int32_t>(tree.node(id).tokens.size());
-        std::span<const int32_t> pages = kv.pages(tree.kv_key(id));
-        for (int32_t j = 0; j < visible; ++j) {
-          plan_->kv_slots.push_back(pages[j / page_tokens] * page_tokens + j % page_tokens);
-        }
+        append_slots(kv, tree.kv_key(id), visible);
       }
       const int32_t path_end = static_cast<int32_t>(plan_->kv_slots.size());
       for (int32_t a = path_begin; a < path_end; a += options_.chunk_tokens) {
@@ -416,7 +449,8 @@ class PlanBuilder {
   std::vector<int32_t> own_begin_;
   std::vector<int32_t> subtree_size_;
   std::vector<int32_t> fill_cursor_;
-  std::vector<uint64_t> words_;
+  int32_t flat_base_ = 0;   // index in plan.kv_slots of the current tree's first flat token
+  int32_t run_cursor_ = 0;  // first run that the next piece can overlap
 };
 
 AttentionPlanner::AttentionPlanner(PlannerOptions options)
