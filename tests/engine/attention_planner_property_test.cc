@@ -1,5 +1,5 @@
-// Property tests of the attention planner on seeded random trees, for every plan kind and every
-// kind of query a step can hold:
+// Property tests of the attention planner on seeded random trees (tests/testing/random_tree.h),
+// for every plan kind and every kind of query a step can hold:
 //   decode      one new token per live leaf;
 //   extend      a run of new tokens of one node (a prefill when the tree is a bare root);
 //   token tree  a token tree of single-token nodes hung under a node (speculative verification);
@@ -21,8 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <numeric>
 #include <span>
 #include <sstream>
 #include <string>
@@ -35,264 +33,36 @@
 #include "kernels/attention_params.h"
 #include "kernels/deft_attention_cpu.h"
 #include "tests/testing/naive_tree_attention.h"
+#include "tests/testing/random_tree.h"
 
 namespace deft::engine {
 namespace {
 
 using test::TestRng;
 
-#define DEFT_ASSERT_OK(expr)              \
-  do {                                    \
-    const absl::Status status_ = (expr);  \
-    ASSERT_TRUE(status_.ok()) << status_; \
-  } while (false)
-
 constexpr double kMaxRelativeError = 1e-5;
-constexpr int32_t kPageTokens = 16;
-constexpr int32_t kMaxWidth = 64;  // live leaves a random tree aims at, at most
-constexpr int32_t kMaxDepth = 12;  // node levels of a random tree, at most
-constexpr int32_t kMaxNodeTokens = 2000;
-// Tokens per tree beyond which nodes get short: keeps the whole binary well under a minute on
-// one core (the naive attention costs queries x context x heads x head_dim).
-constexpr int64_t kTreeTokenBudget = 12000;
-constexpr int32_t kMaxExtendTokens = 200;
-constexpr int32_t kMaxTokenTreeTokens = 64;
-constexpr int32_t kMaxTreesPerStep = 4;
 constexpr int32_t kHeadDim = 16;  // kernels/ tests cover 64 and 128; the planner is shape-blind
 constexpr int32_t kNumKvHeads = 2;
 constexpr int32_t kCasesPerGroupSize = 4;
 
-enum class QueryKind { kDecode, kExtend, kTokenTree, kMultiTree };
+using test::QueryKind;
+using test::RandomStep;
 
-std::string query_kind_name(QueryKind kind) {
-  switch (kind) {
-    case QueryKind::kDecode:
-      return "decode";
-    case QueryKind::kExtend:
-      return "extend";
-    case QueryKind::kTokenTree:
-      return "token_tree";
-    case QueryKind::kMultiTree:
-      return "multi_tree";
-  }
-  return "unknown";
-}
-
-// Pools big enough for kMaxTreesPerStep trees: a tree's nodes before the budget runs out hold
-// at most kTreeTokenBudget + kMaxNodeTokens tokens, and every node (at most kMaxWidth per level,
-// plus a token tree's) holds at most one partial page; decoding may open a page per leaf and an
-// extend run needs a few more.
-constexpr int32_t kMaxNodesPerTree = kMaxWidth * kMaxDepth + kMaxTokenTreeTokens;
-constexpr int32_t kPagesPerTree = (kTreeTokenBudget + kMaxNodeTokens) / kPageTokens +
-                                  kMaxNodesPerTree + kMaxWidth + kMaxNodeTokens / 4 / kPageTokens +
-                                  1;
-constexpr int32_t kNumPages = kMaxTreesPerStep * kPagesPerTree;
-
-// One step's input: trees over one KV pool and each tree's queries.
-struct Step {
-  std::unique_ptr<KvCacheManager> kv;
-  std::vector<std::unique_ptr<SequenceTree>> trees;  // destroyed before kv (declared after)
-  std::vector<std::vector<QueryToken>> queries;      // per tree
-
-  std::vector<TreeQueries> input() const {
-    std::vector<TreeQueries> result;
-    for (size_t t = 0; t < trees.size(); ++t) result.push_back({trees[t].get(), queries[t]});
-    return result;
-  }
-  int64_t max_queries_per_tree() const {
-    size_t most = 0;
-    for (const auto& q : queries) most = std::max(most, q.size());
-    return static_cast<int64_t>(most);
-  }
-};
-
-std::vector<TokenId> random_tokens(TestRng& rng, int64_t count) {
-  std::vector<TokenId> tokens(count);
-  for (TokenId& token : tokens) token = static_cast<TokenId>(rng.uniform_int(0, 31999));
-  return tokens;
-}
-
-// The KV pool hands out pages in ascending order when fresh; scramble its free list so that a
-// tree's slots are scattered as they are after a while of serving.
-void scramble_free_pages(KvCacheManager& kv, TestRng& rng) {
-  const int32_t num_pages = kv.num_pages();
-  for (int32_t page = 0; page < num_pages; ++page) {
-    const absl::Status status = kv.reserve(~uint64_t{0} - page, 1);
-    ASSERT_TRUE(status.ok()) << status;
-  }
-  std::vector<int32_t> order(num_pages);
-  std::iota(order.begin(), order.end(), 0);
-  for (int32_t i = num_pages - 1; i > 0; --i) std::swap(order[i], order[rng.uniform_int(0, i)]);
-  for (int32_t page : order) kv.release(~uint64_t{0} - page);
-}
-
-int64_t node_tokens(TestRng& rng, const SequenceTree& tree) {
-  if (rng.bernoulli(0.04)) return 0;  // an empty node now and then (e.g. a fresh branch)
-  if (tree.total_tokens() >= kTreeTokenBudget) return rng.uniform_int(1, 8);
-  return rng.log_uniform_int(1, kMaxNodeTokens);
-}
-
-// A random tree of up to kMaxWidth leaves and kMaxDepth node levels; leaves end at different
-// depths, some nodes are empty, and now and then a subtree is pruned.
-void grow_random_tree(SequenceTree& tree, TestRng& rng) {
-  // Half the trees narrow (log-uniform width), half anywhere up to kMaxWidth.
-  const auto width = static_cast<int32_t>(rng.bernoulli(0.5) ? rng.uniform_int(1, kMaxWidth)
-                                                             : rng.log_uniform_int(1, kMaxWidth));
-  const auto depth = static_cast<int32_t>(rng.uniform_int(1, kMaxDepth));
-  DEFT_ASSERT_OK(tree.append(tree.root(), random_tokens(rng, node_tokens(rng, tree))));
-  std::vector<NodeId> frontier = {tree.root()};
-  int32_t leaves = 1;
-  for (int32_t level = 1; level < depth && !frontier.empty(); ++level) {
-    std::vector<NodeId> next;
-    for (NodeId node : frontier) {
-      if (level > 1 && rng.bernoulli(0.15)) continue;  // this branch stops here
-      // The root may fan out wide at once (few-shot: one prompt, many samples); deeper
-      // nodes branch a few ways at a time.
-      const int32_t most = std::min(level == 1 ? kMaxWidth : 4, width - leaves + 1);
-      const auto fanout = static_cast<int32_t>(rng.uniform_int(1, std::max(1, most)));
-      const absl::StatusOr<std::vector<NodeId>> children = tree.branch(node, fanout);
-      ASSERT_TRUE(children.ok()) << children.status();
-      leaves += fanout - 1;
-      for (NodeId child : *children) {
-        DEFT_ASSERT_OK(tree.append(child, random_tokens(rng, node_tokens(rng, tree))));
-        next.push_back(child);
-      }
-    }
-    frontier = std::move(next);
-  }
-  if (tree.num_live_nodes() > 2 && rng.bernoulli(0.3)) {
-    const std::vector<NodeId> nodes = tree.dfs_order();
-    DEFT_ASSERT_OK(tree.prune(nodes[rng.uniform_int(1, static_cast<int64_t>(nodes.size()) - 1)]));
-  }
-  ASSERT_TRUE(tree.check_invariants());
-}
-
-template <typename T>
-void shuffle(std::vector<T>& values, TestRng& rng) {
-  for (int64_t i = static_cast<int64_t>(values.size()) - 1; i > 0; --i) {
-    std::swap(values[i], values[rng.uniform_int(0, i)]);
-  }
-}
-
-// Adds one tree with queries of `kind` (not kMultiTree) to `step`.
-void add_tree(QueryKind kind, TestRng& rng, Step& step) {
-  const auto tree_id = static_cast<uint32_t>(step.trees.size() + 1);
-  step.trees.push_back(std::make_unique<SequenceTree>(tree_id, step.kv.get()));
-  SequenceTree& tree = *step.trees.back();
-  std::vector<QueryToken>& queries = step.queries.emplace_back();
-  const bool bare_prefill = kind == QueryKind::kExtend && rng.bernoulli(0.25);
-  if (!bare_prefill) {
-    ASSERT_NO_FATAL_FAILURE(grow_random_tree(tree, rng));
-  }
-  const std::vector<NodeId> leaves = tree.live_leaves();
-
-  switch (kind) {
-    case QueryKind::kDecode:
-      for (NodeId leaf : leaves) {
-        DEFT_ASSERT_OK(tree.append(leaf, random_tokens(rng, 1)));
-        queries.push_back({leaf, static_cast<int32_t>(tree.node(leaf).tokens.size()) - 1});
-      }
-      break;
-    case QueryKind::kExtend: {
-      const NodeId node = leaves[rng.uniform_int(0, static_cast<int64_t>(leaves.size()) - 1)];
-      const auto old_size = static_cast<int32_t>(tree.node(node).tokens.size());
-      const int64_t run = bare_prefill ? rng.log_uniform_int(1, kMaxNodeTokens / 4)
-                                       : rng.log_uniform_int(1, kMaxExtendTokens);
-      DEFT_ASSERT_OK(tree.append(node, random_tokens(rng, run)));
-      for (int32_t i = 0; i < run; ++i) queries.push_back({node, old_size + i});
-      break;
-    }
-    case QueryKind::kTokenTree: {
-      // Hung under a leaf (the usual case: the accepted path's end) or now and then under an
-      // inner node; parents are earlier tokens of the token tree or the anchor.
-      const std::vector<NodeId> nodes = tree.dfs_order();
-      const NodeId anchor =
-          rng.bernoulli(0.8) ? leaves[rng.uniform_int(0, static_cast<int64_t>(leaves.size()) - 1)]
-                             : nodes[rng.uniform_int(0, static_cast<int64_t>(nodes.size()) - 1)];
-      const int64_t count = rng.log_uniform_int(1, kMaxTokenTreeTokens);
-      std::vector<NodeId> token_nodes;
-      for (int64_t i = 0; i < count; ++i) {
-        const NodeId parent =
-            i == 0 || rng.bernoulli(0.2) ? anchor : token_nodes[rng.uniform_int(0, i - 1)];
-        const absl::StatusOr<std::vector<NodeId>> child = tree.branch(parent, 1);
-        ASSERT_TRUE(child.ok()) << child.status();
-        DEFT_ASSERT_OK(tree.append(child->front(), random_tokens(rng, 1)));
-        token_nodes.push_back(child->front());
-        queries.push_back({child->front(), 0});
-      }
-      break;
-    }
-    case QueryKind::kMultiTree:
-      FAIL() << "multi_tree is a step of several trees, not a tree";
-  }
-  // Rows need not come in depth-first order.
-  if (rng.bernoulli(0.5)) shuffle(queries, rng);
-  ASSERT_TRUE(tree.check_invariants());
-}
-
-void make_step(QueryKind kind, TestRng& rng, Step& step) {
-  step.kv = std::make_unique<KvCacheManager>(
-      KvCacheConfig{.page_tokens = kPageTokens, .num_pages = kNumPages});
-  ASSERT_NO_FATAL_FAILURE(scramble_free_pages(*step.kv, rng));
-  if (kind != QueryKind::kMultiTree) {
-    ASSERT_NO_FATAL_FAILURE(add_tree(kind, rng, step));
-    return;
-  }
-  const int64_t num_trees = rng.uniform_int(2, kMaxTreesPerStep);
-  for (int64_t t = 0; t < num_trees; ++t) {
-    const auto tree_kind = static_cast<QueryKind>(rng.uniform_int(0, 2));
-    ASSERT_NO_FATAL_FAILURE(add_tree(tree_kind, rng, step));
-  }
-}
-
-// Per query row, in plan row order: the slots of its context (every token of its node's proper
-// ancestors, and its own node's tokens up to itself).
-std::vector<std::vector<int32_t>> expected_context(const Step& step) {
-  std::vector<std::vector<int32_t>> context;
-  for (size_t t = 0; t < step.trees.size(); ++t) {
-    const SequenceTree& tree = *step.trees[t];
-    for (const QueryToken& query : step.queries[t]) {
-      std::vector<int32_t>& slots = context.emplace_back();
-      const std::vector<NodeId> path = tree.path(query.node).value();
-      for (NodeId node : path) {
-        const int64_t visible = node == query.node
-                                    ? int64_t{query.token_index} + 1
-                                    : static_cast<int64_t>(tree.node(node).tokens.size());
-        for (int64_t i = 0; i < visible; ++i) {
-          slots.push_back(step.kv->slot(tree.kv_key(node), i));
-        }
-      }
-    }
-  }
-  return context;
-}
-
-// "tree 2 node 7 token 3" for a slot, for failure messages.
-std::string describe_slot(const Step& step, int32_t slot) {
-  for (const auto& tree : step.trees) {
-    for (NodeId node : tree->dfs_order()) {
-      for (size_t i = 0; i < tree->node(node).tokens.size(); ++i) {
-        if (step.kv->slot(tree->kv_key(node), static_cast<int64_t>(i)) == slot) {
-          std::ostringstream out;
-          out << "tree " << tree->tree_id() << " node " << node << " token " << i;
-          return out.str();
-        }
-      }
-    }
-  }
-  return "a slot no live token owns";
-}
+// Trees of width 1..64, depth 1..12, nodes of 1..2000 tokens; the token budget per tree keeps
+// the whole binary well under a minute on one core (the naive attention costs queries x
+// context x heads x head_dim).
+const test::RandomStepLimits kLimits{};
 
 // Property (a) for one row: the plan gives it exactly `expected` (sorted), each slot once.
 // Returns false (after reporting the failure) when it does not.
-bool expect_row_coverage(const Step& step, int32_t row, std::vector<int32_t> got,
+bool expect_row_coverage(const RandomStep& step, int32_t row, std::vector<int32_t> got,
                          const std::vector<int32_t>& expected) {
   std::sort(got.begin(), got.end());
   if (got == expected) return true;
   std::ostringstream what;
   for (size_t i = 1; i < got.size(); ++i) {
     if (got[i] == got[i - 1]) {
-      what << "slot " << got[i] << " (" << describe_slot(step, got[i]) << ") covered twice; ";
+      what << "slot " << got[i] << " (" << step.describe_slot(got[i]) << ") covered twice; ";
       break;
     }
   }
@@ -303,28 +73,23 @@ bool expect_row_coverage(const Step& step, int32_t row, std::vector<int32_t> got
                       std::back_inserter(extra));
   if (!missing.empty()) {
     what << missing.size() << " visible slots missing, e.g. " << missing.front() << " ("
-         << describe_slot(step, missing.front()) << "); ";
+         << step.describe_slot(missing.front()) << "); ";
   }
   if (!extra.empty()) {
     what << extra.size() << " invisible slots covered, e.g. " << extra.front() << " ("
-         << describe_slot(step, extra.front()) << "); ";
+         << step.describe_slot(extra.front()) << "); ";
   }
   ADD_FAILURE() << "row " << row << ": " << what.str() << "plan gives " << got.size()
                 << " slots, context has " << expected.size();
   return false;
 }
 
-struct PlannerCase {
-  PlannerOptions options;
-  int32_t group_size = 1;
-};
-
 // Checks properties (a), (b), (c) of `plan` for `step`.
-void check_plan(const Step& step, const PlannerOptions& options, const AttentionPlan& plan,
+void check_plan(const RandomStep& step, const PlannerOptions& options, const AttentionPlan& plan,
                 int32_t group_size, TestRng& rng, std::vector<float>& k_cache,
                 std::vector<float>& v_cache) {
   const kernels::AttentionPlanView view = plan.view();
-  std::vector<std::vector<int32_t>> context = expected_context(step);
+  std::vector<std::vector<int32_t>> context = step.context();
   const auto num_queries = static_cast<int32_t>(context.size());
   ASSERT_EQ(plan.num_queries, num_queries);
   ASSERT_EQ(static_cast<int32_t>(plan.query_position.size()), num_queries);
@@ -446,8 +211,8 @@ TEST_P(AttentionPlannerPropertyTest, PlanCoversContextsAndMatchesNaiveAttention)
     planners.emplace_back(options);
   }
   AttentionPlan plan;
-  std::vector<float> k_cache(static_cast<size_t>(kNumPages) * kPageTokens * kNumKvHeads * kHeadDim,
-                             NAN);
+  std::vector<float> k_cache(
+      static_cast<size_t>(kLimits.num_pages()) * kLimits.page_tokens * kNumKvHeads * kHeadDim, NAN);
   std::vector<float> v_cache(k_cache.size(), NAN);
 
   int32_t case_index = 0;
@@ -459,8 +224,8 @@ TEST_P(AttentionPlannerPropertyTest, PlanCoversContextsAndMatchesNaiveAttention)
                    << "case " << case_index << ": group_size " << group_size << ", chunk_tokens "
                    << planner.options().chunk_tokens << ", max_unmasked_queries "
                    << planner.options().max_unmasked_queries);
-      Step step;
-      ASSERT_NO_FATAL_FAILURE(make_step(query_kind, rng, step));
+      RandomStep step;
+      ASSERT_NO_FATAL_FAILURE(test::make_random_step(query_kind, kLimits, rng, step));
       const std::vector<TreeQueries> input = step.input();
       DEFT_ASSERT_OK(planner.plan(input, plan));
       ASSERT_EQ(plan.kind, kind);
@@ -480,7 +245,7 @@ INSTANTIATE_TEST_SUITE_P(
                                          QueryKind::kTokenTree, QueryKind::kMultiTree)),
     [](const ::testing::TestParamInfo<std::tuple<PlanKind, QueryKind>>& info) {
       return std::string(plan_kind_name(std::get<0>(info.param))) + "_" +
-             query_kind_name(std::get<1>(info.param));
+             test::query_kind_name(std::get<1>(info.param));
     });
 
 TEST(AttentionPlannerKindNames, RoundTrip) {
