@@ -102,15 +102,20 @@ class Regex {
   Regex& operator=(const Regex&) = delete;
 
   // Calls on_match(begin, end) for each non-overlapping match in `text`, left to right.
+  // Returns false when matching failed (a PCRE2 resource limit), not merely ended.
   template <typename OnMatch>
-  void for_each_match(std::string_view text, OnMatch&& on_match) const {
+  bool for_each_match(std::string_view text, OnMatch&& on_match) const {
+    bool ok = true;
     pcre2_match_data* match_data = pcre2_match_data_create_from_pattern(code_, nullptr);
     size_t offset = 0;
     while (offset <= text.size()) {
       // The text was checked to be valid UTF-8 before: skip PCRE2's own check.
       const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(),
                                  offset, PCRE2_NO_UTF_CHECK, match_data, nullptr);
-      if (rc < 0) break;  // PCRE2_ERROR_NOMATCH, or a resource limit: no more matches
+      if (rc < 0) {
+        ok = rc == PCRE2_ERROR_NOMATCH;
+        break;
+      }
       const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match_data);
       const size_t begin = ovector[0], end = ovector[1];
       if (end > begin) {
@@ -124,6 +129,7 @@ class Regex {
       }
     }
     pcre2_match_data_free(match_data);
+    return ok;
   }
 
  private:
@@ -293,7 +299,7 @@ struct HfTokenizer::Impl {
 
   std::vector<Segment> split_on_added_tokens(std::string_view text, bool parse_special) const;
   std::string normalize(std::string_view text) const;
-  std::vector<std::string> pre_tokenize(std::string text, bool first) const;
+  absl::StatusOr<std::vector<std::string>> pre_tokenize(std::string text, bool first) const;
   absl::Status bpe(std::string_view word, std::vector<TokenId>& out) const;
   absl::Status bpe_uncached(std::string_view word, std::vector<TokenId>& out) const;
   std::string decode_tokens(std::vector<std::string> tokens) const;
@@ -696,8 +702,10 @@ std::string HfTokenizer::Impl::normalize(std::string_view text) const {
   return normalized;
 }
 
-std::vector<std::string> HfTokenizer::Impl::pre_tokenize(std::string text, bool first) const {
+absl::StatusOr<std::vector<std::string>> HfTokenizer::Impl::pre_tokenize(std::string text,
+                                                                         bool first) const {
   std::vector<std::string> pieces;
+  bool regex_ok = true;
   pieces.push_back(std::move(text));
   for (const PreTokenizerStep& step : pre_tokenizer) {
     std::vector<std::string> next;
@@ -706,7 +714,7 @@ std::vector<std::string> HfTokenizer::Impl::pre_tokenize(std::string text, bool 
       switch (step.kind) {
         case PreTokenizerStep::Kind::kSplit: {
           size_t gap_start = 0;
-          step.regex->for_each_match(piece, [&](size_t begin, size_t end) {
+          regex_ok &= step.regex->for_each_match(piece, [&](size_t begin, size_t end) {
             if (begin > gap_start) next.push_back(piece.substr(gap_start, begin - gap_start));
             if (!step.removed) next.push_back(piece.substr(begin, end - begin));
             gap_start = end;
@@ -719,7 +727,7 @@ std::vector<std::string> HfTokenizer::Impl::pre_tokenize(std::string text, bool 
           std::vector<std::string> words;
           if (step.use_regex) {
             size_t gap_start = 0;
-            step.regex->for_each_match(piece, [&](size_t begin, size_t end) {
+            regex_ok &= step.regex->for_each_match(piece, [&](size_t begin, size_t end) {
               if (begin > gap_start) words.push_back(piece.substr(gap_start, begin - gap_start));
               words.push_back(piece.substr(begin, end - begin));
               gap_start = end;
@@ -763,6 +771,10 @@ std::vector<std::string> HfTokenizer::Impl::pre_tokenize(std::string text, bool 
       }
     }
     pieces = std::move(next);
+  }
+  if (!regex_ok) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(source, ": the pre-tokenizer regex hit a PCRE2 matching limit"));
   }
   std::erase_if(pieces, [](const std::string& piece) { return piece.empty(); });
   return pieces;
@@ -897,7 +909,9 @@ absl::StatusOr<std::vector<TokenId>> HfTokenizer::encode(std::string_view text, 
       ids.push_back(segment.added_id);
       continue;
     }
-    for (const std::string& word : impl_->pre_tokenize(impl_->normalize(segment.text), segment.first)) {
+    auto words = impl_->pre_tokenize(impl_->normalize(segment.text), segment.first);
+    if (!words.ok()) return words.status();
+    for (const std::string& word : *words) {
       if (absl::Status status = impl_->bpe(word, ids); !status.ok()) return status;
     }
   }

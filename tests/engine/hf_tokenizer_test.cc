@@ -257,6 +257,25 @@ TEST(HfTokenizerGoldenTest, Llama3SpecialTokensAndConfig) {
   EXPECT_EQ(t.decode(*ids, /*skip_special=*/true), "Hello world");
 }
 
+TEST(HfTokenizerGoldenTest, LongRunsRoundTrip) {
+  for (const std::string model : {"llama3", "llama2"}) {
+    const std::filesystem::path dir = testing::real_tokenizer_dir(model);
+    if (dir.empty()) GTEST_SKIP() << testing::kFetchHint;
+    auto tokenizer = load_tokenizer(dir.string());
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    std::string emoji;
+    for (int i = 0; i < 20000; ++i) emoji += "\xF0\x9F\x98\x80";
+    for (const std::string& text :
+         {"a" + std::string(200000, ' ') + "b", std::string(200000, 'a'), std::string(100000, '\n'),
+          " \t" + std::string(50000, '\t') + "x", std::string(30000, '9'), emoji}) {
+      auto ids = (*tokenizer)->encode(text, false);
+      ASSERT_TRUE(ids.ok()) << ids.status();
+      EXPECT_LE(ids->size(), text.size() + 1);
+      EXPECT_EQ((*tokenizer)->decode(*ids), text) << model << " " << text.substr(0, 8);
+    }
+  }
+}
+
 TEST(HfTokenizerGoldenTest, EncodeThroughput) {
   const std::filesystem::path dir = testing::real_tokenizer_dir("llama3");
   if (dir.empty()) GTEST_SKIP() << testing::kFetchHint;
