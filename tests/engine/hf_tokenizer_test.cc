@@ -56,7 +56,8 @@ TEST(HfTokenizerTest, SpecialTokensSplitLeftmostLongest) {
   ASSERT_NE(tokenizer, nullptr);
   EXPECT_EQ(encode_ok(*tokenizer, "a<|eot_id|>b"), std::vector<TokenId>({'a', 301, 'b'}));
   EXPECT_EQ(encode_ok(*tokenizer, "<|eot|><|eot|>"), std::vector<TokenId>({300, 300}));
-  EXPECT_EQ(encode_ok(*tokenizer, "<|eot_i"), std::vector<TokenId>({'<', '|', 'e', 'o', 't', '_', 'i'}));
+  EXPECT_EQ(encode_ok(*tokenizer, "<|eot_i"),
+            std::vector<TokenId>({'<', '|', 'e', 'o', 't', '_', 'i'}));
   // parse_special=false: the text stays text.
   const std::vector<TokenId> literal = encode_ok(*tokenizer, "<|eot|>", /*parse_special=*/false);
   EXPECT_EQ(literal.size(), 7u);
@@ -66,15 +67,16 @@ TEST(HfTokenizerTest, SpecialTokensSplitLeftmostLongest) {
   EXPECT_EQ(tokenizer->token_id("<|eot_id|>"), 301);
   EXPECT_EQ(tokenizer->token_id("nope"), std::nullopt);
   EXPECT_EQ(tokenizer->bos_id(), 302);
-  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{302, 'h', 'i', 301}, /*skip_special=*/true), "hi");
+  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{302, 'h', 'i', 301}, /*skip_special=*/true),
+            "hi");
   EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{302, 'h', 'i'}), "<|begin_of_text|>hi");
 }
 
 TEST(HfTokenizerTest, ByteLevelRoundTripsAnyText) {
   auto tokenizer = from_json(tiny_byte_level_json());
   ASSERT_NE(tokenizer, nullptr);
-  for (const std::string text : {"", " ", "Hello, world!\n\n", "日本語 😀👨‍👩‍👧", "a\tb\r\nc  d   ",
-                                 "I'm  you'RE\u00a0x"}) {
+  for (const std::string text : {"", " ", "Hello, world!\n\n", "日本語 😀👨‍👩‍👧",
+                                 "a\tb\r\nc  d   ", "I'm  you'RE\u00a0x"}) {
     const std::vector<TokenId> ids = encode_ok(*tokenizer, text);
     EXPECT_EQ(tokenizer->decode(ids), text);
     std::string bytes;
@@ -109,7 +111,8 @@ TEST(HfTokenizerTest, SentencePieceStyleWithByteFallback) {
   EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{1, 263, 2}), "<s> Hi</s>");
   EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{1, 263, 2}, /*skip_special=*/true), "Hi");
   // A lone continuation byte decodes to U+FFFD, per byte token.
-  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{263, 3 + 0x80, 3 + 0x80}), "Hi\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{263, 3 + 0x80, 3 + 0x80}),
+            "Hi\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_EQ(tokenizer->token_bytes(263), " Hi");
   EXPECT_EQ(tokenizer->token_bytes(3 + 0xF0), "\xF0");
   EXPECT_EQ(tokenizer->token_to_piece(262), "\xE2\x96\x81H");
@@ -229,7 +232,8 @@ TEST(HfTokenizerGoldenTest, Llama3ChatTemplateMatchesReference) {
     ++chats;
     std::vector<ChatMessage> messages;
     for (const json& message : row["chat"]) {
-      messages.push_back({message["role"].get<std::string>(), message["content"].get<std::string>()});
+      messages.push_back(
+          {message["role"].get<std::string>(), message["content"].get<std::string>()});
     }
     auto ids = encode_llama3_chat(**tokenizer, messages);
     ASSERT_TRUE(ids.ok()) << ids.status();
@@ -295,9 +299,8 @@ TEST(HfTokenizerGoldenTest, EncodeThroughput) {
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::cout << "[throughput] " << model << ": " << 3 * corpus.size() / seconds / 1e6
-              << " MB/s, " << tokens / seconds / 1e6 << " M tokens/s (" << corpus.size()
-              << " bytes x3)\n";
+    std::cout << "[throughput] " << model << ": " << 3 * corpus.size() / seconds / 1e6 << " MB/s, "
+              << tokens / seconds / 1e6 << " M tokens/s (" << corpus.size() << " bytes x3)\n";
   }
 }
 
