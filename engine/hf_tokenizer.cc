@@ -986,11 +986,11 @@ std::string HfTokenizer::Impl::decode_tokens(std::vector<std::string> tokens) co
         break;
       }
       case DecoderStep::Kind::kMetaspace:
+        // As `tokenizers` does: every "▁" of the first token is dropped (not only a leading
+        // one) unless the prepend scheme is "never"; elsewhere "▁" becomes a space.
         for (size_t i = 0; i < tokens.size(); ++i) {
-          tokens[i] = replace_all(tokens[i], step.a, " ");
-          if (i == 0 && step.metaspace_strip_first && tokens[i].starts_with(' ')) {
-            tokens[i].erase(0, 1);
-          }
+          const bool drop = i == 0 && step.metaspace_strip_first;
+          tokens[i] = replace_all(tokens[i], step.a, drop ? "" : " ");
         }
         break;
     }

@@ -261,6 +261,56 @@ TEST(HfTokenizerGoldenTest, Llama3SpecialTokensAndConfig) {
   EXPECT_EQ(t.decode(*ids, /*skip_special=*/true), "Hello world");
 }
 
+// The Llama 2 file rewritten to the Metaspace layout of newer sentencepiece-style files; keep in
+// step with metaspaceVariant() in tokenizer_golden/make_metaspace_golden.mjs.
+json metaspace_variant(json tokenizer_json, const std::string& scheme, bool split) {
+  const json metaspace = {{"type", "Metaspace"},
+                          {"replacement", "\xE2\x96\x81"},
+                          {"prepend_scheme", scheme},
+                          {"split", split}};
+  tokenizer_json["normalizer"] = nullptr;
+  tokenizer_json["pre_tokenizer"] = metaspace;
+  tokenizer_json["decoder"] = {{"type", "Sequence"},
+                               {"decoders", json::array({{{"type", "ByteFallback"}}, metaspace})}};
+  return tokenizer_json;
+}
+
+TEST(HfTokenizerGoldenTest, MetaspaceVariantsMatchReference) {
+  const std::filesystem::path dir = testing::real_tokenizer_dir("llama2");
+  if (dir.empty()) GTEST_SKIP() << testing::kFetchHint;
+  std::ifstream llama2_file(dir / "tokenizer.json");
+  const json llama2 = json::parse(llama2_file);
+  const std::vector<std::pair<std::string, json>> variants = {
+      {"first", metaspace_variant(llama2, "first", false)},
+      {"always", metaspace_variant(llama2, "always", true)}};
+  std::ifstream golden(testing::golden_file().parent_path() / "golden_metaspace.jsonl");
+  std::vector<json> rows;
+  std::string line;
+  while (std::getline(golden, line)) rows.push_back(json::parse(line));
+  ASSERT_GT(rows.size(), 1u);
+  rows.erase(rows.begin());  // header
+  for (const auto& [name, variant_json] : variants) {
+    auto tokenizer = HfTokenizer::from_json(variant_json.dump(), name);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    int mismatches = 0;
+    for (const json& row : rows) {
+      const std::string text = row["text"].get<std::string>();
+      const std::vector<TokenId> expected = row[name].get<std::vector<TokenId>>();
+      auto ids = (*tokenizer)->encode(text, false);
+      ASSERT_TRUE(ids.ok()) << ids.status();
+      const std::string expected_text = row.value(name + "_decoded", text);
+      const std::string decoded = (*tokenizer)->decode(expected);
+      if ((*ids != expected || decoded != expected_text) && ++mismatches <= 5) {
+        ADD_FAILURE() << name << ": " << json(text).dump() << " expected " << ids_text(expected)
+                      << " got " << ids_text(*ids) << "; decoded " << json(decoded).dump();
+      }
+    }
+    std::cout << "[golden] metaspace " << name << ": " << rows.size() << " strings, " << mismatches
+              << " mismatches\n";
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
 TEST(HfTokenizerGoldenTest, LongRunsRoundTrip) {
   for (const std::string model : {"llama3", "llama2"}) {
     const std::filesystem::path dir = testing::real_tokenizer_dir(model);
