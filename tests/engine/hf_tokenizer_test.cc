@@ -6,10 +6,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <thread>
 
 #include "engine/utf8.h"
 #include "nlohmann/json.hpp"
@@ -328,6 +330,32 @@ TEST(HfTokenizerGoldenTest, LongRunsRoundTrip) {
       EXPECT_EQ((*tokenizer)->decode(*ids), text) << model << " " << text.substr(0, 8);
     }
   }
+}
+
+// encode() from several threads at once (the BPE cache is shared) gives the golden ids.
+TEST(HfTokenizerGoldenTest, ConcurrentEncodeMatchesReference) {
+  const std::filesystem::path dir = testing::real_tokenizer_dir("llama3");
+  if (dir.empty()) GTEST_SKIP() << testing::kFetchHint;
+  auto tokenizer = load_tokenizer(dir.string());
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  std::vector<json> rows;
+  for (json& row : read_golden()) {
+    if (row.contains("text")) rows.push_back(std::move(row));
+  }
+  std::atomic<int> mismatches = 0;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      // Each thread walks the strings from a different start, so cache fills interleave.
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const json& row = rows[(i + static_cast<size_t>(t) * rows.size() / 4) % rows.size()];
+        auto ids = (*tokenizer)->encode(row["text"].get<std::string>(), false);
+        if (!ids.ok() || *ids != row["llama3"].get<std::vector<TokenId>>()) ++mismatches;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(mismatches.load(), 0);
 }
 
 TEST(HfTokenizerGoldenTest, EncodeThroughput) {
