@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -85,9 +86,14 @@ struct AttentionPlan {
   void clear();  // keeps capacity, so a planner reusing the plan allocates nothing per step
 };
 
+class PlanBuilder;  // the machinery, in attention_planner.cc
+
 class AttentionPlanner {
  public:
   explicit AttentionPlanner(PlannerOptions options = {});
+  ~AttentionPlanner();
+  AttentionPlanner(AttentionPlanner&&) noexcept;
+  AttentionPlanner& operator=(AttentionPlanner&&) noexcept;
   const PlannerOptions& options() const { return options_; }
 
   // Builds the plan for the given trees' queries into `plan` (its buffers are reused).
@@ -97,8 +103,7 @@ class AttentionPlanner {
 
  private:
   PlannerOptions options_;
-  // Scratch reused across steps.
-  std::vector<int32_t> scratch_i32_;
+  std::unique_ptr<PlanBuilder> builder_;  // scratch reused across steps
 };
 
 }  // namespace deft::engine

@@ -63,6 +63,8 @@ class SequenceTree {
   std::vector<NodeId> dfs_order() const;
 
   int32_t num_live_nodes() const { return num_live_nodes_; }
+  // One past the largest node id ever handed out (ids of pruned nodes are never reused).
+  int32_t node_id_limit() const { return static_cast<int32_t>(nodes_.size()); }
   int64_t total_tokens() const { return total_tokens_; }
   // Slot ids live in the KV manager under this key.
   KvCacheManager::OwnerKey kv_key(NodeId node) const {

@@ -1,0 +1,88 @@
+#include "bench/bench_result.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+
+namespace deft::bench {
+namespace {
+
+std::string run_command(const std::string& command) {
+  std::array<char, 256> buffer{};
+  std::string out;
+  if (FILE* pipe = popen(command.c_str(), "r")) {
+    while (fgets(buffer.data(), buffer.size(), pipe)) out += buffer.data();
+    pclose(pipe);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out;
+}
+
+std::string today(const char* format) {
+  std::time_t now = std::time(nullptr);
+  std::array<char, 32> text{};
+  std::strftime(text.data(), text.size(), format, std::gmtime(&now));
+  return text.data();
+}
+
+}  // namespace
+
+Samples summarize(std::vector<double> samples) {
+  if (samples.empty()) return {};
+  std::sort(samples.begin(), samples.end());
+  auto at = [&](double q) { return samples[static_cast<size_t>(q * (samples.size() - 1) + 0.5)]; };
+  return {at(0.5), at(0.1), at(0.9)};
+}
+
+BenchResult::BenchResult(std::string benchmark, std::string hardware, std::string hardware_tag,
+                         int argc, char** argv)
+    : benchmark_(std::move(benchmark)),
+      hardware_(std::move(hardware)),
+      hardware_tag_(std::move(hardware_tag)) {
+  for (int i = 0; i < argc; ++i) command_ += (i ? " " : "") + std::string(argv[i]);
+}
+
+std::string BenchResult::cpu_name() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown CPU";
+}
+
+std::string BenchResult::write(const std::string& dir) const {
+  nlohmann::json json;
+  json["benchmark"] = benchmark_;
+  json["hardware"] = hardware_;
+  std::string commit = run_command("git -C " DEFT_SOURCE_DIR " rev-parse HEAD 2>/dev/null");
+  if (!run_command("git -C " DEFT_SOURCE_DIR " status --porcelain --untracked-files=no 2>/dev/null")
+           .empty()) {
+    commit += "-dirty";
+  }
+  json["commit"] = commit.empty() ? "unknown" : commit;
+  json["date"] = today("%Y-%m-%d");
+  json["command"] = command_;
+  json["floor"] = {{"hbm_bytes_per_s", kHbmBytesPerS}, {"flops_per_s", kFlopsPerS}};
+  json["rows"] = nlohmann::json::array();
+  for (const ResultRow& row : rows_) {
+    nlohmann::json r = {{"case", row.case_name},       {"method", row.method},
+                        {"median_us", row.median_us},  {"p10_us", row.p10_us},
+                        {"p90_us", row.p90_us},        {"repetitions", row.repetitions},
+                        {"kv_bytes", row.kv_bytes},    {"extra", row.extra}};
+    if (row.floor_us > 0) {
+      r["floor_us"] = row.floor_us;
+      r["ratio_to_floor"] = row.median_us / row.floor_us;
+    }
+    json["rows"].push_back(r);
+  }
+  const std::string folder = dir.empty() ? std::string(DEFT_SOURCE_DIR) + "/bench/results" : dir;
+  const std::string path = folder + "/" + benchmark_ + "-" + hardware_tag_ + "-" + today("%Y%m%d") + ".json";
+  std::ofstream(path) << json.dump(2) << "\n";
+  return path;
+}
+
+}  // namespace deft::bench

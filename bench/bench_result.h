@@ -1,0 +1,46 @@
+// Writes benchmark results in the format of ../shared/BENCH_RESULTS.md: one JSON file per run,
+// bench/results/<benchmark>-<hardware>-<yyyymmdd>.json, made by the program itself.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+
+namespace deft::bench {
+
+struct ResultRow {
+  std::string case_name;
+  std::string method;
+  double median_us = 0, p10_us = 0, p90_us = 0;
+  int64_t repetitions = 0;
+  int64_t kv_bytes = 0;
+  double floor_us = 0;  // 0: no floor for this benchmark
+  nlohmann::json extra = nlohmann::json::object();
+};
+
+struct Samples {
+  double median = 0, p10 = 0, p90 = 0;
+};
+Samples summarize(std::vector<double> samples);
+
+class BenchResult {
+ public:
+    // `hardware_tag` names the file (e.g. "cpu", "h100"); `hardware` is the full name.
+  BenchResult(std::string benchmark, std::string hardware, std::string hardware_tag, int argc,
+              char** argv);
+  void add(ResultRow row) { rows_.push_back(std::move(row)); }
+  // Writes the file into <source>/bench/results/ (or `dir`); returns its path.
+  std::string write(const std::string& dir = "") const;
+
+  static std::string cpu_name();  // "model name" of /proc/cpuinfo
+  static constexpr double kHbmBytesPerS = 3.0e12;
+  static constexpr double kFlopsPerS = 7.0e14;
+
+ private:
+  std::string benchmark_, hardware_, hardware_tag_, command_;
+  std::vector<ResultRow> rows_;
+};
+
+}  // namespace deft::bench

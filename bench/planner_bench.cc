@@ -1,0 +1,163 @@
+// Planning time per step on one core (Google Benchmark), for every plan kind, on:
+// few-shot (prompt 4000, b = 50, suffixes 400), speculative decoding (prefix 6000 + the 256-token
+// Medusa tree) and the largest step of each reasoning workload. Target: < 50 us per step.
+// Writes bench/results/planner-cpu-<date>.json.
+#include <benchmark/benchmark.h>
+
+#include <memory>
+
+#include "bench/bench_result.h"
+#include "engine/attention_planner.h"
+#include "engine/workload_trace.h"
+
+namespace deft::bench {
+namespace {
+
+using engine::AttentionPlan;
+using engine::AttentionPlanner;
+using engine::KvCacheManager;
+using engine::PlanKind;
+using engine::QueryToken;
+using engine::SequenceTree;
+using engine::TreeQueries;
+
+// One step's topology, kept alive for the benchmark.
+struct Snapshot {
+  std::string name;
+  std::unique_ptr<KvCacheManager> kv;
+  std::unique_ptr<SequenceTree> tree;
+  std::vector<QueryToken> queries;
+};
+
+Snapshot fewshot(int prompt, int branches, int suffix) {
+  Snapshot s{"fewshot_p" + std::to_string(prompt) + "_b" + std::to_string(branches) + "_s" +
+                 std::to_string(suffix),
+             std::make_unique<KvCacheManager>(engine::KvCacheConfig{.num_pages = 1 << 14}), nullptr,
+             {}};
+  s.tree = std::make_unique<SequenceTree>(0, s.kv.get());
+  (void)s.tree->append(0, std::vector<engine::TokenId>(prompt, 1));
+  const std::vector<engine::NodeId> leaves = s.tree->branch(0, branches).value();
+  for (engine::NodeId leaf : leaves) {
+    (void)s.tree->append(leaf, std::vector<engine::TokenId>(suffix, 2));
+    s.queries.push_back({leaf, suffix - 1});
+  }
+  return s;
+}
+
+Snapshot specdec(int prefix, int tree_size, const engine::SpecDecTrace& trace) {
+  Snapshot s{"specdec_p" + std::to_string(prefix) + "_t" + std::to_string(tree_size),
+             std::make_unique<KvCacheManager>(engine::KvCacheConfig{.num_pages = 1 << 14}), nullptr,
+             {}};
+  s.tree = std::make_unique<SequenceTree>(0, s.kv.get());
+  engine::SpecDecReplay replay(trace, *s.tree, prefix);
+  replay.build_token_tree(s.queries);
+  return s;
+}
+
+// Replays a reasoning trace and keeps the step with the most tree tokens.
+Snapshot largest_reasoning_step(const std::string& name, const engine::ReasoningTrace& trace) {
+  int32_t best_iteration = 0;
+  int64_t best_tokens = -1;
+  {
+    KvCacheManager kv({.num_pages = 1 << 16});
+    SequenceTree tree(0, &kv);
+    engine::ReasoningReplay replay(trace, tree);
+    std::vector<QueryToken> queries;
+    while (replay.step(queries)) {
+      if (tree.total_tokens() > best_tokens) {
+        best_tokens = tree.total_tokens();
+        best_iteration = replay.iteration();
+      }
+    }
+  }
+  Snapshot s{name, std::make_unique<KvCacheManager>(engine::KvCacheConfig{.num_pages = 1 << 16}),
+             nullptr, {}};
+  s.tree = std::make_unique<SequenceTree>(0, s.kv.get());
+  engine::ReasoningReplay replay(trace, *s.tree);
+  while (replay.step(s.queries) && replay.iteration() < best_iteration) {
+  }
+  return s;
+}
+
+}  // namespace
+}  // namespace deft::bench
+
+int main(int argc, char** argv) {
+  using namespace deft;
+  using namespace deft::bench;
+  benchmark::Initialize(&argc, argv);
+  std::vector<Snapshot> snapshots;
+  snapshots.push_back(fewshot(4000, 50, 400));
+  const std::string workloads = DEFT_WORKLOADS_DIR;
+  if (auto trace = engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size256.json");
+      trace.ok()) {
+    snapshots.push_back(specdec(6000, 256, *trace));
+  } else {
+    std::fprintf(stderr, "skipping speculative decoding: %s\n", trace.status().ToString().c_str());
+  }
+  for (const char* name : {"sorting128ToT", "docmergeToT", "keywordToT", "set128ToT"}) {
+    auto traces = engine::load_reasoning_traces(workloads + "/reasoning/" + name + ".json");
+    if (!traces.ok() || traces->empty()) {
+      std::fprintf(stderr, "skipping %s: workload not found\n", name);
+      continue;
+    }
+    snapshots.push_back(largest_reasoning_step(name, traces->front()));
+  }
+
+  struct Job {
+    const Snapshot* snapshot;
+    PlanKind kind;
+    std::vector<double> samples_us;
+    engine::PlanIo io;
+  };
+  std::vector<std::unique_ptr<Job>> jobs;
+  for (const Snapshot& s : snapshots) {
+    for (PlanKind kind : {PlanKind::kDeftFlatten, PlanKind::kDeftNode, PlanKind::kDeftNodeChunk,
+                          PlanKind::kSequence, PlanKind::kDenseMask}) {
+      jobs.push_back(std::make_unique<Job>(Job{&s, kind, {}, {}}));
+      Job* job = jobs.back().get();
+      const std::string name = s.name + "/" + std::string(engine::plan_kind_name(kind));
+      benchmark::RegisterBenchmark(name.c_str(), [job](benchmark::State& state) {
+        AttentionPlanner planner({.kind = job->kind, .chunk_tokens = 128, .max_unmasked_queries = 256});
+        AttentionPlan plan;
+        std::vector<TreeQueries> input = {{job->snapshot->tree.get(), job->snapshot->queries}};
+        (void)planner.plan(input, plan);  // warm-up: buffers reach their size
+        for (auto _ : state) {
+          const auto start = std::chrono::steady_clock::now();
+          if (!planner.plan(input, plan).ok()) state.SkipWithError("planning failed");
+          benchmark::DoNotOptimize(plan.kv_slots.data());
+          const auto stop = std::chrono::steady_clock::now();
+          job->samples_us.push_back(std::chrono::duration<double, std::micro>(stop - start).count());
+        }
+        job->io = plan.io;
+        state.counters["kv_tokens"] = static_cast<double>(plan.io.kv_tokens_read);
+        state.counters["queries"] = static_cast<double>(plan.num_queries);
+      })->Unit(benchmark::kMicrosecond)->MinTime(0.2);
+    }
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+
+  BenchResult result("planner", BenchResult::cpu_name() + " (one core)", "cpu", argc, argv);
+  for (const auto& job : jobs) {
+    if (job->samples_us.empty()) continue;
+    Samples stats = summarize(job->samples_us);
+    ResultRow row;
+    row.case_name = job->snapshot->name;
+    row.method = engine::plan_kind_name(job->kind);
+    row.median_us = stats.median;
+    row.p10_us = stats.p10;
+    row.p90_us = stats.p90;
+    row.repetitions = static_cast<int64_t>(job->samples_us.size());
+    row.extra = {{"tree_kv_tokens", job->snapshot->tree->total_tokens()},
+                 {"queries", job->snapshot->queries.size()},
+                 {"kv_tokens_read", job->io.kv_tokens_read},
+                 {"tasks", job->io.tasks},
+                 {"entries", job->io.query_chunk_pairs},
+                 {"mask_words", job->io.mask_words},
+                 {"target_us", 50}};
+    result.add(row);
+  }
+  std::printf("wrote %s\n", result.write().c_str());
+  return 0;
+}

@@ -1,0 +1,487 @@
+#include "engine/attention_planner.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace deft::engine {
+namespace {
+
+using kernels::kMaskWordBits;
+
+// Bits [lo, hi) of a mask word, 0 <= lo <= hi <= 64.
+uint64_t bit_range(int32_t lo, int32_t hi) {
+  if (hi <= lo) return 0;
+  const uint64_t upper = hi >= kMaskWordBits ? ~uint64_t{0} : (uint64_t{1} << hi) - 1;
+  const uint64_t lower = (uint64_t{1} << lo) - 1;
+  return upper & ~lower;
+}
+
+// One tree's visible KV, flattened depth-first, as runs of consecutive tokens that the same
+// queries see. Queries are numbered in depth-first order, which makes every token's viewers one
+// interval [query_begin, query_end): the queries of its own node at or after it, then every
+// query below its node. A node without queries of its own is one run; a node with queries is
+// cut after each of them (prefill, extend, token trees).
+struct ViewRun {
+  int32_t flat_begin;
+  int32_t flat_end;
+  int32_t query_begin;
+  int32_t query_end;
+};
+
+struct FlatTree {
+  int32_t num_tokens = 0;
+  std::vector<ViewRun> runs;
+  std::vector<int32_t> node_token_begin;  // per flattened node: first flat token; plus the end
+};
+
+// The step's queries of one tree in depth-first order.
+struct OrderedQueries {
+  std::vector<int32_t> row;          // plan row of the i-th query in depth-first order
+  std::vector<NodeId> node;          // its node
+  std::vector<int32_t> token_index;  // its token within the node
+};
+
+}  // namespace
+
+std::string_view plan_kind_name(PlanKind kind) {
+  switch (kind) {
+    case PlanKind::kDeftFlatten: return "deft_flatten";
+    case PlanKind::kDeftNode: return "deft_node";
+    case PlanKind::kDeftNodeChunk: return "deft_node_chunk";
+    case PlanKind::kSequence: return "sequence";
+    case PlanKind::kDenseMask: return "dense_mask";
+  }
+  return "unknown";
+}
+
+absl::Status parse_plan_kind(std::string_view name, PlanKind* kind) {
+  for (PlanKind k : {PlanKind::kDeftFlatten, PlanKind::kDeftNode, PlanKind::kDeftNodeChunk,
+                     PlanKind::kSequence, PlanKind::kDenseMask}) {
+    if (plan_kind_name(k) == name) {
+      *kind = k;
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown plan kind '", std::string(name),
+      "' (expected deft_flatten, deft_node, deft_node_chunk, sequence or dense_mask)"));
+}
+
+kernels::AttentionPlanView AttentionPlan::view() const {
+  kernels::AttentionPlanView v;
+  v.num_queries = num_queries;
+  v.num_tasks = num_tasks();
+  v.num_entries = num_entries();
+  v.num_kv_indices = static_cast<int32_t>(kv_slots.size());
+  v.num_mask_words = static_cast<int32_t>(mask_words.size());
+  v.kv_slots = kv_slots.data();
+  v.task_kv_begin = task_kv_begin.data();
+  v.task_kv_end = task_kv_end.data();
+  v.task_entry_begin = task_entry_begin.data();
+  v.task_mask_begin = task_mask_begin.data();
+  v.mask_words = mask_words.data();
+  v.entry_query = entry_query.data();
+  v.query_entry_begin = query_entry_begin.data();
+  v.query_entries = query_entries.data();
+  return v;
+}
+
+void AttentionPlan::clear() {
+  num_queries = 0;
+  kv_slots.clear();
+  task_kv_begin.clear();
+  task_kv_end.clear();
+  task_entry_begin.clear();
+  task_mask_begin.clear();
+  mask_words.clear();
+  entry_query.clear();
+  query_entry_begin.clear();
+  query_entries.clear();
+  query_position.clear();
+  query_slot.clear();
+  io = PlanIo{};
+}
+
+// Builds plans; holds the per-tree scratch so that planning allocates nothing once warm.
+class PlanBuilder {
+ public:
+  void start(const PlannerOptions& options, AttentionPlan& plan) {
+    options_ = options;
+    plan_ = &plan;
+  }
+
+  absl::Status add_tree(const TreeQueries& tree_queries, int32_t row_base) {
+    const SequenceTree* tree = tree_queries.tree;
+    if (tree == nullptr) return absl::InvalidArgumentError("planner: null tree");
+    if (tree->kv() == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("planner: tree ", tree->tree_id(), " has no KV cache"));
+    }
+    if (absl::Status status = order_queries(*tree, tree_queries.queries, row_base); !status.ok()) {
+      return status;
+    }
+    for (size_t i = 0; i < tree_queries.queries.size(); ++i) {
+      const QueryToken& q = tree_queries.queries[i];
+      plan_->query_position.push_back(static_cast<int32_t>(tree->depth(q.node, q.token_index)));
+      plan_->query_slot.push_back(tree->kv()->slot(tree->kv_key(q.node), q.token_index));
+    }
+    if (queries_.row.empty()) return absl::OkStatus();
+    if (options_.kind == PlanKind::kSequence) {
+      add_sequence_tasks(*tree);
+      return absl::OkStatus();
+    }
+    flatten(*tree);
+    add_piece_tasks();
+    return absl::OkStatus();
+  }
+
+  // The per-query reduction map, once every task is in.
+  void finish(int32_t num_queries) {
+    plan_->num_queries = num_queries;
+    plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
+    plan_->query_entry_begin.assign(num_queries + 1, 0);
+    for (int32_t query : plan_->entry_query) ++plan_->query_entry_begin[query + 1];
+    for (int32_t q = 0; q < num_queries; ++q) {
+      plan_->query_entry_begin[q + 1] += plan_->query_entry_begin[q];
+    }
+    plan_->query_entries.resize(plan_->entry_query.size());
+    fill_cursor_.assign(plan_->query_entry_begin.begin(), plan_->query_entry_begin.end() - 1);
+    for (int32_t entry = 0; entry < static_cast<int32_t>(plan_->entry_query.size()); ++entry) {
+      plan_->query_entries[fill_cursor_[plan_->entry_query[entry]]++] = entry;
+    }
+    PlanIo& io = plan_->io;
+    io.tasks = plan_->num_tasks();
+    io.query_chunk_pairs = plan_->num_entries();
+    io.mask_words = static_cast<int64_t>(plan_->mask_words.size());
+    io.kv_tokens_read = 0;
+    for (int32_t t = 0; t < plan_->num_tasks(); ++t) {
+      io.kv_tokens_read += plan_->task_kv_end[t] - plan_->task_kv_begin[t];
+    }
+  }
+
+ private:
+  // Validates the queries and numbers them depth-first (node rank, then token index).
+  absl::Status order_queries(const SequenceTree& tree, std::span<const QueryToken> queries,
+                             int32_t row_base) {
+    // Depth-first ranks of the live nodes.
+    const int32_t limit = tree.node_id_limit();
+    rank_.assign(limit, -1);
+    dfs_nodes_.clear();
+    stack_.assign(1, tree.root());
+    while (!stack_.empty()) {
+      const NodeId id = stack_.back();
+      stack_.pop_back();
+      rank_[id] = static_cast<int32_t>(dfs_nodes_.size());
+      dfs_nodes_.push_back(id);
+      const std::vector<NodeId>& children = tree.node(id).children;
+      stack_.insert(stack_.end(), children.rbegin(), children.rend());
+    }
+    order_.clear();
+    for (size_t i = 0; i < queries.size(); ++i) {
+      const QueryToken& q = queries[i];
+      if (!tree.contains(q.node)) {
+        return absl::InvalidArgumentError(absl::StrCat("planner: query ", i, " names node ",
+                                                       q.node, ", not a live node of tree ",
+                                                       tree.tree_id()));
+      }
+      const int64_t size = static_cast<int64_t>(tree.node(q.node).tokens.size());
+      if (q.token_index < 0 || q.token_index >= size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("planner: query ", i, " names token ", q.token_index, " of node ",
+                         q.node, ", which holds ", size, " tokens"));
+      }
+      order_.push_back({rank_[q.node], q.token_index, static_cast<int32_t>(i)});
+    }
+    std::sort(order_.begin(), order_.end());
+    queries_.row.clear();
+    queries_.node.clear();
+    queries_.token_index.clear();
+    for (size_t i = 0; i < order_.size(); ++i) {
+      const auto& [rank, token_index, input] = order_[i];
+      if (i > 0 && order_[i - 1][0] == rank && order_[i - 1][1] == token_index) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("planner: token ", token_index, " of node ", dfs_nodes_[rank],
+                         " is queried twice (queries ", order_[i - 1][2], " and ", input, ")"));
+      }
+      queries_.row.push_back(row_base + input);
+      queries_.node.push_back(dfs_nodes_[rank]);
+      queries_.token_index.push_back(token_index);
+    }
+    return absl::OkStatus();
+  }
+
+  // Depth-first flattening of the KV that at least one query sees: slots go straight into the
+  // plan, viewers into runs.
+  void flatten(const SequenceTree& tree) {
+    const int32_t num_nodes = static_cast<int32_t>(dfs_nodes_.size());
+    const int32_t num_queries = static_cast<int32_t>(queries_.row.size());
+    // own_begin_[r]: first depth-first query at or after node rank r.
+    own_begin_.assign(num_nodes + 1, num_queries);
+    for (int32_t q = num_queries - 1; q >= 0; --q) own_begin_[rank_[queries_.node[q]]] = q;
+    for (int32_t r = num_nodes - 1; r >= 0; --r) {
+      own_begin_[r] = std::min(own_begin_[r], own_begin_[r + 1]);
+    }
+    subtree_size_.assign(num_nodes, 1);
+    for (int32_t r = num_nodes - 1; r > 0; --r) {
+      subtree_size_[rank_[tree.node(dfs_nodes_[r]).parent]] += subtree_size_[r];
+    }
+    const KvCacheManager& kv = *tree.kv();
+    flat_base_ = static_cast<int32_t>(plan_->kv_slots.size());
+    flat_.runs.clear();
+    flat_.node_token_begin.clear();
+    int32_t flat = 0;
+    for (int32_t r = 0; r < num_nodes; ++r) {
+      const int32_t subtree_end = own_begin_[r + subtree_size_[r]];
+      const int32_t own_begin = own_begin_[r];
+      if (own_begin >= subtree_end) continue;  // nobody below sees this node
+      const NodeId id = dfs_nodes_[r];
+      const TreeNode& node = tree.node(id);
+      // Own queries are [own_begin, own_end), sorted by token index.
+      int32_t own_end = own_begin;
+      while (own_end < subtree_end && queries_.node[own_end] == id) ++own_end;
+      const int32_t visible = own_end < subtree_end
+                                  ? static_cast<int32_t>(node.tokens.size())
+                                  : queries_.token_index[own_end - 1] + 1;
+      flat_.node_token_begin.push_back(flat);
+      append_slots(kv, tree.kv_key(id), visible);
+      // Tokens up to and including own query k are seen by own queries k.. and the subtree.
+      int32_t token = 0;
+      for (int32_t q = own_begin; q < own_end && token < visible; ++q) {
+        const int32_t last = queries_.token_index[q] + 1;
+        if (last > token) {
+          flat_.runs.push_back({flat + token, flat + last, q, subtree_end});
+          token = last;
+        }
+      }
+      if (token < visible) flat_.runs.push_back({flat + token, flat + visible, own_end, subtree_end});
+      flat += visible;
+    }
+    flat_.node_token_begin.push_back(flat);
+    flat_.num_tokens = flat;
+  }
+
+  // Appends the slots of tokens [0, count) of an owner, a page at a time.
+  void append_slots(const KvCacheManager& kv, KvCacheManager::OwnerKey owner, int32_t count) {
+    std::span<const int32_t> pages = kv.pages(owner);
+    const int32_t page_tokens = kv.page_tokens();
+    std::vector<int32_t>& slots = plan_->kv_slots;
+    const size_t base = slots.size();
+    slots.resize(base + count);
+    int32_t* out = slots.data() + base;
+    for (int32_t j = 0; j < count; j += page_tokens) {
+      const int32_t first = pages[j / page_tokens] * page_tokens;
+      const int32_t n = std::min(page_tokens, count - j);
+      for (int32_t i = 0; i < n; ++i) out[j + i] = first + i;
+    }
+  }
+
+  // Cuts the flattened tree into pieces by plan kind and turns each piece into tasks.
+  void add_piece_tasks() {
+    const int32_t chunk = options_.chunk_tokens;
+    const int32_t total = flat_.num_tokens;
+    run_cursor_ = 0;
+    switch (options_.kind) {
+      case PlanKind::kDeftFlatten:
+      case PlanKind::kDenseMask:
+        for (int32_t a = 0; a < total; a += chunk) add_piece(a, std::min(total, a + chunk));
+        break;
+      case PlanKind::kDeftNode:
+      case PlanKind::kDeftNodeChunk: {
+        const bool cut = options_.kind == PlanKind::kDeftNodeChunk;
+        for (size_t n = 0; n + 1 < flat_.node_token_begin.size(); ++n) {
+          const int32_t begin = flat_.node_token_begin[n];
+          const int32_t end = flat_.node_token_begin[n + 1];
+          const int32_t step = cut ? chunk : end - begin;
+          for (int32_t a = begin; a < end; a += step) add_piece(a, std::min(end, a + step));
+        }
+        break;
+      }
+      case PlanKind::kSequence:
+        break;  // handled by add_sequence_tasks
+    }
+  }
+
+  // Flat tokens [a, b) of the current tree become one or more tasks. Pieces come in increasing
+  // order, so the runs they overlap are found by a forward-moving cursor.
+  void add_piece(int32_t a, int32_t b) {
+    while (flat_.runs[run_cursor_].flat_end <= a) ++run_cursor_;
+    int32_t run_end = run_cursor_;
+    while (run_end < static_cast<int32_t>(flat_.runs.size()) && flat_.runs[run_end].flat_begin < b) {
+      ++run_end;
+    }
+    const std::span<const ViewRun> runs(flat_.runs.data() + run_cursor_, run_end - run_cursor_);
+    if (options_.kind == PlanKind::kDenseMask) {
+      // Medusa-style: groups of queries in fixed order read the whole piece under a dense mask.
+      const int32_t num_queries = static_cast<int32_t>(queries_.row.size());
+      for (int32_t g = 0; g < num_queries; g += kMaskWordBits) {
+        add_masked_group(runs, a, b, g, std::min(num_queries, g + kMaskWordBits), /*trim=*/false);
+      }
+      return;
+    }
+    const int32_t query_lo = runs.front().query_begin;  // non-decreasing along the flattening
+    int32_t query_hi = 0;
+    bool uniform = true;
+    for (const ViewRun& run : runs) {
+      query_hi = std::max(query_hi, run.query_end);
+      uniform = uniform && run.query_begin == query_lo && run.query_end == runs.front().query_end;
+    }
+    if (uniform) {
+      for (int32_t g = query_lo; g < query_hi; g += options_.max_unmasked_queries) {
+        add_task(flat_base_ + a, flat_base_ + b, g,
+                 std::min(query_hi, g + options_.max_unmasked_queries), /*mask_begin=*/-1);
+      }
+      return;
+    }
+    for (int32_t g = query_lo; g < query_hi; g += kMaskWordBits) {
+      add_masked_group(runs, a, b, g, std::min(query_hi, g + kMaskWordBits), /*trim=*/true);
+    }
+  }
+
+  // Queries [g0, g1) (depth-first numbers, at most 64) against flat tokens [a, b) covered by
+  // `runs`. With `trim`, the range shrinks to the tokens the group sees and a fully visible
+  // range drops its mask. Queries that see nothing of the range get no entry.
+  void add_masked_group(std::span<const ViewRun> runs, int32_t a, int32_t b, int32_t g0,
+                        int32_t g1, bool trim) {
+    auto word_of = [&](const ViewRun& run) {
+      return bit_range(std::max(run.query_begin, g0) - g0, std::min(run.query_end, g1) - g0);
+    };
+    size_t first = 0, last = runs.size();
+    if (trim) {
+      while (first < last && word_of(runs[first]) == 0) ++first;
+      while (last > first && word_of(runs[last - 1]) == 0) --last;
+      if (first == last) return;
+      a = std::max(a, runs[first].flat_begin);
+      b = std::min(b, runs[last - 1].flat_end);
+    }
+    const uint64_t group_bits = bit_range(0, g1 - g0);
+    uint64_t any = 0;
+    bool full = true;
+    for (size_t r = first; r < last; ++r) {
+      const uint64_t word = word_of(runs[r]);
+      any |= word;
+      full = full && word == group_bits;
+    }
+    if (any == 0) return;
+    if (trim && full) {
+      add_task(flat_base_ + a, flat_base_ + b, g0, g1, /*mask_begin=*/-1);
+      return;
+    }
+    // One word per token, the same for every token of a run; bits compacted onto the queries
+    // that get an entry.
+    const int32_t mask_begin = static_cast<int32_t>(plan_->mask_words.size());
+    for (size_t r = first; r < last; ++r) {
+      const uint64_t word = compact_bits(word_of(runs[r]), any);
+      const int32_t count = std::min(b, runs[r].flat_end) - std::max(a, runs[r].flat_begin);
+      plan_->mask_words.insert(plan_->mask_words.end(), count, word);
+    }
+    plan_->task_kv_begin.push_back(flat_base_ + a);
+    plan_->task_kv_end.push_back(flat_base_ + b);
+    plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
+    plan_->task_mask_begin.push_back(mask_begin);
+    for (int32_t j = 0; j < g1 - g0; ++j) {
+      if ((any >> j) & 1) plan_->entry_query.push_back(queries_.row[g0 + j]);
+    }
+  }
+
+  // Keeps the bits of `word` at the positions set in `keep`, packed to the low end.
+  static uint64_t compact_bits(uint64_t word, uint64_t keep) {
+    if (keep == ~uint64_t{0} || keep == bit_range(0, 64 - std::countl_zero(keep))) {
+      return word;  // `keep` is a low-end block: nothing to move
+    }
+    uint64_t packed = 0;
+    int32_t out_bit = 0;
+    for (int32_t j = 0; j < kMaskWordBits; ++j) {
+      if (!((keep >> j) & 1)) continue;
+      packed |= ((word >> j) & 1) << out_bit;
+      ++out_bit;
+    }
+    return packed;
+  }
+
+  void add_task(int32_t kv_begin, int32_t kv_end, int32_t g0, int32_t g1, int32_t mask_begin) {
+    plan_->task_kv_begin.push_back(kv_begin);
+    plan_->task_kv_end.push_back(kv_end);
+    plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
+    plan_->task_mask_begin.push_back(mask_begin);
+    for (int32_t q = g0; q < g1; ++q) plan_->entry_query.push_back(queries_.row[q]);
+  }
+
+  // Baseline: every query reads its own root-to-token path in split-KV chunks, no sharing.
+  void add_sequence_tasks(const SequenceTree& tree) {
+    const KvCacheManager& kv = *tree.kv();
+    for (size_t q = 0; q < queries_.row.size(); ++q) {
+      const int32_t path_begin = static_cast<int32_t>(plan_->kv_slots.size());
+      path_.clear();
+      for (NodeId id = queries_.node[q]; id != -1; id = tree.node(id).parent) path_.push_back(id);
+      for (auto it = path_.rbegin(); it != path_.rend(); ++it) {
+        const NodeId id = *it;
+        const int32_t visible = id == queries_.node[q]
+                                    ? queries_.token_index[q] + 1
+                                    : static_cast<int32_t>(tree.node(id).tokens.size());
+        append_slots(kv, tree.kv_key(id), visible);
+      }
+      const int32_t path_end = static_cast<int32_t>(plan_->kv_slots.size());
+      for (int32_t a = path_begin; a < path_end; a += options_.chunk_tokens) {
+        plan_->task_kv_begin.push_back(a);
+        plan_->task_kv_end.push_back(std::min(path_end, a + options_.chunk_tokens));
+        plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
+        plan_->task_mask_begin.push_back(-1);
+        plan_->entry_query.push_back(queries_.row[q]);
+      }
+    }
+  }
+
+  PlannerOptions options_;
+  AttentionPlan* plan_ = nullptr;
+  OrderedQueries queries_;
+  FlatTree flat_;
+  std::vector<std::array<int32_t, 3>> order_;  // (node rank, token index, input index)
+  std::vector<int32_t> rank_;
+  std::vector<NodeId> dfs_nodes_;
+  std::vector<NodeId> stack_;
+  std::vector<NodeId> path_;
+  std::vector<int32_t> own_begin_;
+  std::vector<int32_t> subtree_size_;
+  std::vector<int32_t> fill_cursor_;
+  int32_t flat_base_ = 0;   // index in plan.kv_slots of the current tree's first flat token
+  int32_t run_cursor_ = 0;  // first run that the next piece can overlap
+};
+
+AttentionPlanner::AttentionPlanner(PlannerOptions options)
+    : options_(options), builder_(std::make_unique<PlanBuilder>()) {}
+AttentionPlanner::~AttentionPlanner() = default;
+AttentionPlanner::AttentionPlanner(AttentionPlanner&&) noexcept = default;
+AttentionPlanner& AttentionPlanner::operator=(AttentionPlanner&&) noexcept = default;
+
+absl::Status AttentionPlanner::plan(std::span<const TreeQueries> trees, AttentionPlan& plan) {
+  plan.clear();
+  plan.kind = options_.kind;
+  if (options_.chunk_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("planner: chunk_tokens must be >= 1, got ", options_.chunk_tokens));
+  }
+  if (options_.max_unmasked_queries < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "planner: max_unmasked_queries must be >= 1, got ", options_.max_unmasked_queries));
+  }
+  PlanBuilder& builder = *builder_;
+  builder.start(options_, plan);
+  int32_t rows = 0;
+  for (const TreeQueries& tree : trees) {
+    if (absl::Status status = builder.add_tree(tree, rows); !status.ok()) {
+      plan.clear();
+      return status;
+    }
+    rows += static_cast<int32_t>(tree.queries.size());
+  }
+  builder.finish(rows);
+  return absl::OkStatus();
+}
+
+}  // namespace deft::engine

@@ -1,0 +1,187 @@
+#include "engine/sequence_tree.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+
+namespace deft::engine {
+
+SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv) : tree_id_(tree_id), kv_(kv) {
+  TreeNode root;
+  root.id = 0;
+  root.alive = true;
+  nodes_.push_back(std::move(root));
+  num_live_nodes_ = 1;
+}
+
+SequenceTree::~SequenceTree() {
+  if (kv_ == nullptr) return;
+  for (const TreeNode& n : nodes_) {
+    if (n.alive) kv_->release(kv_key(n.id));
+  }
+}
+
+bool SequenceTree::contains(NodeId node) const {
+  return node >= 0 && node < static_cast<NodeId>(nodes_.size()) && nodes_[node].alive;
+}
+
+const TreeNode& SequenceTree::node(NodeId id) const {
+  if (!contains(id)) {
+    std::fprintf(stderr, "SequenceTree %u: node %d is not a live node\n", tree_id_, id);
+    std::abort();
+  }
+  return nodes_[id];
+}
+
+absl::Status SequenceTree::append(NodeId node, std::span<const TokenId> tokens) {
+  if (!contains(node)) {
+    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+  }
+  TreeNode& n = nodes_[node];
+  if (!n.children.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tree ", tree_id_, ": node ", node, " has ", n.children.size(),
+        " live children; tokens can only be appended to a leaf"));
+  }
+  if (tokens.empty()) return absl::OkStatus();
+  const int64_t new_size = static_cast<int64_t>(n.tokens.size() + tokens.size());
+  if (kv_ != nullptr) {
+    if (absl::Status status = kv_->reserve(kv_key(node), new_size); !status.ok()) return status;
+  }
+  n.tokens.insert(n.tokens.end(), tokens.begin(), tokens.end());
+  total_tokens_ += static_cast<int64_t>(tokens.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k) {
+  if (!contains(node)) {
+    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+  }
+  if (k < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("branch factor must be >= 1, got ", k));
+  }
+  std::vector<NodeId> children;
+  children.reserve(k);
+  const int64_t child_depth = nodes_[node].depth_begin + nodes_[node].tokens.size();
+  for (int32_t i = 0; i < k; ++i) {
+    TreeNode child;
+    child.id = static_cast<NodeId>(nodes_.size());
+    child.parent = node;
+    child.depth_begin = child_depth;
+    child.alive = true;
+    children.push_back(child.id);
+    nodes_.push_back(std::move(child));
+  }
+  TreeNode& parent = nodes_[node];  // re-fetch: push_back may have moved the vector
+  parent.children.insert(parent.children.end(), children.begin(), children.end());
+  num_live_nodes_ += k;
+  return children;
+}
+
+absl::Status SequenceTree::prune(NodeId node) {
+  if (!contains(node)) {
+    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+  }
+  if (node == root()) {
+    TreeNode& root_node = nodes_[node];
+    if (!root_node.children.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tree ", tree_id_, ": cannot prune the root while it has ", root_node.children.size(),
+          " live children"));
+    }
+    total_tokens_ -= static_cast<int64_t>(root_node.tokens.size());
+    root_node.tokens.clear();
+    if (kv_ != nullptr) kv_->release(kv_key(node));
+    return absl::OkStatus();
+  }
+  // Detach from the parent, then free the subtree (iteratively: trees can be deep).
+  std::vector<NodeId>& siblings = nodes_[nodes_[node].parent].children;
+  std::erase(siblings, node);
+  std::vector<NodeId> stack = {node};
+  while (!stack.empty()) {
+    const NodeId id = stack.back();
+    stack.pop_back();
+    TreeNode& n = nodes_[id];
+    stack.insert(stack.end(), n.children.begin(), n.children.end());
+    total_tokens_ -= static_cast<int64_t>(n.tokens.size());
+    if (kv_ != nullptr) kv_->release(kv_key(id));
+    n.alive = false;
+    n.children.clear();
+    n.children.shrink_to_fit();
+    n.tokens.clear();
+    n.tokens.shrink_to_fit();
+    --num_live_nodes_;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<NodeId>> SequenceTree::path(NodeId node) const {
+  if (!contains(node)) {
+    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+  }
+  std::vector<NodeId> result;
+  for (NodeId id = node; id != -1; id = nodes_[id].parent) result.push_back(id);
+  std::reverse(result.begin(), result.end());
+  return result;
+}
+
+int64_t SequenceTree::depth(NodeId node, int64_t index) const {
+  return this->node(node).depth_begin + index;
+}
+
+std::vector<NodeId> SequenceTree::dfs_order() const {
+  std::vector<NodeId> order;
+  order.reserve(num_live_nodes_);
+  std::vector<NodeId> stack = {root()};
+  while (!stack.empty()) {
+    const NodeId id = stack.back();
+    stack.pop_back();
+    order.push_back(id);
+    const std::vector<NodeId>& children = nodes_[id].children;
+    stack.insert(stack.end(), children.rbegin(), children.rend());
+  }
+  return order;
+}
+
+std::vector<NodeId> SequenceTree::live_leaves() const {
+  std::vector<NodeId> leaves;
+  for (NodeId id : dfs_order()) {
+    if (nodes_[id].children.empty()) leaves.push_back(id);
+  }
+  return leaves;
+}
+
+bool SequenceTree::check_invariants() const {
+  int32_t live = 0;
+  int64_t tokens = 0;
+  for (const TreeNode& n : nodes_) {
+    if (!n.alive) continue;
+    ++live;
+    tokens += static_cast<int64_t>(n.tokens.size());
+    if (n.id == root()) {
+      if (n.parent != -1 || n.depth_begin != 0) return false;
+    } else {
+      if (!contains(n.parent)) return false;
+      const TreeNode& parent = nodes_[n.parent];
+      if (std::count(parent.children.begin(), parent.children.end(), n.id) != 1) return false;
+      if (n.depth_begin != parent.depth_begin + static_cast<int64_t>(parent.tokens.size())) {
+        return false;
+      }
+    }
+    for (NodeId child : n.children) {
+      if (!contains(child) || nodes_[child].parent != n.id) return false;
+    }
+    if (kv_ != nullptr) {
+      const int64_t pages = static_cast<int64_t>(kv_->pages(kv_key(n.id)).size());
+      const int64_t needed =
+          (static_cast<int64_t>(n.tokens.size()) + kv_->page_tokens() - 1) / kv_->page_tokens();
+      if (pages != needed) return false;
+    }
+  }
+  return live == num_live_nodes_ && tokens == total_tokens_ &&
+         static_cast<int32_t>(dfs_order().size()) == live;
+}
+
+}  // namespace deft::engine

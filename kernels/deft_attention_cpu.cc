@@ -1,0 +1,187 @@
+#include "kernels/deft_attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+namespace deft::kernels {
+namespace {
+
+// A malformed plan is a planner bug, not bad input: abort with a message in every build.
+[[noreturn]] void die(const char* what, long long a, long long b) {
+  std::fprintf(stderr, "deft_attention_cpu: invalid plan: %s (%lld, %lld)\n", what, a, b);
+  std::abort();
+}
+
+void check_dims(const AttentionDims& dims) {
+  if (dims.num_q_heads <= 0 || dims.num_kv_heads <= 0 || dims.head_dim <= 0 ||
+      dims.num_q_heads % dims.num_kv_heads != 0) {
+    std::fprintf(stderr,
+                 "deft_attention_cpu: invalid dims: num_q_heads=%d num_kv_heads=%d head_dim=%d\n",
+                 dims.num_q_heads, dims.num_kv_heads, dims.head_dim);
+    std::abort();
+  }
+}
+
+// The reduction map must be consistent: query q's entries are exactly the entries whose row is q.
+void check_reduction_map(const AttentionPlanView& plan) {
+  if (plan.query_entry_begin[0] != 0 ||
+      plan.query_entry_begin[plan.num_queries] != plan.num_entries) {
+    die("query_entry_begin does not span [0, num_entries)", plan.query_entry_begin[0],
+        plan.query_entry_begin[plan.num_queries]);
+  }
+  for (int32_t query = 0; query < plan.num_queries; ++query) {
+    const int32_t begin = plan.query_entry_begin[query];
+    const int32_t end = plan.query_entry_begin[query + 1];
+    if (end <= begin) die("query has no partial result (query, first entry)", query, begin);
+    for (int32_t i = begin; i < end; ++i) {
+      const int32_t entry = plan.query_entries[i];
+      if (entry < 0 || entry >= plan.num_entries) die("query_entries out of range", i, entry);
+      if (plan.entry_query[entry] != query) {
+        die("query_entries lists an entry of another query (entry, its query)", entry,
+            plan.entry_query[entry]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void deft_attention_stage1_cpu(const AttentionPlanView& plan, const AttentionDims& dims,
+                               const float* q, const float* k_cache, const float* v_cache,
+                               float* partial_out, float* partial_lse) {
+  check_dims(dims);
+  const int32_t head_dim = dims.head_dim;
+  const int32_t group_size = dims.group_size();
+  const size_t kv_token_stride = static_cast<size_t>(dims.num_kv_heads) * head_dim;
+  const size_t q_row_stride = static_cast<size_t>(dims.num_q_heads) * head_dim;
+
+  if (plan.task_entry_begin[0] != 0 || plan.task_entry_begin[plan.num_tasks] != plan.num_entries) {
+    die("task_entry_begin does not span [0, num_entries)", plan.task_entry_begin[0],
+        plan.task_entry_begin[plan.num_tasks]);
+  }
+
+  std::vector<float> scores;
+  std::vector<float> acc(head_dim);
+  for (int32_t task = 0; task < plan.num_tasks; ++task) {
+    const int32_t kv_begin = plan.task_kv_begin[task];
+    const int32_t kv_end = plan.task_kv_end[task];
+    const int32_t entry_begin = plan.task_entry_begin[task];
+    const int32_t entry_end = plan.task_entry_begin[task + 1];
+    const int32_t mask_begin = plan.task_mask_begin[task];
+    const int32_t run_tokens = kv_end - kv_begin;
+    if (kv_begin < 0 || kv_end > plan.num_kv_indices || run_tokens <= 0) {
+      die("task KV run out of range or empty (begin, end)", kv_begin, kv_end);
+    }
+    if (entry_end < entry_begin) die("task entries decrease (task, begin)", task, entry_begin);
+    if (mask_begin != -1) {
+      if (entry_end - entry_begin > kMaskWordBits) {
+        die("masked task with more entries than mask bits (task, entries)", task,
+            entry_end - entry_begin);
+      }
+      if (mask_begin < 0 || mask_begin + run_tokens > plan.num_mask_words) {
+        die("task mask words out of range (task, mask_begin)", task, mask_begin);
+      }
+    }
+    scores.resize(run_tokens);
+
+    for (int32_t entry = entry_begin; entry < entry_end; ++entry) {
+      const int32_t bit = entry - entry_begin;
+      const int32_t row = plan.entry_query[entry];
+      if (row < 0 || row >= plan.num_queries) die("entry_query out of range", entry, row);
+      const auto visible = [&](int32_t i) {
+        return mask_begin == -1 || ((plan.mask_words[mask_begin + i] >> bit) & 1u) != 0;
+      };
+
+      for (int32_t head = 0; head < dims.num_q_heads; ++head) {
+        const int32_t kv_head = head / group_size;
+        const float* q_vec = q + row * q_row_stride + static_cast<size_t>(head) * head_dim;
+
+        // Pass 1: scaled scores of the visible tokens and their maximum.
+        float max_score = -std::numeric_limits<float>::infinity();
+        int32_t visible_tokens = 0;
+        for (int32_t i = 0; i < run_tokens; ++i) {
+          if (!visible(i)) continue;
+          const int32_t slot = plan.kv_slots[kv_begin + i];
+          if (slot < 0) die("negative KV slot (index, slot)", kv_begin + i, slot);
+          const float* k_vec =
+              k_cache + slot * kv_token_stride + static_cast<size_t>(kv_head) * head_dim;
+          float dot = 0.0f;
+          for (int32_t d = 0; d < head_dim; ++d) dot += q_vec[d] * k_vec[d];
+          scores[i] = dims.softmax_scale * dot;
+          max_score = std::max(max_score, scores[i]);
+          ++visible_tokens;
+        }
+        if (visible_tokens == 0) die("entry sees no token of its task (task, entry)", task, entry);
+
+        // Pass 2: softmax weights relative to the maximum, weighted sum of V.
+        float sum = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int32_t i = 0; i < run_tokens; ++i) {
+          if (!visible(i)) continue;
+          const int32_t slot = plan.kv_slots[kv_begin + i];
+          const float* v_vec =
+              v_cache + slot * kv_token_stride + static_cast<size_t>(kv_head) * head_dim;
+          const float weight = std::exp(scores[i] - max_score);
+          sum += weight;
+          for (int32_t d = 0; d < head_dim; ++d) acc[d] += weight * v_vec[d];
+        }
+
+        float* out =
+            partial_out + (static_cast<size_t>(entry) * dims.num_q_heads + head) * head_dim;
+        for (int32_t d = 0; d < head_dim; ++d) out[d] = acc[d] / sum;
+        partial_lse[static_cast<size_t>(entry) * dims.num_q_heads + head] =
+            max_score + std::log(sum);
+      }
+    }
+  }
+}
+
+void deft_attention_stage2_cpu(const AttentionPlanView& plan, const AttentionDims& dims,
+                               const float* partial_out, const float* partial_lse, float* out,
+                               float* lse_out) {
+  check_dims(dims);
+  check_reduction_map(plan);
+  const int32_t head_dim = dims.head_dim;
+  for (int32_t query = 0; query < plan.num_queries; ++query) {
+    const int32_t begin = plan.query_entry_begin[query];
+    const int32_t end = plan.query_entry_begin[query + 1];
+    for (int32_t head = 0; head < dims.num_q_heads; ++head) {
+      const auto lse_of = [&](int32_t i) {
+        return partial_lse[static_cast<size_t>(plan.query_entries[i]) * dims.num_q_heads + head];
+      };
+      float max_lse = -std::numeric_limits<float>::infinity();
+      for (int32_t i = begin; i < end; ++i) max_lse = std::max(max_lse, lse_of(i));
+      float sum = 0.0f;
+      for (int32_t i = begin; i < end; ++i) sum += std::exp(lse_of(i) - max_lse);
+      const float lse = max_lse + std::log(sum);
+
+      float* dst = out + (static_cast<size_t>(query) * dims.num_q_heads + head) * head_dim;
+      for (int32_t d = 0; d < head_dim; ++d) dst[d] = 0.0f;
+      for (int32_t i = begin; i < end; ++i) {
+        const float weight = std::exp(lse_of(i) - lse);
+        const float* src =
+            partial_out +
+            (static_cast<size_t>(plan.query_entries[i]) * dims.num_q_heads + head) * head_dim;
+        for (int32_t d = 0; d < head_dim; ++d) dst[d] += weight * src[d];
+      }
+      if (lse_out != nullptr) lse_out[static_cast<size_t>(query) * dims.num_q_heads + head] = lse;
+    }
+  }
+}
+
+void deft_attention_cpu(const AttentionPlanView& plan, const AttentionDims& dims, const float* q,
+                        const float* k_cache, const float* v_cache, float* out, float* lse_out) {
+  check_dims(dims);
+  std::vector<float> partial_out(static_cast<size_t>(plan.num_entries) * dims.num_q_heads *
+                                 dims.head_dim);
+  std::vector<float> partial_lse(static_cast<size_t>(plan.num_entries) * dims.num_q_heads);
+  deft_attention_stage1_cpu(plan, dims, q, k_cache, v_cache, partial_out.data(),
+                            partial_lse.data());
+  deft_attention_stage2_cpu(plan, dims, partial_out.data(), partial_lse.data(), out, lse_out);
+}
+
+}  // namespace deft::kernels

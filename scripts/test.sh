@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Command B: installs what is missing, builds everything, and runs the whole test suite:
+# every unit, GPU (skipped visibly without a GPU) and integration test through ctest, then the
+# CPU suites again under AddressSanitizer + UndefinedBehaviorSanitizer.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+"$root/scripts/install_deps.sh"
+
+echo "== build (release with debug info) =="
+DEFT_BUILD_DIR=$root/build "$root/scripts/build.sh"
+echo "== test suite =="
+(cd "$root/build" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
+
+echo "== CPU suites under ASan + UBSan =="
+DEFT_BUILD_DIR=$root/build-asan "$root/scripts/build.sh" -DDEFT_SANITIZE=ON -DDEFT_ENABLE_CUDA=OFF \
+  -DDEFT_BUILD_BENCH=OFF -DDEFT_GPU_ONLY=ON
+(cd "$root/build-asan" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --output-on-failure -j "$(nproc)" --timeout 600 -LE 'gpu|integration')

@@ -1,0 +1,144 @@
+#include "engine/attention_planner.h"
+
+#include <gtest/gtest.h>
+
+namespace deft::engine {
+namespace {
+
+// A prompt of `prompt` tokens with `leaves` children of `suffix` tokens each; the queries are
+// the last token of every leaf (one decoding step).
+struct FewShot {
+  KvCacheManager kv{{.page_tokens = 16, .num_pages = 4096}};
+  SequenceTree tree{0, &kv};
+  std::vector<QueryToken> queries;
+
+  FewShot(int prompt, int leaves, int suffix) {
+    std::vector<TokenId> ids(prompt, 5);
+    EXPECT_TRUE(tree.append(tree.root(), ids).ok());
+    const std::vector<NodeId> leaf_ids = tree.branch(tree.root(), leaves).value();
+    for (NodeId leaf : leaf_ids) {
+      EXPECT_TRUE(tree.append(leaf, std::vector<TokenId>(suffix, 7)).ok());
+      queries.push_back({leaf, suffix - 1});
+    }
+  }
+  std::vector<TreeQueries> input() const { return {{&tree, queries}}; }
+};
+
+TEST(AttentionPlanner, FlattenReadsEveryTreeTokenOnce) {
+  FewShot job(300, 3, 10);
+  AttentionPlanner planner({.kind = PlanKind::kDeftFlatten, .chunk_tokens = 128});
+  AttentionPlan plan;
+  ASSERT_TRUE(planner.plan(job.input(), plan).ok());
+  EXPECT_EQ(plan.num_queries, 3);
+  EXPECT_EQ(plan.io.kv_tokens_read, 330);
+  // Chunks: [0,128) [128,256) unmasked, [256,330) spans the prompt's tail and the leaves: masked.
+  ASSERT_EQ(plan.num_tasks(), 3);
+  EXPECT_EQ(plan.task_mask_begin[0], -1);
+  EXPECT_EQ(plan.task_mask_begin[1], -1);
+  EXPECT_GE(plan.task_mask_begin[2], 0);
+  EXPECT_EQ(plan.io.mask_words, 74);
+  EXPECT_EQ(plan.io.query_chunk_pairs, 9);
+  // The prompt's tokens are visible to all three queries, a leaf's only to its own.
+  const uint64_t prompt_word = plan.mask_words[plan.task_mask_begin[2]];
+  const uint64_t leaf_word = plan.mask_words[plan.task_mask_begin[2] + 44];
+  EXPECT_EQ(prompt_word, 0b111u);
+  EXPECT_EQ(leaf_word, 0b001u);
+  for (int q = 0; q < 3; ++q) {
+    EXPECT_EQ(plan.query_entry_begin[q + 1] - plan.query_entry_begin[q], 3);
+    EXPECT_EQ(plan.query_position[q], 309);
+  }
+}
+
+TEST(AttentionPlanner, SequenceReadsEveryPathWhole) {
+  FewShot job(300, 3, 10);
+  AttentionPlanner planner({.kind = PlanKind::kSequence, .chunk_tokens = 128});
+  AttentionPlan plan;
+  ASSERT_TRUE(planner.plan(job.input(), plan).ok());
+  EXPECT_EQ(plan.io.kv_tokens_read, 3 * 310);
+  EXPECT_EQ(plan.io.mask_words, 0);
+  EXPECT_EQ(plan.num_tasks(), 3 * 3);
+}
+
+TEST(AttentionPlanner, NodeKindsCutAtNodeBoundaries) {
+  FewShot job(300, 3, 10);
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner({.kind = PlanKind::kDeftNode}).plan(job.input(), plan).ok());
+  EXPECT_EQ(plan.num_tasks(), 4);
+  EXPECT_EQ(plan.io.mask_words, 0);
+  EXPECT_EQ(plan.io.kv_tokens_read, 330);
+  ASSERT_TRUE(AttentionPlanner({.kind = PlanKind::kDeftNodeChunk, .chunk_tokens = 128})
+                  .plan(job.input(), plan)
+                  .ok());
+  EXPECT_EQ(plan.num_tasks(), 3 + 3);
+  EXPECT_EQ(plan.io.kv_tokens_read, 330);
+}
+
+TEST(AttentionPlanner, DenseMaskMasksEveryChunk) {
+  FewShot job(300, 3, 10);
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner({.kind = PlanKind::kDenseMask, .chunk_tokens = 128})
+                  .plan(job.input(), plan)
+                  .ok());
+  EXPECT_EQ(plan.num_tasks(), 3);
+  EXPECT_EQ(plan.io.mask_words, 330);
+}
+
+TEST(AttentionPlanner, PrefillRunIsCausalAmongItsTokens) {
+  KvCacheManager kv({.page_tokens = 16, .num_pages = 64});
+  SequenceTree tree(0, &kv);
+  ASSERT_TRUE(tree.append(tree.root(), std::vector<TokenId>(20, 1)).ok());
+  const NodeId child = tree.branch(tree.root(), 1).value()[0];
+  ASSERT_TRUE(tree.append(child, std::vector<TokenId>(4, 2)).ok());
+  std::vector<QueryToken> queries = {{child, 0}, {child, 1}, {child, 2}, {child, 3}};
+  std::vector<TreeQueries> input = {{&tree, queries}};
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner({.chunk_tokens = 128}).plan(input, plan).ok());
+  ASSERT_EQ(plan.num_tasks(), 1);
+  ASSERT_GE(plan.task_mask_begin[0], 0);
+  const uint64_t* words = &plan.mask_words[plan.task_mask_begin[0]];
+  EXPECT_EQ(words[0], 0b1111u);   // root tokens: everyone
+  EXPECT_EQ(words[20], 0b1111u);  // first new token: all four queries
+  EXPECT_EQ(words[23], 0b1000u);  // last new token: only itself
+}
+
+TEST(AttentionPlanner, BadQueriesAreRejectedAndLeaveThePlanEmpty) {
+  FewShot job(30, 2, 3);
+  AttentionPlanner planner;
+  AttentionPlan plan;
+  std::vector<QueryToken> unknown = {{99, 0}};
+  std::vector<TreeQueries> input = {{&job.tree, unknown}};
+  EXPECT_EQ(planner.plan(input, plan).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(plan.num_tasks(), 0);
+  std::vector<QueryToken> outside = {{1, 3}};
+  input = {{&job.tree, outside}};
+  EXPECT_EQ(planner.plan(input, plan).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<QueryToken> twice = {{1, 2}, {1, 2}};
+  input = {{&job.tree, twice}};
+  EXPECT_EQ(planner.plan(input, plan).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AttentionPlanner({.chunk_tokens = 0}).plan(job.input(), plan).code(),
+            absl::StatusCode::kInvalidArgument);
+  PlanKind kind;
+  EXPECT_FALSE(parse_plan_kind("radix", &kind).ok());
+  ASSERT_TRUE(parse_plan_kind("deft_node_chunk", &kind).ok());
+  EXPECT_EQ(kind, PlanKind::kDeftNodeChunk);
+}
+
+TEST(AttentionPlanner, SeveralTreesInOneStepNumberRowsInOrder) {
+  FewShot a(40, 2, 3), b(50, 3, 2);
+  std::vector<TreeQueries> input = {{&a.tree, a.queries}, {&b.tree, b.queries}};
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner({.chunk_tokens = 16}).plan(input, plan).ok());
+  EXPECT_EQ(plan.num_queries, 5);
+  EXPECT_EQ(plan.io.kv_tokens_read, 46 + 56);
+  for (int32_t t = 0; t < plan.num_tasks(); ++t) {
+    // No task mixes rows of the two trees.
+    bool first = false, second = false;
+    for (int32_t e = plan.task_entry_begin[t]; e < plan.task_entry_begin[t + 1]; ++e) {
+      (plan.entry_query[e] < 2 ? first : second) = true;
+    }
+    EXPECT_FALSE(first && second) << "task " << t;
+  }
+}
+
+}  // namespace
+}  // namespace deft::engine

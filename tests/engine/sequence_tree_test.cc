@@ -1,0 +1,151 @@
+#include "engine/sequence_tree.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+namespace deft::engine {
+namespace {
+
+std::vector<TokenId> tokens(int n, TokenId first = 1) {
+  std::vector<TokenId> out(n);
+  for (int i = 0; i < n; ++i) out[i] = first + i;
+  return out;
+}
+
+TEST(SequenceTree, AppendBranchDepthAndPath) {
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 64});
+  SequenceTree tree(3, &kv);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(10)).ok());
+  auto children = tree.branch(tree.root(), 3);
+  ASSERT_TRUE(children.ok());
+  ASSERT_EQ(children->size(), 3u);
+  const NodeId b = (*children)[1];
+  ASSERT_TRUE(tree.append(b, tokens(5)).ok());
+  EXPECT_EQ(tree.node(b).depth_begin, 10);
+  EXPECT_EQ(tree.depth(b, 4), 14);
+  auto grand = tree.branch(b, 2);
+  ASSERT_TRUE(grand.ok());
+  EXPECT_EQ(tree.node((*grand)[0]).depth_begin, 15);
+  auto path = tree.path((*grand)[1]);
+  ASSERT_TRUE(path.ok());
+  EXPECT_EQ(*path, (std::vector<NodeId>{0, b, (*grand)[1]}));
+  EXPECT_EQ(tree.live_leaves(),
+            (std::vector<NodeId>{(*children)[0], (*grand)[0], (*grand)[1], (*children)[2]}));
+  EXPECT_EQ(tree.total_tokens(), 15);
+  EXPECT_TRUE(tree.check_invariants());
+  EXPECT_TRUE(kv.check_invariants());
+}
+
+TEST(SequenceTree, MisuseIsAnErrorNotUndefinedBehaviour) {
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 8});
+  SequenceTree tree(0, &kv);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(3)).ok());
+  auto children = tree.branch(tree.root(), 2);
+  ASSERT_TRUE(children.ok());
+  EXPECT_EQ(tree.append(tree.root(), tokens(1)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(tree.append(99, tokens(1)).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tree.append(-1, tokens(1)).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tree.prune(tree.root()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(tree.branch(42, 2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tree.branch(tree.root(), 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(tree.path(77).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(tree.prune((*children)[0]).ok());
+  EXPECT_EQ(tree.prune((*children)[0]).code(), absl::StatusCode::kNotFound);  // stale id
+  EXPECT_EQ(tree.append((*children)[0], tokens(1)).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(tree.check_invariants());
+}
+
+TEST(SequenceTree, KvExhaustionLeavesTreeUnchanged) {
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 2});
+  SequenceTree tree(0, &kv);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(6)).ok());
+  EXPECT_EQ(tree.append(tree.root(), tokens(3)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(tree.node(tree.root()).tokens.size(), 6u);
+  EXPECT_EQ(tree.total_tokens(), 6);
+  EXPECT_TRUE(tree.check_invariants());
+}
+
+TEST(SequenceTree, PruneFreesTheWholeSubtreeAtOnce) {
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 64});
+  SequenceTree tree(1, &kv);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(8)).ok());
+  auto a = tree.branch(tree.root(), 2).value();
+  ASSERT_TRUE(tree.append(a[0], tokens(9)).ok());
+  auto b = tree.branch(a[0], 3).value();
+  for (NodeId n : b) ASSERT_TRUE(tree.append(n, tokens(5)).ok());
+  const int used = kv.used_pages();
+  ASSERT_TRUE(tree.prune(a[0]).ok());
+  EXPECT_EQ(kv.used_pages(), used - 3 - 3 * 2);
+  EXPECT_EQ(tree.num_live_nodes(), 2);
+  // The parent is a leaf again once its last child goes, and can grow.
+  ASSERT_TRUE(tree.prune(a[1]).ok());
+  EXPECT_TRUE(tree.append(tree.root(), tokens(2)).ok());
+  EXPECT_TRUE(tree.check_invariants());
+  EXPECT_TRUE(kv.check_invariants());
+}
+
+TEST(SequenceTree, DestructorReturnsEveryPage) {
+  KvCacheManager kv({.page_tokens = 16, .num_pages = 32});
+  {
+    SequenceTree tree(5, &kv);
+    ASSERT_TRUE(tree.append(tree.root(), tokens(40)).ok());
+    const std::vector<NodeId> children = tree.branch(tree.root(), 4).value();
+    for (NodeId n : children) ASSERT_TRUE(tree.append(n, tokens(20)).ok());
+    EXPECT_GT(kv.used_pages(), 0);
+  }
+  EXPECT_EQ(kv.used_pages(), 0);
+  EXPECT_EQ(kv.num_owners(), 0u);
+}
+
+// Long random sequences of append / branch / prune over several trees sharing one pool.
+TEST(SequenceTree, RandomOperationsNeverLeakOrShareSlots) {
+  const uint32_t seed = 7;
+  std::mt19937 rng(seed);
+  KvCacheManager kv({.page_tokens = 16, .num_pages = 256});
+  std::vector<std::unique_ptr<SequenceTree>> trees;
+  for (uint32_t t = 0; t < 4; ++t) trees.push_back(std::make_unique<SequenceTree>(t, &kv));
+  for (int step = 0; step < 6000; ++step) {
+    SequenceTree& tree = *trees[rng() % trees.size()];
+    std::vector<NodeId> nodes = tree.dfs_order();
+    const NodeId node = nodes[rng() % nodes.size()];
+    const int free_before = kv.free_pages();
+    const int64_t tokens_before = tree.total_tokens();
+    switch (rng() % 4) {
+      case 0:
+      case 1: {
+        absl::Status status = tree.append(node, tokens(1 + rng() % 40));
+        if (!status.ok()) {
+          ASSERT_EQ(kv.free_pages(), free_before) << "seed " << seed;
+          ASSERT_EQ(tree.total_tokens(), tokens_before) << "seed " << seed;
+        }
+        break;
+      }
+      case 2:
+        (void)tree.branch(node, 1 + rng() % 4);
+        break;
+      case 3:
+        (void)tree.prune(node);
+        break;
+    }
+    if (step % 50 == 0) {
+      ASSERT_TRUE(kv.check_invariants()) << "seed " << seed << " step " << step;
+      std::set<int32_t> slots;
+      for (const auto& t : trees) {
+        ASSERT_TRUE(t->check_invariants()) << "seed " << seed << " step " << step;
+        for (NodeId n : t->dfs_order()) {
+          for (size_t i = 0; i < t->node(n).tokens.size(); ++i) {
+            ASSERT_TRUE(slots.insert(kv.slot(t->kv_key(n), static_cast<int64_t>(i))).second)
+                << "slot shared, seed " << seed << " step " << step;
+          }
+        }
+      }
+    }
+  }
+  trees.clear();
+  EXPECT_EQ(kv.used_pages(), 0);
+}
+
+}  // namespace
+}  // namespace deft::engine
