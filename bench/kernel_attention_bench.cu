@@ -1,10 +1,10 @@
 // One attention layer (Llama-3-8B shapes: 32 query heads, 8 KV heads, head_dim 128, bf16) on the
 // DeFT paper's snapshots, for every plan kind of engine/attention_planner.h and a sweep of the
-// Flatten chunk size B. Kernel time = both stages, CUDA events around each launch, median after
-// warm-up, KV and Q rotated over copies larger than L2. Each method's output is checked against
+// Flatten chunk size B. Kernel time = both stages, CUDA events around replays of a CUDA graph of 20
+// launches, median after warm-up, KV and Q rotated over copies larger than L2. Each method's output is checked against
 // a float64 dense reference on sampled queries; a row that fails the check is not written.
 //
-//   kernel_attention_bench [--workloads DIR] [--out DIR] [--reps N]
+//   kernel_attention_bench [--workloads DIR] [--out DIR] [--reps N] [--case NAME] [--method NAME]
 // Writes <out>/kernel_attention-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -138,7 +138,9 @@ std::vector<uint16_t> random_bf16(size_t count, std::mt19937& rng) {
 struct Args {
   std::string workloads = DEFT_WORKLOADS_DIR;
   std::string out;
-  int reps = 200;
+  int reps = 50;                // graph replays of kLaunchesPerGraph launches each
+  std::string only_case;        // run only this case (for profiling)
+  std::string only_method;      // run only this method
 };
 
 }  // namespace
@@ -153,6 +155,8 @@ int main(int argc, char** argv) {
     if (flag == "--workloads") args.workloads = argv[i + 1];
     else if (flag == "--out") args.out = argv[i + 1];
     else if (flag == "--reps") args.reps = std::atoi(argv[i + 1]);
+    else if (flag == "--case") args.only_case = argv[i + 1];
+    else if (flag == "--method") args.only_method = argv[i + 1];
   }
 
   std::vector<Snapshot> snapshots;
@@ -209,6 +213,7 @@ int main(int argc, char** argv) {
   std::printf("%-32s %-18s %9s %9s %7s %9s %8s\n", "case", "method", "median_us", "floor_us",
               "ratio", "GB/s", "rel_err");
   for (const Snapshot& s : snapshots) {
+    if (!args.only_case.empty() && s.name != args.only_case) continue;
     const int32_t num_slots = static_cast<int32_t>(s.kv->num_slots());
     const int32_t num_queries = static_cast<int32_t>(s.queries.size());
     const size_t kv_elems = size_t(num_slots) * kv_row;
@@ -269,6 +274,7 @@ int main(int argc, char** argv) {
     }
 
     for (const Method& m : methods) {
+      if (!args.only_method.empty() && m.name != args.only_method) continue;
       AttentionPlanner planner({.kind = m.kind, .chunk_tokens = m.chunk_tokens});
       AttentionPlan plan;
       const std::vector<engine::TreeQueries> input = {{s.tree.get(), s.queries}};
@@ -306,17 +312,29 @@ int main(int argc, char** argv) {
       const double rel_err = std::sqrt(diff / norm);
       const bool correct = !nan && rel_err <= 1e-2;
 
-      for (int w = 0; w < 10; ++w) launch(w % copies);
+      // A CUDA graph of kLaunchesPerGraph launches (rotating copies) keeps the GPU busy, so
+      // neither host launch gaps nor idle clocks enter the numbers; one sample = one replay's
+      // time / kLaunchesPerGraph.
+      constexpr int kLaunchesPerGraph = 20;
+      cudaGraph_t graph;
+      cudaGraphExec_t graph_exec;
+      DEFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < kLaunchesPerGraph; ++i) launch(i % copies);
+      DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      DEFT_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
+      for (int w = 0; w < 5; ++w) DEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
       std::vector<double> samples_us;
       for (int r = 0; r < args.reps; ++r) {
         DEFT_CUDA_CHECK(cudaEventRecord(start, stream));
-        launch(r % copies);
+        DEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
         DEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
         DEFT_CUDA_CHECK(cudaEventSynchronize(stop));
         float ms = 0;
         DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        samples_us.push_back(ms * 1e3);
+        samples_us.push_back(ms * 1e3 / kLaunchesPerGraph);
       }
+      DEFT_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
+      DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
       const Samples stats = summarize(samples_us);
       const int64_t kv_bytes = plan.io.kv_tokens_read * int64_t(kv_row) * kElemBytes * 2;
       std::printf("%-32s %-18s %9.1f %9.1f %7.2f %9.0f %8.1e%s\n", s.name.c_str(), m.name.c_str(),

@@ -26,7 +26,7 @@ size_t align_up(size_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAli
 
 // Row slices of stage 1 (gridDim.z): a task with many rows (entries x group) is split over up
 // to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
-constexpr int kMaxRowSlices = 8;
+constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every pass its own CTA
 
 template <typename T, int kHeadDim>
 void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,

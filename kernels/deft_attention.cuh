@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention_params.h"
 
@@ -286,94 +287,122 @@ __global__ void __launch_bounds__(kStage1Threads)
       }
     };
 
+    // One warp step: 16 rows x (8 * kBlocks) tokens starting at tile token `step_token0`:
+    // S = Q K^T, mask, online softmax update, O += P V.
+    auto compute_step = [&](auto blocks_tag, const unsigned char* k_tile,
+                            const unsigned char* v_tile, const uint64_t* mask_tile, int token0,
+                            int step_token0) {
+      constexpr int kBlocks = decltype(blocks_tag)::value;  // n-blocks of 8 tokens, even
+      const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
+      const int matrix_row = lane % 8;
+
+      float scores[kBlocks][4];
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+        scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
+      }
+#pragma unroll
+      for (int pair = 0; pair < kBlocks / 2; ++pair) {
+        const int token = step_token0 + pair * 16 + (matrix >> 1) * 8 + matrix_row;
+        const uint32_t row_address =
+            smem_address(k_tile + token * Smem::kRowElems * 2) + (matrix & 1) * 8 * 2;
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          uint32_t k_frag[4];
+          ldmatrix_x4(k_frag, row_address + kk * 16 * 2);
+          Traits::mma(scores[2 * pair], q_frag[kk], k_frag[0], k_frag[1]);
+          Traits::mma(scores[2 * pair + 1], q_frag[kk], k_frag[2], k_frag[3]);
+        }
+      }
+
+      // Scale, mask (tail tokens, mask bits), online softmax update.
+      float step_max_a = kNegInf, step_max_b = kNegInf;
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
+          const int bit = e < 2 ? bit_a : bit_b;
+          bool visible = token0 + token < run_tokens;
+          if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
+          scores[nb][e] = visible ? scores[nb][e] * params.scale_log2 : kNegInf;
+        }
+        step_max_a = fmaxf(step_max_a, fmaxf(scores[nb][0], scores[nb][1]));
+        step_max_b = fmaxf(step_max_b, fmaxf(scores[nb][2], scores[nb][3]));
+      }
+      step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 1));
+      step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 2));
+      step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 1));
+      step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 2));
+      const float new_max_a = fmaxf(max_a, step_max_a);
+      const float new_max_b = fmaxf(max_b, step_max_b);
+      // A row that has seen nothing yet keeps max -inf; subtract 0 then (exp2(-inf) = 0).
+      const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
+      const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
+      const float alpha_a = exp2f(max_a - base_a);
+      const float alpha_b = exp2f(max_b - base_b);
+      max_a = new_max_a;
+      max_b = new_max_b;
+      float step_sum_a = 0.0f, step_sum_b = 0.0f;
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+        scores[nb][0] = exp2f(scores[nb][0] - base_a);
+        scores[nb][1] = exp2f(scores[nb][1] - base_a);
+        scores[nb][2] = exp2f(scores[nb][2] - base_b);
+        scores[nb][3] = exp2f(scores[nb][3] - base_b);
+        step_sum_a += scores[nb][0] + scores[nb][1];
+        step_sum_b += scores[nb][2] + scores[nb][3];
+      }
+      sum_a = sum_a * alpha_a + step_sum_a;
+      sum_b = sum_b * alpha_b + step_sum_b;
+#pragma unroll
+      for (int nb = 0; nb < kOBlocks; ++nb) {
+        o_acc[nb][0] *= alpha_a;
+        o_acc[nb][1] *= alpha_a;
+        o_acc[nb][2] *= alpha_b;
+        o_acc[nb][3] *= alpha_b;
+      }
+
+      // O += P V, 16 tokens at a time: P's accumulator layout is the A-fragment layout of the
+      // next MMA.
+#pragma unroll
+      for (int pair = 0; pair < kBlocks / 2; ++pair) {
+        const uint32_t p_frag[4] = {Traits::pack(scores[2 * pair][0], scores[2 * pair][1]),
+                                    Traits::pack(scores[2 * pair][2], scores[2 * pair][3]),
+                                    Traits::pack(scores[2 * pair + 1][0], scores[2 * pair + 1][1]),
+                                    Traits::pack(scores[2 * pair + 1][2], scores[2 * pair + 1][3])};
+        const int token = step_token0 + pair * 16 + (matrix & 1) * 8 + matrix_row;
+        const uint32_t row_address =
+            smem_address(v_tile + token * Smem::kRowElems * 2) + (matrix >> 1) * 8 * 2;
+#pragma unroll
+        for (int nb2 = 0; nb2 < kHeadDim / 16; ++nb2) {
+          uint32_t v_frag[4];
+          ldmatrix_x4_trans(v_frag, row_address + nb2 * 16 * 2);
+          Traits::mma(o_acc[2 * nb2], p_frag, v_frag[0], v_frag[1]);
+          Traits::mma(o_acc[2 * nb2 + 1], p_frag, v_frag[2], v_frag[3]);
+        }
+      }
+    };
+
     auto compute_tile = [&](int tile, int stage) {
       const unsigned char* k_tile = smem + stage * Smem::kStageBytes;
       const unsigned char* v_tile = k_tile + Smem::kTileBytes;
       const uint64_t* mask_tile =
           reinterpret_cast<const uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
       const int token0 = tile * kKvTileTokens;
-      const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
-      const int matrix_row = lane % 8;
+      if (kv_splits == 1) {
+        // Many rows: the whole 64-token tile in one step (more independent MMAs, one softmax
+        // rescale per tile instead of four).
+        compute_step(std::integral_constant<int, kKvTileTokens / 8>{}, k_tile, v_tile, mask_tile,
+                     token0, 0);
+        return;
+      }
+      // Few rows: the warps share the tile, 16 tokens each per step.
       for (int step = warp_split; step < kKvTileTokens / kStepTokens; step += kv_splits) {
         const int step_token0 = step * kStepTokens;
         if (token0 + step_token0 >= run_tokens) break;
-
-        // S = Q K^T for 16 rows x 16 tokens (two n-blocks of 8 tokens).
-        float scores[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        {
-          const int token = step_token0 + (matrix >> 1) * 8 + matrix_row;
-          const uint32_t row_address = smem_address(k_tile + token * Smem::kRowElems * 2) +
-                                       (matrix & 1) * 8 * 2;
-#pragma unroll
-          for (int kk = 0; kk < kKSteps; ++kk) {
-            uint32_t k_frag[4];
-            ldmatrix_x4(k_frag, row_address + kk * 16 * 2);
-            Traits::mma(scores[0], q_frag[kk], k_frag[0], k_frag[1]);
-            Traits::mma(scores[1], q_frag[kk], k_frag[2], k_frag[3]);
-          }
-        }
-
-        // Scale, mask (tail tokens, mask bits), online softmax update.
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
-            const int bit = e < 2 ? bit_a : bit_b;
-            bool visible = token0 + token < run_tokens;
-            if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
-            scores[nb][e] = visible ? scores[nb][e] * params.scale_log2 : kNegInf;
-          }
-        }
-        float step_max_a = fmaxf(fmaxf(scores[0][0], scores[0][1]), fmaxf(scores[1][0], scores[1][1]));
-        float step_max_b = fmaxf(fmaxf(scores[0][2], scores[0][3]), fmaxf(scores[1][2], scores[1][3]));
-        step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 1));
-        step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 2));
-        step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 1));
-        step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 2));
-        const float new_max_a = fmaxf(max_a, step_max_a);
-        const float new_max_b = fmaxf(max_b, step_max_b);
-        // A row that has seen nothing yet keeps max -inf; subtract 0 then (exp2(-inf) = 0).
-        const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
-        const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
-        const float alpha_a = exp2f(max_a - base_a);
-        const float alpha_b = exp2f(max_b - base_b);
-        max_a = new_max_a;
-        max_b = new_max_b;
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          scores[nb][0] = exp2f(scores[nb][0] - base_a);
-          scores[nb][1] = exp2f(scores[nb][1] - base_a);
-          scores[nb][2] = exp2f(scores[nb][2] - base_b);
-          scores[nb][3] = exp2f(scores[nb][3] - base_b);
-        }
-        sum_a = sum_a * alpha_a + scores[0][0] + scores[0][1] + scores[1][0] + scores[1][1];
-        sum_b = sum_b * alpha_b + scores[0][2] + scores[0][3] + scores[1][2] + scores[1][3];
-#pragma unroll
-        for (int nb = 0; nb < kOBlocks; ++nb) {
-          o_acc[nb][0] *= alpha_a;
-          o_acc[nb][1] *= alpha_a;
-          o_acc[nb][2] *= alpha_b;
-          o_acc[nb][3] *= alpha_b;
-        }
-
-        // O += P V: P's accumulator layout is the A-fragment layout of the next MMA.
-        const uint32_t p_frag[4] = {Traits::pack(scores[0][0], scores[0][1]),
-                                    Traits::pack(scores[0][2], scores[0][3]),
-                                    Traits::pack(scores[1][0], scores[1][1]),
-                                    Traits::pack(scores[1][2], scores[1][3])};
-        {
-          const int token = step_token0 + (matrix & 1) * 8 + matrix_row;
-          const uint32_t row_address = smem_address(v_tile + token * Smem::kRowElems * 2) +
-                                       (matrix >> 1) * 8 * 2;
-#pragma unroll
-          for (int nb2 = 0; nb2 < kHeadDim / 16; ++nb2) {
-            uint32_t v_frag[4];
-            ldmatrix_x4_trans(v_frag, row_address + nb2 * 16 * 2);
-            Traits::mma(o_acc[2 * nb2], p_frag, v_frag[0], v_frag[1]);
-            Traits::mma(o_acc[2 * nb2 + 1], p_frag, v_frag[2], v_frag[3]);
-          }
-        }
+        compute_step(std::integral_constant<int, kStepTokens / 8>{}, k_tile, v_tile, mask_tile,
+                     token0, step_token0);
       }
     };
 
