@@ -71,10 +71,11 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   // Stage 2 spans every query (a launch shape fixed by the plan's size); queries with a single
   // partial return at once. Skipped entirely when no query has two partials.
   if (plan.num_entries > plan.num_queries) {
-    detail::deft_attention_stage2_kernel<T>
-        <<<static_cast<unsigned>(plan.num_queries), detail::kStage2Threads, 0, stream>>>(
-            plan, partial_out, partial_lse, static_cast<T*>(out), dims.num_q_heads,
-            dims.head_dim);
+    const dim3 grid2(static_cast<unsigned>(plan.num_queries),
+                     static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
+                                           detail::kStage2Warps));
+    detail::deft_attention_stage2_kernel<T, kHeadDim><<<grid2, detail::kStage2Threads, 0, stream>>>(
+        plan, partial_out, partial_lse, static_cast<T*>(out), dims.num_q_heads);
     DEFT_CUDA_CHECK_LAUNCH();
   }
 }

@@ -13,8 +13,8 @@
 // never loaded; online softmax in base 2. Rows whose query has a single partial write the final
 // output directly, the others write partial O (normalised) and LSE (natural log).
 //
-// Stage 2: one CTA per query; queries with a single partial return at once; the others merge
-// their partials per head: out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max).
+// Stage 2: one warp per (query, head); queries with a single partial return at once; the others
+// merge their partials: out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,7 +35,8 @@ inline constexpr int kStage1Threads = kStage1Warps * 32;
 inline constexpr int kKvTileTokens = 64;  // tokens per cp.async tile
 inline constexpr int kMmaRows = 16;       // rows of one warp's m16n8k16 tile
 inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the PV MMA)
-inline constexpr int kStage2Threads = 128;
+inline constexpr int kStage2Warps = 4;  // heads per stage-2 CTA
+inline constexpr int kStage2Threads = kStage2Warps * 32;
 
 // Shared memory of stage 1: two stages of (K tile, V tile, mask words). Rows are padded by
 // 16 bytes so that ldmatrix's 8 row addresses fall into distinct bank groups.
@@ -156,7 +157,7 @@ __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
 // ---- stage 1 ----------------------------------------------------------------------------------
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kStage1Threads)
+__global__ void __launch_bounds__(kStage1Threads, 3)
     deft_attention_stage1_kernel(const __grid_constant__ Stage1Params params) {
   using Smem = Stage1Smem<kHeadDim>;
   using Traits = ElemTraits<T>;
@@ -512,47 +513,82 @@ __global__ void __launch_bounds__(kStage1Threads)
 
 // ---- stage 2 ----------------------------------------------------------------------------------
 
-template <typename T>
+// One warp per (query, head), kStage2Warps heads per CTA. The partials' weights are computed
+// 32 at a time (a lane each) and broadcast by shuffles, so the O loads of successive partials
+// are independent and many are in flight (a serial chain of LSE loads made this latency-bound).
+template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kStage2Threads)
     deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
                                  const float* __restrict__ partial_out,
                                  const float* __restrict__ partial_lse, T* __restrict__ out,
-                                 int32_t num_q_heads, int32_t head_dim) {
+                                 int32_t num_q_heads) {
+  constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 consecutive floats per lane
+  static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
   const int query = blockIdx.x;
   const int begin = plan.query_entry_begin[query];
-  const int end = plan.query_entry_begin[query + 1];
-  if (end - begin <= 1) return;  // written by stage 1 directly
+  const int count = plan.query_entry_begin[query + 1] - begin;
+  if (count <= 1) return;  // written by stage 1 directly
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  constexpr int kMaxPerLane = 4;  // head_dim <= 128
-  for (int head = warp; head < num_q_heads; head += kStage2Threads / 32) {
-    float lse_max = kNegInf;
-    for (int i = begin; i < end; ++i) {
-      const int entry = plan.query_entries[i];
-      lse_max = fmaxf(lse_max, partial_lse[static_cast<int64_t>(entry) * num_q_heads + head]);
-    }
-    const float base = lse_max == kNegInf ? 0.0f : lse_max;
-    float acc[kMaxPerLane] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float denom = 0.0f;
-    for (int i = begin; i < end; ++i) {
-      const int64_t partial_row =
-          static_cast<int64_t>(plan.query_entries[i]) * num_q_heads + head;
-      const float weight = expf(partial_lse[partial_row] - base);
-      denom += weight;
-      const float* o = partial_out + partial_row * head_dim;
+  const int head = blockIdx.y * kStage2Warps + warp;
+  if (head >= num_q_heads) return;
+
+  float lse_max = kNegInf;
+  for (int i = lane; i < count; i += 32) {
+    const int64_t row = static_cast<int64_t>(plan.query_entries[begin + i]) * num_q_heads + head;
+    lse_max = fmaxf(lse_max, partial_lse[row]);
+  }
 #pragma unroll
-      for (int j = 0; j < kMaxPerLane; ++j) {
-        const int d = lane + 32 * j;
-        if (d < head_dim) acc[j] += weight * o[d];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+  }
+  const float base = lse_max == kNegInf ? 0.0f : lse_max;
+
+  float acc[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
+  float denom = 0.0f;
+  for (int chunk = 0; chunk < count; chunk += 32) {
+    int64_t my_row = 0;
+    float my_weight = 0.0f;
+    if (chunk + lane < count) {
+      my_row = static_cast<int64_t>(plan.query_entries[begin + chunk + lane]) * num_q_heads + head;
+      my_weight = expf(partial_lse[my_row] - base);
+    }
+    denom += my_weight;
+    const int chunk_count = min(32, count - chunk);
+#pragma unroll 4
+    for (int j = 0; j < chunk_count; ++j) {
+      const float weight = __shfl_sync(0xffffffffu, my_weight, j);
+      const int64_t row = __shfl_sync(0xffffffffu, my_row, j);
+      const float* o = partial_out + row * kHeadDim + lane * kPerLane;
+      if constexpr (kPerLane == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(o);
+        acc[0] += weight * v.x;
+        acc[1] += weight * v.y;
+        acc[2] += weight * v.z;
+        acc[3] += weight * v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(o);
+        acc[0] += weight * v.x;
+        acc[1] += weight * v.y;
       }
     }
-    const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
-    T* out_row = out + (static_cast<int64_t>(query) * num_q_heads + head) * head_dim;
+  }
 #pragma unroll
-    for (int j = 0; j < kMaxPerLane; ++j) {
-      const int d = lane + 32 * j;
-      if (d < head_dim) out_row[d] = ElemTraits<T>::from_float(acc[j] * inv_denom);
-    }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    denom += __shfl_xor_sync(0xffffffffu, denom, offset);
+  }
+  const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
+  T* out_row = out + (static_cast<int64_t>(query) * num_q_heads + head) * kHeadDim +
+               lane * kPerLane;
+  if constexpr (kPerLane == 4) {
+    *reinterpret_cast<uint2*>(out_row) =
+        make_uint2(ElemTraits<T>::pack(acc[0] * inv_denom, acc[1] * inv_denom),
+                   ElemTraits<T>::pack(acc[2] * inv_denom, acc[3] * inv_denom));
+  } else {
+    *reinterpret_cast<uint32_t*>(out_row) =
+        ElemTraits<T>::pack(acc[0] * inv_denom, acc[1] * inv_denom);
   }
 }
 
