@@ -35,7 +35,7 @@ inline constexpr int kStage1Threads = kStage1Warps * 32;
 inline constexpr int kKvTileTokens = 64;  // tokens per cp.async tile
 inline constexpr int kMmaRows = 16;       // rows of one warp's m16n8k16 tile
 inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the PV MMA)
-inline constexpr int kStage2Warps = 4;  // heads per stage-2 CTA
+inline constexpr int kStage2Warps = 4;    // heads per stage-2 CTA
 inline constexpr int kStage2Threads = kStage2Warps * 32;
 
 // Shared memory of stage 1: two stages of (K tile, V tile, mask words). Rows are padded by
@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     deft_attention_stage1_kernel(const __grid_constant__ Stage1Params params) {
   using Smem = Stage1Smem<kHeadDim>;
   using Traits = ElemTraits<T>;
-  constexpr int kKSteps = kHeadDim / 16;    // k-steps of QK^T
-  constexpr int kOBlocks = kHeadDim / 8;    // n-blocks of the O accumulator
+  constexpr int kKSteps = kHeadDim / 16;       // k-steps of QK^T
+  constexpr int kOBlocks = kHeadDim / 8;       // n-blocks of the O accumulator
   constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -591,8 +591,8 @@ __global__ void __launch_bounds__(kStage2Threads)
     denom += __shfl_xor_sync(0xffffffffu, denom, offset);
   }
   const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
-  T* out_row = out + (static_cast<int64_t>(query) * num_q_heads + head) * kHeadDim +
-               lane * kPerLane;
+  T* out_row =
+      out + (static_cast<int64_t>(query) * num_q_heads + head) * kHeadDim + lane * kPerLane;
   if constexpr (kPerLane == 4) {
     *reinterpret_cast<uint2*>(out_row) =
         make_uint2(ElemTraits<T>::pack(acc[0] * inv_denom, acc[1] * inv_denom),

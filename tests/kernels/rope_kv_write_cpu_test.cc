@@ -12,8 +12,12 @@ namespace deft::kernels {
 namespace {
 
 TEST(RopeCpu, PositionZeroIsIdentity) {
-  RopeDims dims{.num_tokens = 1, .num_q_heads = 2, .num_kv_heads = 1, .head_dim = 8,
-                .q_token_stride = 16, .k_token_stride = 8};
+  RopeDims dims{.num_tokens = 1,
+                .num_q_heads = 2,
+                .num_kv_heads = 1,
+                .head_dim = 8,
+                .q_token_stride = 16,
+                .k_token_stride = 8};
   std::vector<float> q(16), k(8);
   std::iota(q.begin(), q.end(), 1.0f);
   std::iota(k.begin(), k.end(), -3.0f);
@@ -27,8 +31,12 @@ TEST(RopeCpu, PositionZeroIsIdentity) {
 
 // rotate_half pairs element i with i + head_dim / 2: (1, 0) at angle a becomes (cos a, sin a).
 TEST(RopeCpu, RotatesHalvesByPositionTimesInverseFrequency) {
-  RopeDims dims{.num_tokens = 2, .num_q_heads = 1, .num_kv_heads = 0, .head_dim = 4,
-                .q_token_stride = 4, .k_token_stride = 0};
+  RopeDims dims{.num_tokens = 2,
+                .num_q_heads = 1,
+                .num_kv_heads = 0,
+                .head_dim = 4,
+                .q_token_stride = 4,
+                .k_token_stride = 0};
   std::vector<float> q = {1, 0, 0, 2, 1, 0, 0, 2};  // per token: x1 = (1, 0), x2 = (0, 2)
   const std::vector<int32_t> positions = {3, 7};
   const std::vector<float> inv_freq = {1.0f, 0.5f};
@@ -37,8 +45,8 @@ TEST(RopeCpu, RotatesHalvesByPositionTimesInverseFrequency) {
     const float a0 = static_cast<float>(positions[t]) * inv_freq[0];
     const float a1 = static_cast<float>(positions[t]) * inv_freq[1];
     const float* x = &q[t * 4];
-    EXPECT_FLOAT_EQ(x[0], std::cos(a0));   // 1 * cos - 0 * sin
-    EXPECT_FLOAT_EQ(x[2], std::sin(a0));   // 0 * cos + 1 * sin
+    EXPECT_FLOAT_EQ(x[0], std::cos(a0));       // 1 * cos - 0 * sin
+    EXPECT_FLOAT_EQ(x[2], std::sin(a0));       // 0 * cos + 1 * sin
     EXPECT_FLOAT_EQ(x[1], -2 * std::sin(a1));  // 0 * cos - 2 * sin
     EXPECT_FLOAT_EQ(x[3], 2 * std::cos(a1));   // 2 * cos + 0 * sin
   }
