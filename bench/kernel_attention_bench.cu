@@ -1,8 +1,9 @@
 // One attention layer (Llama-3-8B shapes: 32 query heads, 8 KV heads, head_dim 128, bf16) on the
 // DeFT paper's snapshots, for every plan kind of engine/attention_planner.h and a sweep of the
 // Flatten chunk size B. Kernel time = both stages, CUDA events around replays of a CUDA graph of 20
-// launches, median after warm-up, KV and Q rotated over copies larger than L2. Each method's output is checked against
-// a float64 dense reference on sampled queries; a row that fails the check is not written.
+// launches, median after warm-up, KV and Q rotated over copies larger than L2. Each method's output
+// is checked against a float64 dense reference on sampled queries; a row that fails the check is
+// not written.
 //
 //   kernel_attention_bench [--workloads DIR] [--out DIR] [--reps N] [--case NAME] [--method NAME]
 // Writes <out>/kernel_attention-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
@@ -43,7 +44,7 @@ using kernels::DeviceBuffer;
 constexpr int kNumQHeads = 32;
 constexpr int kNumKvHeads = 8;
 constexpr int kHeadDim = 128;
-constexpr int kElemBytes = 2;  // bf16
+constexpr int kElemBytes = 2;                // bf16
 constexpr size_t kRotateBytes = 200u << 20;  // > 4x the H100's 50 MB L2
 
 struct Snapshot {
@@ -71,8 +72,8 @@ void must(const absl::Status& status) {
 }
 
 Snapshot fewshot(int prompt, int branches, int suffix) {
-  Snapshot s = new_snapshot("fewshot_p" + std::to_string(prompt) + "_b" +
-                                std::to_string(branches) + "_s" + std::to_string(suffix),
+  Snapshot s = new_snapshot("fewshot_p" + std::to_string(prompt) + "_b" + std::to_string(branches) +
+                                "_s" + std::to_string(suffix),
                             prompt + int64_t{branches} * suffix);
   must(s.tree->append(0, std::vector<TokenId>(prompt, 1)));
   const std::vector<NodeId> leaves = s.tree->branch(0, branches).value();
@@ -84,9 +85,9 @@ Snapshot fewshot(int prompt, int branches, int suffix) {
 }
 
 Snapshot specdec(int prefix, const engine::SpecDecTrace& trace) {
-  Snapshot s = new_snapshot(
-      "specdec_p" + std::to_string(prefix) + "_t" + std::to_string(trace.tree_size()),
-      prefix + trace.tree_size());
+  Snapshot s =
+      new_snapshot("specdec_p" + std::to_string(prefix) + "_t" + std::to_string(trace.tree_size()),
+                   prefix + trace.tree_size());
   engine::SpecDecReplay replay(trace, *s.tree, prefix);
   replay.build_token_tree(s.queries);
   must(replay.status());
@@ -138,9 +139,9 @@ std::vector<uint16_t> random_bf16(size_t count, std::mt19937& rng) {
 struct Args {
   std::string workloads = DEFT_WORKLOADS_DIR;
   std::string out;
-  int reps = 50;                // graph replays of kLaunchesPerGraph launches each
-  std::string only_case;        // run only this case (for profiling)
-  std::string only_method;      // run only this method
+  int reps = 50;            // graph replays of kLaunchesPerGraph launches each
+  std::string only_case;    // run only this case (for profiling)
+  std::string only_method;  // run only this method
 };
 
 }  // namespace
@@ -152,11 +153,16 @@ int main(int argc, char** argv) {
   Args args;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--workloads") args.workloads = argv[i + 1];
-    else if (flag == "--out") args.out = argv[i + 1];
-    else if (flag == "--reps") args.reps = std::atoi(argv[i + 1]);
-    else if (flag == "--case") args.only_case = argv[i + 1];
-    else if (flag == "--method") args.only_method = argv[i + 1];
+    if (flag == "--workloads")
+      args.workloads = argv[i + 1];
+    else if (flag == "--out")
+      args.out = argv[i + 1];
+    else if (flag == "--reps")
+      args.reps = std::atoi(argv[i + 1]);
+    else if (flag == "--case")
+      args.only_case = argv[i + 1];
+    else if (flag == "--method")
+      args.only_method = argv[i + 1];
   }
 
   std::vector<Snapshot> snapshots;
@@ -222,7 +228,8 @@ int main(int argc, char** argv) {
     const std::vector<uint16_t> v_host = random_bf16(kv_elems, rng);
     const std::vector<uint16_t> q_host = random_bf16(q_elems, rng);
     const size_t copy_bytes = (2 * kv_elems + q_elems) * kElemBytes;
-    const int copies = static_cast<int>(std::max<size_t>(2, (kRotateBytes + copy_bytes - 1) / copy_bytes));
+    const int copies =
+        static_cast<int>(std::max<size_t>(2, (kRotateBytes + copy_bytes - 1) / copy_bytes));
     DeviceBuffer k_dev(kv_elems * kElemBytes * copies), v_dev(kv_elems * kElemBytes * copies);
     DeviceBuffer q_dev(q_elems * kElemBytes * copies), out_dev(q_elems * kElemBytes);
     for (int c = 0; c < copies; ++c) {
@@ -246,7 +253,8 @@ int main(int argc, char** argv) {
     // Float64 dense reference on up to 12 sampled queries (copy 0's values).
     std::vector<int32_t> sampled;
     for (int i = 0; i < std::min(num_queries, 12); ++i) {
-      sampled.push_back(static_cast<int32_t>((int64_t(i) * num_queries) / std::min(num_queries, 12)));
+      sampled.push_back(
+          static_cast<int32_t>((int64_t(i) * num_queries) / std::min(num_queries, 12)));
     }
     std::vector<double> reference(sampled.size() * q_row, 0.0);
     for (size_t i = 0; i < sampled.size(); ++i) {
@@ -284,11 +292,10 @@ int main(int argc, char** argv) {
       kernels::DeftAttentionBuffers buffers;
       buffers.reserve(plan.num_entries(), dims);
       const auto launch = [&](int copy) {
-        kernels::launch_deft_attention(device_plan, dims, kernels::DType::kBf16,
-                                       q_dev.as<uint16_t>() + copy * q_elems,
-                                       k_dev.as<uint16_t>() + copy * kv_elems,
-                                       v_dev.as<uint16_t>() + copy * kv_elems, buffers,
-                                       out_dev.data(), stream);
+        kernels::launch_deft_attention(
+            device_plan, dims, kernels::DType::kBf16, q_dev.as<uint16_t>() + copy * q_elems,
+            k_dev.as<uint16_t>() + copy * kv_elems, v_dev.as<uint16_t>() + copy * kv_elems, buffers,
+            out_dev.data(), stream);
       };
 
       // Correctness on copy 0 (output poisoned first).

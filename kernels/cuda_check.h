@@ -21,13 +21,12 @@ namespace deft::kernels::detail {
 }  // namespace deft::kernels::detail
 
 // DEFT_CUDA_CHECK(cudaMemcpyAsync(...)); aborts on any error.
-#define DEFT_CUDA_CHECK(call)                                                      \
-  do {                                                                             \
-    const cudaError_t deft_cuda_error_ = (call);                                   \
-    if (deft_cuda_error_ != cudaSuccess) {                                         \
-      ::deft::kernels::detail::cuda_check_failed(deft_cuda_error_, #call, __FILE__, \
-                                                 __LINE__);                        \
-    }                                                                              \
+#define DEFT_CUDA_CHECK(call)                                                                  \
+  do {                                                                                         \
+    const cudaError_t deft_cuda_error_ = (call);                                               \
+    if (deft_cuda_error_ != cudaSuccess) {                                                     \
+      ::deft::kernels::detail::cuda_check_failed(deft_cuda_error_, #call, __FILE__, __LINE__); \
+    }                                                                                          \
   } while (0)
 
 // After a kernel launch: reports launch-configuration errors (bad grid, too much shared memory).

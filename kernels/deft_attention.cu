@@ -1,7 +1,5 @@
 // Host side of the DeFT attention kernels: plan upload, scratch buffers, and the one place that
 // instantiates the kernel templates of kernels/deft_attention.cuh (bf16/fp16 x head_dim 64/128).
-#include "kernels/deft_attention.h"
-
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +7,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.cuh"
+#include "kernels/deft_attention.h"
 
 namespace deft::kernels {
 
@@ -22,7 +21,9 @@ namespace {
 
 constexpr size_t kSectionAlign = 16;
 
-size_t align_up(size_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
+size_t align_up(size_t bytes) {
+  return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign;
+}
 
 // Row slices of stage 1 (gridDim.z): a task with many rows (entries x group) is split over up
 // to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
@@ -129,8 +130,7 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
       std::memcpy(staging + section.offset, section.source, section.bytes);
     }
   }
-  DEFT_CUDA_CHECK(
-      cudaMemcpyAsync(device_.data(), staging, total, cudaMemcpyHostToDevice, stream));
+  DEFT_CUDA_CHECK(cudaMemcpyAsync(device_.data(), staging, total, cudaMemcpyHostToDevice, stream));
   DEFT_CUDA_CHECK(cudaEventRecord(upload_done_, stream));
   upload_pending_ = true;
 
@@ -149,12 +149,13 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
 
   max_task_entries_ = 0;
   for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
-    max_task_entries_ = std::max(max_task_entries_, host_plan.task_entry_begin[task + 1] -
-                                                        host_plan.task_entry_begin[task]);
+    max_task_entries_ = std::max(
+        max_task_entries_, host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
   }
 }
 
-// ---- DeftAttentionBuffers ------------------------------------------------------------------------
+// ---- DeftAttentionBuffers
+// ------------------------------------------------------------------------
 
 void DeftAttentionBuffers::reserve(int32_t num_entries, const AttentionDims& dims) {
   const size_t rows = static_cast<size_t>(std::max(num_entries, 1)) * dims.num_q_heads;
@@ -180,9 +181,8 @@ void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_tas
   if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
   const auto run = [&](auto type_tag, auto head_dim_tag) {
     using T = decltype(type_tag);
-    launch_typed<T, decltype(head_dim_tag)::value>(device_plan, max_task_entries, dims, q,
-                                                   k_cache, v_cache, partial_out, partial_lse,
-                                                   out, stream);
+    launch_typed<T, decltype(head_dim_tag)::value>(device_plan, max_task_entries, dims, q, k_cache,
+                                                   v_cache, partial_out, partial_lse, out, stream);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

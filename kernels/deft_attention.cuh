@@ -35,7 +35,7 @@ inline constexpr int kStage1Threads = kStage1Warps * 32;
 inline constexpr int kKvTileTokens = 64;  // tokens per cp.async tile
 inline constexpr int kMmaRows = 16;       // rows of one warp's m16n8k16 tile
 inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the PV MMA)
-inline constexpr int kStage2Warps = 4;  // heads per stage-2 CTA
+inline constexpr int kStage2Warps = 4;    // heads per stage-2 CTA
 inline constexpr int kStage2Threads = kStage2Warps * 32;
 
 // Shared memory of stage 1: two stages of (K tile, V tile, mask words). Rows are padded by
@@ -46,7 +46,9 @@ struct Stage1Smem {
   static constexpr int kTileBytes = kKvTileTokens * kRowElems * 2;
   static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
   static constexpr int kMaskOffset = 2 * kStageBytes;
-  static constexpr int kBytes = kMaskOffset + 2 * kKvTileTokens * 8;
+  // Per row of the current pass: where its result goes (~query: final output, else entry).
+  static constexpr int kRowTargetOffset = kMaskOffset + 2 * kKvTileTokens * 8;
+  static constexpr int kBytes = kRowTargetOffset + kStage1Warps * kMmaRows * 4;
   // The end-of-pass merge reuses the KV ring: per warp 16 rows of O, m and l (fp32).
   static constexpr int kMergeOBytes = kStage1Warps * kMmaRows * kHeadDim * 4;
   static constexpr int kMergeBytes = kMergeOBytes + 2 * kStage1Warps * kMmaRows * 4;
@@ -161,8 +163,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     deft_attention_stage1_kernel(const __grid_constant__ Stage1Params params) {
   using Smem = Stage1Smem<kHeadDim>;
   using Traits = ElemTraits<T>;
-  constexpr int kKSteps = kHeadDim / 16;    // k-steps of QK^T
-  constexpr int kOBlocks = kHeadDim / 8;    // n-blocks of the O accumulator
+  constexpr int kKSteps = kHeadDim / 16;       // k-steps of QK^T
+  constexpr int kOBlocks = kHeadDim / 8;       // n-blocks of the O accumulator
   constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -204,6 +206,17 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     // Entries (mask bits) this pass covers: a tile none of them sees is skipped.
     const uint64_t pass_bits =
         masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
+
+    // Resolve each row's destination once per pass (not per output element in the epilogue:
+    // those dependent plan loads made short CTAs latency-bound).
+    int32_t* row_target = reinterpret_cast<int32_t*>(smem + Smem::kRowTargetOffset);
+    if (threadIdx.x < pass_rows) {
+      const int entry = entry_begin + (pass_row0 + threadIdx.x) / group;
+      const int query = plan.entry_query[entry];
+      const bool single_partial =
+          plan.query_entry_begin[query + 1] - plan.query_entry_begin[query] == 1;
+      row_target[threadIdx.x] = single_partial ? ~query : entry;
+    }
 
     // This thread's two fragment rows (lane_row and lane_row + 8 of the warp's 16).
     const int row_a = pass_row0 + warp_row_block * kMmaRows + lane_row;
@@ -487,18 +500,16 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       acc.w *= inv_sum;
 
       const int row = pass_row0 + pass_row;
-      const int entry = entry_begin + row / group;
       const int head = kv_head * group + row % group;
-      const int query = plan.entry_query[entry];
-      const bool single_partial =
-          plan.query_entry_begin[query + 1] - plan.query_entry_begin[query] == 1;
-      if (single_partial) {
+      const int target = row_target[pass_row];
+      if (target < 0) {
+        const int query = ~target;
         T* out = static_cast<T*>(params.out) + static_cast<int64_t>(query) * q_row_stride +
                  head * kHeadDim + col;
         const uint2 packed = make_uint2(Traits::pack(acc.x, acc.y), Traits::pack(acc.z, acc.w));
         *reinterpret_cast<uint2*>(out) = packed;
       } else {
-        const int64_t partial_row = static_cast<int64_t>(entry) * params.num_q_heads + head;
+        const int64_t partial_row = static_cast<int64_t>(target) * params.num_q_heads + head;
         *reinterpret_cast<float4*>(params.partial_out + partial_row * kHeadDim + col) = acc;
         if (col == 0) {
           // Natural-log LSE of the scaled scores: (max + log2(sum)) * ln(2).
@@ -580,8 +591,8 @@ __global__ void __launch_bounds__(kStage2Threads)
     denom += __shfl_xor_sync(0xffffffffu, denom, offset);
   }
   const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
-  T* out_row = out + (static_cast<int64_t>(query) * num_q_heads + head) * kHeadDim +
-               lane * kPerLane;
+  T* out_row =
+      out + (static_cast<int64_t>(query) * num_q_heads + head) * kHeadDim + lane * kPerLane;
   if constexpr (kPerLane == 4) {
     *reinterpret_cast<uint2*>(out_row) =
         make_uint2(ElemTraits<T>::pack(acc[0] * inv_denom, acc[1] * inv_denom),

@@ -1,9 +1,8 @@
-#include "kernels/kv_write.h"
-
 #include <cstdio>
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/kv_write.h"
 
 namespace deft::kernels {
 
@@ -31,9 +30,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch_kv_write(const KvWriteDims& dims, DType dtype, const int32_t* slots,
-                     const void* k_new, const void* v_new, void* k_cache, void* v_cache,
-                     cudaStream_t stream) {
+void launch_kv_write(const KvWriteDims& dims, DType dtype, const int32_t* slots, const void* k_new,
+                     const void* v_new, void* k_cache, void* v_cache, cudaStream_t stream) {
   const int64_t elem_bytes = static_cast<int64_t>(dtype_bytes(dtype));
   const int64_t row_bytes = int64_t{dims.num_kv_heads} * dims.head_dim * elem_bytes;
   const int64_t stride_bytes = dims.new_token_stride * elem_bytes;

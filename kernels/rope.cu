@@ -1,5 +1,3 @@
-#include "kernels/rope.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -8,6 +6,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/rope.h"
 
 namespace deft::kernels {
 
@@ -62,8 +61,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch_rope(const RopeDims& dims, DType dtype, const int32_t* positions,
-                 const float* inv_freq, void* q, void* k, cudaStream_t stream) {
+void launch_rope(const RopeDims& dims, DType dtype, const int32_t* positions, const float* inv_freq,
+                 void* q, void* k, cudaStream_t stream) {
   if (dims.head_dim % 2 != 0) {
     std::fprintf(stderr, "launch_rope: odd head_dim %d\n", dims.head_dim);
     std::abort();
@@ -76,9 +75,8 @@ void launch_rope(const RopeDims& dims, DType dtype, const int32_t* positions,
     rope_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
         dims, positions, inv_freq, static_cast<__nv_bfloat16*>(q), static_cast<__nv_bfloat16*>(k));
   } else {
-    rope_kernel<__half><<<blocks, kThreads, 0, stream>>>(dims, positions, inv_freq,
-                                                         static_cast<__half*>(q),
-                                                         static_cast<__half*>(k));
+    rope_kernel<__half><<<blocks, kThreads, 0, stream>>>(
+        dims, positions, inv_freq, static_cast<__half*>(q), static_cast<__half*>(k));
   }
   DEFT_CUDA_CHECK_LAUNCH();
 }

@@ -12,7 +12,7 @@
 namespace deft::kernels {
 
 // positions: device [num_tokens]; inv_freq: device [head_dim / 2]; q, k: device, either null.
-void launch_rope(const RopeDims& dims, DType dtype, const int32_t* positions,
-                 const float* inv_freq, void* q, void* k, cudaStream_t stream);
+void launch_rope(const RopeDims& dims, DType dtype, const int32_t* positions, const float* inv_freq,
+                 void* q, void* k, cudaStream_t stream);
 
 }  // namespace deft::kernels

@@ -113,8 +113,8 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     for (PlanKind kind : {PlanKind::kDeftFlatten, PlanKind::kDeftNode, PlanKind::kDeftNodeChunk,
                           PlanKind::kSequence, PlanKind::kDenseMask}) {
       for (int chunk_tokens : {64, 128}) {
-        SCOPED_TRACE(testing::Message() << name << " " << engine::plan_kind_name(kind) << " B="
-                                        << chunk_tokens << " seed=" << seed_);
+        SCOPED_TRACE(testing::Message() << name << " " << engine::plan_kind_name(kind)
+                                        << " B=" << chunk_tokens << " seed=" << seed_);
         AttentionPlanner planner({.kind = kind, .chunk_tokens = chunk_tokens});
         AttentionPlan plan;
         const std::vector<engine::TreeQueries> input = {{s.tree.get(), s.queries}};

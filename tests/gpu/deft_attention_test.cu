@@ -50,9 +50,9 @@ struct Tree {
   std::vector<Node> nodes;
   std::vector<QueryToken> queries;
   // Derived by finish():
-  std::vector<QueryToken> flat;     // DFS order of every token
-  std::vector<int> node_flat_begin; // first flat index of each node
-  std::vector<int32_t> slot;        // KV slot of each flat token
+  std::vector<QueryToken> flat;                        // DFS order of every token
+  std::vector<int> node_flat_begin;                    // first flat index of each node
+  std::vector<int32_t> slot;                           // KV slot of each flat token
   std::vector<std::vector<bool>> is_ancestor_or_self;  // [a][b]: a is b or an ancestor of b
   int32_t num_slots = 0;
 
@@ -107,8 +107,8 @@ struct Tree {
 
 struct HostPlan {
   int32_t num_queries = 0;
-  std::vector<int32_t> kv_slots, task_kv_begin, task_kv_end, task_entry_begin{0},
-      task_mask_begin, entry_query, query_entry_begin, query_entries;
+  std::vector<int32_t> kv_slots, task_kv_begin, task_kv_end, task_entry_begin{0}, task_mask_begin,
+      entry_query, query_entry_begin, query_entries;
   std::vector<uint64_t> mask_words;
 
   AttentionPlanView view() const {
@@ -446,8 +446,8 @@ class DeftAttentionGpuTest : public testing::TestWithParam<Config> {
     const Comparison c = run_and_compare(tree, plan, GetParam(), rng_, use_graph);
     EXPECT_EQ(c.nan_count, 0);
     EXPECT_LE(c.relative_error, tolerance(GetParam().dtype));
-    std::printf("  %-34s tasks %5zu entries %5zu  rel err %.2e\n", what,
-                plan.task_kv_begin.size(), plan.entry_query.size(), c.relative_error);
+    std::printf("  %-34s tasks %5zu entries %5zu  rel err %.2e\n", what, plan.task_kv_begin.size(),
+                plan.entry_query.size(), c.relative_error);
   }
 
   Tree finished(Tree tree) {
@@ -502,16 +502,15 @@ TEST_P(DeftAttentionGpuTest, CudaGraphReplay) {
   check(tree, Kind::kFlatten, 64, "flatten B=64, graph", /*use_graph=*/true);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Configs, DeftAttentionGpuTest,
-    testing::Values(Config{DType::kBf16, 128, 1}, Config{DType::kBf16, 128, 2},
-                    Config{DType::kBf16, 128, 4}, Config{DType::kBf16, 128, 8},
-                    Config{DType::kBf16, 64, 1}, Config{DType::kBf16, 64, 4},
-                    Config{DType::kBf16, 64, 8}, Config{DType::kFp16, 128, 1},
-                    Config{DType::kFp16, 128, 4}, Config{DType::kFp16, 128, 8},
-                    Config{DType::kFp16, 64, 2}, Config{DType::kFp16, 64, 4},
-                    Config{DType::kFp16, 64, 8}),
-    config_name);
+INSTANTIATE_TEST_SUITE_P(Configs, DeftAttentionGpuTest,
+                         testing::Values(Config{DType::kBf16, 128, 1}, Config{DType::kBf16, 128, 2},
+                                         Config{DType::kBf16, 128, 4}, Config{DType::kBf16, 128, 8},
+                                         Config{DType::kBf16, 64, 1}, Config{DType::kBf16, 64, 4},
+                                         Config{DType::kBf16, 64, 8}, Config{DType::kFp16, 128, 1},
+                                         Config{DType::kFp16, 128, 4}, Config{DType::kFp16, 128, 8},
+                                         Config{DType::kFp16, 64, 2}, Config{DType::kFp16, 64, 4},
+                                         Config{DType::kFp16, 64, 8}),
+                         config_name);
 
 // ---- KV write and RoPE ------------------------------------------------------------------------
 
@@ -595,8 +594,8 @@ TEST_P(SmallKernelsGpuTest, RopeMatchesCpu) {
     const DeviceBuffer positions_dev = to_device(positions);
     const DeviceBuffer inv_freq_dev = to_device(inv_freq);
     const size_t k_offset = static_cast<size_t>(dims.num_q_heads) * head_dim;
-    launch_rope(dims, dtype, positions_dev.as<int32_t>(), inv_freq_dev.as<float>(),
-                qkv_dev.data(), qkv_dev.as<uint16_t>() + k_offset, nullptr);
+    launch_rope(dims, dtype, positions_dev.as<int32_t>(), inv_freq_dev.as<float>(), qkv_dev.data(),
+                qkv_dev.as<uint16_t>() + k_offset, nullptr);
     DEFT_CUDA_CHECK(cudaDeviceSynchronize());
     rope_cpu(dims, positions.data(), inv_freq.data(), qkv.values.data(),
              qkv.values.data() + k_offset);
@@ -613,8 +612,7 @@ TEST_P(SmallKernelsGpuTest, RopeMatchesCpu) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, SmallKernelsGpuTest,
-                         testing::Values(DType::kBf16, DType::kFp16),
+INSTANTIATE_TEST_SUITE_P(DTypes, SmallKernelsGpuTest, testing::Values(DType::kBf16, DType::kFp16),
                          [](const testing::TestParamInfo<DType>& info) {
                            return std::string(dtype_name(info.param));
                          });

@@ -80,7 +80,8 @@ DeviceBuffer to_device(const std::vector<T>& host) {
 template <typename T>
 std::vector<T> to_host(const DeviceBuffer& buffer, size_t count) {
   std::vector<T> host(count);
-  DEFT_CUDA_CHECK(cudaMemcpy(host.data(), buffer.data(), count * sizeof(T), cudaMemcpyDeviceToHost));
+  DEFT_CUDA_CHECK(
+      cudaMemcpy(host.data(), buffer.data(), count * sizeof(T), cudaMemcpyDeviceToHost));
   return host;
 }
 
