@@ -49,6 +49,17 @@ struct OrderedQueries {
 
 }  // namespace
 
+int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens) {
+  constexpr int32_t kMinChunk = 64;
+  constexpr int64_t kMinWork = 48;  // chunks x row passes below which the GPU is left idle
+  int32_t chunk = num_queries > 64 ? 512 : 256;
+  auto work = [&](int32_t b) {
+    return ((visible_tokens + b - 1) / b) * ((num_queries + 15) / 16);
+  };
+  while (chunk > kMinChunk && work(chunk) < kMinWork) chunk /= 2;
+  return chunk;
+}
+
 std::string_view plan_kind_name(PlanKind kind) {
   switch (kind) {
     case PlanKind::kDeftFlatten: return "deft_flatten";
@@ -283,8 +294,11 @@ class PlanBuilder {
 
   // Cuts the flattened tree into pieces by plan kind and turns each piece into tasks.
   void add_piece_tasks() {
-    const int32_t chunk = options_.chunk_tokens;
     const int32_t total = flat_.num_tokens;
+    const int32_t chunk =
+        options_.chunk_tokens > 0
+            ? options_.chunk_tokens
+            : adaptive_chunk_tokens(static_cast<int64_t>(queries_.row.size()), total);
     run_cursor_ = 0;
     switch (options_.kind) {
       case PlanKind::kDeftFlatten:
@@ -415,6 +429,8 @@ class PlanBuilder {
   // Baseline: every query reads its own root-to-token path in split-KV chunks, no sharing.
   void add_sequence_tasks(const SequenceTree& tree) {
     const KvCacheManager& kv = *tree.kv();
+    // Split-KV as Flash-Decoding: one query per chunk, so the smallest adaptive B.
+    const int32_t sequence_chunk = options_.chunk_tokens > 0 ? options_.chunk_tokens : 128;
     for (size_t q = 0; q < queries_.row.size(); ++q) {
       const int32_t path_begin = static_cast<int32_t>(plan_->kv_slots.size());
       path_.clear();
@@ -427,9 +443,9 @@ class PlanBuilder {
         append_slots(kv, tree.kv_key(id), visible);
       }
       const int32_t path_end = static_cast<int32_t>(plan_->kv_slots.size());
-      for (int32_t a = path_begin; a < path_end; a += options_.chunk_tokens) {
+      for (int32_t a = path_begin; a < path_end; a += sequence_chunk) {
         plan_->task_kv_begin.push_back(a);
-        plan_->task_kv_end.push_back(std::min(path_end, a + options_.chunk_tokens));
+        plan_->task_kv_end.push_back(std::min(path_end, a + sequence_chunk));
         plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
         plan_->task_mask_begin.push_back(-1);
         plan_->entry_query.push_back(queries_.row[q]);
@@ -462,9 +478,9 @@ AttentionPlanner& AttentionPlanner::operator=(AttentionPlanner&&) noexcept = def
 absl::Status AttentionPlanner::plan(std::span<const TreeQueries> trees, AttentionPlan& plan) {
   plan.clear();
   plan.kind = options_.kind;
-  if (options_.chunk_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("planner: chunk_tokens must be >= 1, got ", options_.chunk_tokens));
+  if (options_.chunk_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "planner: chunk_tokens must be >= 1 (or 0: adaptive), got ", options_.chunk_tokens));
   }
   if (options_.max_unmasked_queries < 1) {
     return absl::InvalidArgumentError(absl::StrCat(

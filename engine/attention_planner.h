@@ -35,11 +35,21 @@ absl::Status parse_plan_kind(std::string_view name, PlanKind* kind);
 struct PlannerOptions {
   PlanKind kind = PlanKind::kDeftFlatten;
   // B: tokens per chunk (Flatten, Node-Chunk, and the split-KV chunks of the sequence baseline).
-  // 128 is the paper's default; bench/ sweeps it.
-  int32_t chunk_tokens = 128;
+  // 0 (the default) picks B per tree with adaptive_chunk_tokens(); the paper uses 128.
+  int32_t chunk_tokens = 0;
   // Cap on the queries of a task that needs no mask (masked tasks hold <= kMaskWordBits).
   int32_t max_unmasked_queries = 256;
 };
+
+// The chunk size B used when PlannerOptions::chunk_tokens is 0, for a tree whose step has
+// `num_queries` queries over `visible_tokens` KV tokens. Stage 1 writes one fp32 partial per
+// query and chunk (16 KB at Llama-3-8B shapes) against 4 KB of KV per token, so larger chunks
+// cut partial traffic: 256, or 512 past 64 queries; then B halves (down to 64) while
+// chunks x ceil(queries / 16) (about the CTAs per KV head) stays under 48, so small trees still
+// fill the SMs. Fitted to the B sweep on the H100 (bench/results/kernel_attention-h100-*.json
+// and its notes): best B 256 for few-shot, 256-512 for speculative decoding over a 6000-token
+// prefix, 512 for reasoning, 64-128 for a 1000-token prefix.
+int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens);
 
 // One query: token `token_index` of `node`.
 struct QueryToken {

@@ -115,12 +115,25 @@ TEST(AttentionPlanner, BadQueriesAreRejectedAndLeaveThePlanEmpty) {
   std::vector<QueryToken> twice = {{1, 2}, {1, 2}};
   input = {{&job.tree, twice}};
   EXPECT_EQ(planner.plan(input, plan).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(AttentionPlanner({.chunk_tokens = 0}).plan(job.input(), plan).code(),
+  EXPECT_EQ(AttentionPlanner({.chunk_tokens = -1}).plan(job.input(), plan).code(),
             absl::StatusCode::kInvalidArgument);
   PlanKind kind;
   EXPECT_FALSE(parse_plan_kind("radix", &kind).ok());
   ASSERT_TRUE(parse_plan_kind("deft_node_chunk", &kind).ok());
   EXPECT_EQ(kind, PlanKind::kDeftNodeChunk);
+}
+
+TEST(AttentionPlanner, AdaptiveChunkFollowsQueriesAndTreeSize) {
+  EXPECT_EQ(adaptive_chunk_tokens(20, 8000), 256);   // few-shot b = 20
+  EXPECT_EQ(adaptive_chunk_tokens(50, 14000), 256);  // few-shot b = 50
+  EXPECT_EQ(adaptive_chunk_tokens(256, 6256), 512);  // 6000 prefix + 256-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(64, 1064), 64);    // 1000 prefix + 64-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(1, 10), 64);
+  FewShot job(4000, 20, 200);
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner().plan(job.input(), plan).ok());
+  EXPECT_EQ(plan.task_kv_end[0] - plan.task_kv_begin[0], 256);
+  EXPECT_EQ(plan.io.kv_tokens_read, 8000);
 }
 
 TEST(AttentionPlanner, SeveralTreesInOneStepNumberRowsInOrder) {
