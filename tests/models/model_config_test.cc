@@ -469,7 +469,9 @@ TEST(ModelConfigTest, RefusesUnsupportedRopeScaling) {
   expect_refused(kLlama31_8B, [](json& c) { c["rope_scaling"]["rope_type"] = "yarn"; },
                  {"rope_scaling.rope_type", "yarn"});
   expect_refused(kLlama2_7B,
-                 [](json& c) { c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}}; },
+                 [](json& c) {
+                   c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+                 },
                  {"rope_scaling.type", "dynamic"});
   expect_refused(kLlama31_8B,
                  [](json& c) { c["rope_scaling"].erase("original_max_position_embeddings"); },
@@ -499,7 +501,10 @@ TEST(ModelConfigTest, RefusesBadShapes) {
 }
 
 TEST(ModelConfigTest, RefusesTokenIdsOutsideVocabulary) {
-  expect_refused(kLlama31_8B, [](json& c) { c["eos_token_id"] = {128001, 200000}; },
+  expect_refused(kLlama31_8B,
+                 [](json& c) {
+                   c["eos_token_id"] = {128001, 200000};
+                 },
                  {"eos_token_id", "200000"});
   expect_refused(kLlama2_7B, [](json& c) { c["bos_token_id"] = -1; }, {"bos_token_id", "-1"});
 }
