@@ -264,7 +264,25 @@ absl::Status read_rope(const json& config, ModelConfig* out) {
   return absl::OkStatus();
 }
 
+// transformers 5 lists each layer's attention; a sliding layer is only acceptable when its
+// window covers the whole context (checked below), anything else is refused.
+absl::Status check_layer_types(const json& config) {
+  const json* types = find_field(config, "layer_types");
+  if (types == nullptr) return absl::OkStatus();
+  if (!types->is_array()) return refuse("layer_types", *types, "expected a list of strings");
+  for (const json& type : *types) {
+    if (!type.is_string() || (type.get<std::string>() != "full_attention" &&
+                              type.get<std::string>() != "sliding_attention")) {
+      return refuse("layer_types", type,
+                    "unsupported layer type (supported: full_attention, and sliding_attention "
+                    "with a window covering max_position_embeddings)");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status read_sliding_window(const json& config, ModelConfig* out) {
+  if (absl::Status status = check_layer_types(config); !status.ok()) return status;
   const json* window = find_field(config, "sliding_window");
   if (window == nullptr) return absl::OkStatus();
   if (out->family == ModelFamily::kQwen2) {
@@ -491,6 +509,8 @@ std::vector<float> rope_inverse_frequencies(const ModelConfig& config) {
   for (int32_t i = 0; i < half; ++i) {
     // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), all float32.
     const float exponent = static_cast<float>(2 * i) / dim;
+    // The power in double, rounded once: torch's vectorised float pow is itself within one
+    // ulp, so the two agree to one ulp (tests/models/hf_interop_test.cc).
     inv_freq[i] = 1.0f / static_cast<float>(
                              std::pow(static_cast<double>(base), static_cast<double>(exponent)));
   }

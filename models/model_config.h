@@ -75,9 +75,10 @@ absl::StatusOr<ModelConfig> parse_model_config(std::string_view json_text);
 absl::StatusOr<ModelConfig> load_model_config(const std::filesystem::path& path);
 
 // RoPE inverse frequencies, head_dim / 2 of them: theta^(-2i/head_dim), then the config's
-// scaling. Computed in float32 in the same order as transformers' rope initialisation
-// (`_compute_default_rope_parameters`, `_compute_llama3_parameters`) so the CPU runner, the GPU
-// runner and the tests agree with it and with each other.
+// scaling. float32 in the order of transformers' rope initialisation
+// (`_compute_default_rope_parameters`, `_compute_llama3_parameters`): within one ulp of
+// transformers 5.17 for every family (tests/models/hf_interop_test.cc), so the CPU runner,
+// the GPU runner and the tests share one definition.
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config);
 
 }  // namespace deft::models
