@@ -69,15 +69,13 @@ absl::Status validate_sampling_params(const SamplingParams& params, int32_t voca
         absl::StrCat("sampling: top_p must be in (0, 1], got ", params.top_p));
   }
   if (params.top_logprobs < 0 || params.top_logprobs > kMaxTopLogprobs) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: top_logprobs must be in [0, ",
-                                                   kMaxTopLogprobs, "], got ",
-                                                   params.top_logprobs));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling: top_logprobs must be in [0, ", kMaxTopLogprobs, "], got ", params.top_logprobs));
   }
   for (int32_t token : params.stop_token_ids) {
     if (token < 0 || token >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("sampling: stop token id ", token,
-                                                     " outside the vocabulary [0, ", vocab_size,
-                                                     ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sampling: stop token id ", token, " outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
   return absl::OkStatus();
@@ -111,8 +109,8 @@ void Sampler::select_most_likely(std::span<const float> logits, size_t count) {
   order_.resize(vocab_size);
   for (size_t token = 0; token < vocab_size; ++token) order_[token] = static_cast<int32_t>(token);
   if (count == 0 || count == vocab_size) return;
-  std::nth_element(order_.begin(), order_.begin() + static_cast<ptrdiff_t>(count - 1),
-                   order_.end(), by_likelihood);
+  std::nth_element(order_.begin(), order_.begin() + static_cast<ptrdiff_t>(count - 1), order_.end(),
+                   by_likelihood);
 }
 
 int32_t Sampler::select_top_p(std::span<const float> logits, size_t count, double mass_needed) {
@@ -155,7 +153,8 @@ int32_t Sampler::select_top_p(std::span<const float> logits, size_t count, doubl
     if (mass_before >= mass_needed) return pivot;
     lo = mid + 1;
   }
-  std::sort(order_.begin() + static_cast<ptrdiff_t>(lo), order_.begin() + static_cast<ptrdiff_t>(hi),
+  std::sort(order_.begin() + static_cast<ptrdiff_t>(lo),
+            order_.begin() + static_cast<ptrdiff_t>(hi),
             [&logits](int32_t a, int32_t b) { return more_likely(logits, a, b); });
   for (size_t i = lo; i < hi; ++i) {
     mass_before += weights_[order_[i]];
@@ -179,8 +178,7 @@ absl::StatusOr<SampledToken> Sampler::sample(std::span<const float> logits,
   for (int32_t token = 0; token < vocab_size; ++token) {
     const float logit = logits[token];
     if (std::isnan(logit) || logit == std::numeric_limits<float>::infinity()) {
-      return absl::InternalError(
-          absl::StrCat("sampling: logit of token ", token, " is ", logit));
+      return absl::InternalError(absl::StrCat("sampling: logit of token ", token, " is ", logit));
     }
     if (logit > max_logit) {
       max_logit = logit;

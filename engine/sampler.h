@@ -54,8 +54,7 @@ struct SampledToken {
 uint64_t branch_seed(uint64_t parent_seed, uint64_t branch_index);
 
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).
-std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter,
-                                      std::array<uint32_t, 2> key);
+std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
 // The uniform number in [0, 1) (53 bits) that `step` of the stream `seed` draws.
 double sampling_uniform(uint64_t seed, uint64_t step);
 

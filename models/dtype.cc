@@ -47,7 +47,7 @@ uint16_t float_to_fp16(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs_bits = bits & 0x7fffffffu;
-  if (abs_bits > 0x7f800000u) return sign | 0x7e00u;  // NaN
+  if (abs_bits > 0x7f800000u) return sign | 0x7e00u;   // NaN
   if (abs_bits >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: infinity
   if (abs_bits < 0x38800000u) {
     // Below the smallest normal half (2^-14): a subnormal or zero. Scale so the half's

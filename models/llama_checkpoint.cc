@@ -17,8 +17,7 @@ std::string shape_text(std::span<const int64_t> shape) {
 }
 
 std::string layer_name(int32_t layer, std::string_view suffix) {
-  return absl::StrCat("model.layers.", layer, ".",
-                      absl::string_view(suffix.data(), suffix.size()));
+  return absl::StrCat("model.layers.", layer, ".", absl::string_view(suffix.data(), suffix.size()));
 }
 
 }  // namespace
@@ -68,10 +67,10 @@ absl::StatusOr<LlamaWeights> bind_llama_weights(const ModelConfig& config,
       problem = absl::StrCat("missing tensor '", expected.name, "'");
     } else if (!std::equal(view->shape.begin(), view->shape.end(), expected.shape.begin(),
                            expected.shape.end())) {
-      problem = absl::StrCat("tensor '", expected.name, "' in '",
-                             absl::string_view(view->file.data(), view->file.size()),
-                             "' has shape ", shape_text(view->shape), ", expected ",
-                             shape_text(expected.shape));
+      problem =
+          absl::StrCat("tensor '", expected.name, "' in '",
+                       absl::string_view(view->file.data(), view->file.size()), "' has shape ",
+                       shape_text(view->shape), ", expected ", shape_text(expected.shape));
     } else if (view->dtype != config.torch_dtype) {
       const std::string_view got = dtype_name(view->dtype);
       const std::string_view want = dtype_name(config.torch_dtype);
@@ -92,8 +91,8 @@ absl::StatusOr<LlamaWeights> bind_llama_weights(const ModelConfig& config,
     }
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint '", checkpoint.source(), "' does not match its config (",
-                     std::string(model_family_name(config.family)),
-                     ", ", config.num_hidden_layers, " layers): ", absl::StrJoin(problems, "; ")));
+                     std::string(model_family_name(config.family)), ", ", config.num_hidden_layers,
+                     " layers): ", absl::StrJoin(problems, "; ")));
   }
   if (found.size() < checkpoint.size()) {
     spdlog::debug("checkpoint '{}': {} tensors not used by the model", checkpoint.source(),
@@ -104,8 +103,7 @@ absl::StatusOr<LlamaWeights> bind_llama_weights(const ModelConfig& config,
   LlamaWeights weights;
   weights.embed_tokens = take("model.embed_tokens.weight");
   weights.norm = take("model.norm.weight");
-  weights.lm_head =
-      config.tie_word_embeddings ? weights.embed_tokens : take("lm_head.weight");
+  weights.lm_head = config.tie_word_embeddings ? weights.embed_tokens : take("lm_head.weight");
   weights.layers.resize(config.num_hidden_layers);
   for (int32_t layer = 0; layer < config.num_hidden_layers; ++layer) {
     LlamaLayerWeights& w = weights.layers[layer];

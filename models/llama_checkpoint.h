@@ -15,17 +15,17 @@
 namespace deft::models {
 
 struct LlamaLayerWeights {
-  TensorView input_layernorm;  // [hidden]
-  TensorView q_proj;           // [heads * head_dim, hidden]
-  TensorView k_proj;           // [kv_heads * head_dim, hidden]
-  TensorView v_proj;           // [kv_heads * head_dim, hidden]
-  TensorView o_proj;           // [hidden, heads * head_dim]
+  TensorView input_layernorm;                        // [hidden]
+  TensorView q_proj;                                 // [heads * head_dim, hidden]
+  TensorView k_proj;                                 // [kv_heads * head_dim, hidden]
+  TensorView v_proj;                                 // [kv_heads * head_dim, hidden]
+  TensorView o_proj;                                 // [hidden, heads * head_dim]
   std::optional<TensorView> q_bias, k_bias, v_bias;  // config.attention_bias
   std::optional<TensorView> o_bias;                  // config.o_proj_bias
-  TensorView post_attention_layernorm;  // [hidden]
-  TensorView gate_proj;                 // [intermediate, hidden]
-  TensorView up_proj;                   // [intermediate, hidden]
-  TensorView down_proj;                 // [hidden, intermediate]
+  TensorView post_attention_layernorm;               // [hidden]
+  TensorView gate_proj;                              // [intermediate, hidden]
+  TensorView up_proj;                                // [intermediate, hidden]
+  TensorView down_proj;                              // [hidden, intermediate]
 };
 
 struct LlamaWeights {

@@ -4,10 +4,9 @@
 #include <fstream>
 #include <numbers>
 #include <sstream>
-
-#include "absl/status/status.h"
 #include <type_traits>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
@@ -30,15 +29,13 @@ std::string cat(const Args&... args) {
   return absl::StrCat(alpha(args)...);
 }
 
-
 absl::Status refuse(std::string_view field, const json& value, std::string_view why) {
   return absl::InvalidArgumentError(
       cat("config.json: field '", field, "' = ", value.dump(), ": ", why));
 }
 
 absl::Status missing(std::string_view field) {
-  return absl::InvalidArgumentError(
-      cat("config.json: required field '", field, "' is missing"));
+  return absl::InvalidArgumentError(cat("config.json: required field '", field, "' is missing"));
 }
 
 // Treats an explicit null like an absent field, as transformers does for optional fields.
@@ -250,9 +247,9 @@ absl::Status read_rope(const json& config, ModelConfig* out) {
     return status;
   }
   if (!(scaling.low_freq_factor > 0.0 && scaling.high_freq_factor > scaling.low_freq_factor)) {
-    return refuse(prefix + ".high_freq_factor", (*rope)["high_freq_factor"],
-                  cat("expected 0 < low_freq_factor (", scaling.low_freq_factor,
-                               ") < high_freq_factor"));
+    return refuse(
+        prefix + ".high_freq_factor", (*rope)["high_freq_factor"],
+        cat("expected 0 < low_freq_factor (", scaling.low_freq_factor, ") < high_freq_factor"));
   }
   const json* original = find_field(*rope, "original_max_position_embeddings");
   if (original == nullptr) return missing(prefix + ".original_max_position_embeddings");
@@ -267,7 +264,25 @@ absl::Status read_rope(const json& config, ModelConfig* out) {
   return absl::OkStatus();
 }
 
+// transformers 5 lists each layer's attention; a sliding layer is only acceptable when its
+// window covers the whole context (checked below), anything else is refused.
+absl::Status check_layer_types(const json& config) {
+  const json* types = find_field(config, "layer_types");
+  if (types == nullptr) return absl::OkStatus();
+  if (!types->is_array()) return refuse("layer_types", *types, "expected a list of strings");
+  for (const json& type : *types) {
+    if (!type.is_string() || (type.get<std::string>() != "full_attention" &&
+                              type.get<std::string>() != "sliding_attention")) {
+      return refuse("layer_types", type,
+                    "unsupported layer type (supported: full_attention, and sliding_attention "
+                    "with a window covering max_position_embeddings)");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status read_sliding_window(const json& config, ModelConfig* out) {
+  if (absl::Status status = check_layer_types(config); !status.ok()) return status;
   const json* window = find_field(config, "sliding_window");
   if (window == nullptr) return absl::OkStatus();
   if (out->family == ModelFamily::kQwen2) {
@@ -286,8 +301,8 @@ absl::Status read_sliding_window(const json& config, ModelConfig* out) {
   if (*length < out->max_position_embeddings) {
     return refuse("sliding_window", *window,
                   cat("sliding-window attention is not supported, and this window is "
-                               "shorter than max_position_embeddings (",
-                               out->max_position_embeddings, ")"));
+                      "shorter than max_position_embeddings (",
+                      out->max_position_embeddings, ")"));
   }
   out->sliding_window = *length;
   return absl::OkStatus();
@@ -348,11 +363,10 @@ absl::StatusOr<ModelConfig> parse_object(const json& config) {
     return refuse("num_key_value_heads", config["num_key_value_heads"],
                   cat("must divide num_attention_heads (", out.num_attention_heads, ")"));
   }
-  if (find_field(config, "head_dim") == nullptr &&
-      out.hidden_size % out.num_attention_heads != 0) {
-    return refuse("num_attention_heads", config["num_attention_heads"],
-                  cat("must divide hidden_size (", out.hidden_size,
-                               ") when head_dim is not given"));
+  if (find_field(config, "head_dim") == nullptr && out.hidden_size % out.num_attention_heads != 0) {
+    return refuse(
+        "num_attention_heads", config["num_attention_heads"],
+        cat("must divide hidden_size (", out.hidden_size, ") when head_dim is not given"));
   }
   if (absl::Status status = read_size(config, "head_dim", &out.head_dim, false,
                                       out.hidden_size / out.num_attention_heads);
@@ -388,8 +402,7 @@ absl::StatusOr<ModelConfig> parse_object(const json& config) {
       out.rope_scaling.original_max_position_embeddings > out.max_position_embeddings) {
     return refuse("rope_scaling.original_max_position_embeddings",
                   json(out.rope_scaling.original_max_position_embeddings),
-                  cat("exceeds max_position_embeddings (", out.max_position_embeddings,
-                               ")"));
+                  cat("exceeds max_position_embeddings (", out.max_position_embeddings, ")"));
   }
   if (absl::Status status =
           read_bool(config, "tie_word_embeddings", &out.tie_word_embeddings, false);
@@ -496,8 +509,10 @@ std::vector<float> rope_inverse_frequencies(const ModelConfig& config) {
   for (int32_t i = 0; i < half; ++i) {
     // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), all float32.
     const float exponent = static_cast<float>(2 * i) / dim;
-    inv_freq[i] = 1.0f / static_cast<float>(std::pow(static_cast<double>(base),
-                                                     static_cast<double>(exponent)));
+    // The power in double, rounded once: torch's vectorised float pow is itself within one
+    // ulp, so the two agree to one ulp (tests/models/hf_interop_test.cc).
+    inv_freq[i] = 1.0f / static_cast<float>(
+                             std::pow(static_cast<double>(base), static_cast<double>(exponent)));
   }
   const RopeScaling& scaling = config.rope_scaling;
   if (scaling.type == RopeScalingType::kLinear) {

@@ -33,9 +33,9 @@ enum class RopeScalingType : uint8_t {
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
   double factor = 1.0;
-  double low_freq_factor = 1.0;                   // llama3 only
-  double high_freq_factor = 4.0;                  // llama3 only
-  int64_t original_max_position_embeddings = 0;   // llama3 only
+  double low_freq_factor = 1.0;                  // llama3 only
+  double high_freq_factor = 4.0;                 // llama3 only
+  int64_t original_max_position_embeddings = 0;  // llama3 only
 };
 
 struct ModelConfig {
@@ -59,8 +59,8 @@ struct ModelConfig {
   DType torch_dtype = DType::kF32;
   std::optional<int32_t> bos_token_id;
   std::vector<int32_t> eos_token_ids;  // `eos_token_id` may be one id or a list
-  bool attention_bias = false;  // bias on q_proj, k_proj, v_proj
-  bool o_proj_bias = false;     // bias on o_proj (Llama's attention_bias sets both; Qwen2 only qkv)
+  bool attention_bias = false;         // bias on q_proj, k_proj, v_proj
+  bool o_proj_bias = false;  // bias on o_proj (Llama's attention_bias sets both; Qwen2 only qkv)
   std::optional<int64_t> sliding_window;  // recorded when present; never below the context
 
   int32_t q_size() const { return num_attention_heads * head_dim; }
@@ -75,9 +75,10 @@ absl::StatusOr<ModelConfig> parse_model_config(std::string_view json_text);
 absl::StatusOr<ModelConfig> load_model_config(const std::filesystem::path& path);
 
 // RoPE inverse frequencies, head_dim / 2 of them: theta^(-2i/head_dim), then the config's
-// scaling. Computed in float32 in the same order as transformers' rope initialisation
-// (`_compute_default_rope_parameters`, `_compute_llama3_parameters`) so the CPU runner, the GPU
-// runner and the tests agree with it and with each other.
+// scaling. float32 in the order of transformers' rope initialisation
+// (`_compute_default_rope_parameters`, `_compute_llama3_parameters`): within one ulp of
+// transformers 5.17 for every family (tests/models/hf_interop_test.cc), so the CPU runner,
+// the GPU runner and the tests share one definition.
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config);
 
 }  // namespace deft::models

@@ -12,7 +12,6 @@
 #include <numeric>
 #include <set>
 #include <sstream>
-
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -37,7 +36,6 @@ template <typename... Args>
 std::string cat(const Args&... args) {
   return absl::StrCat(alpha(args)...);
 }
-
 
 constexpr std::string_view kMetadataKey = "__metadata__";
 
@@ -114,8 +112,7 @@ absl::StatusOr<TensorEntry> parse_entry(const std::string& name, const json& val
   const std::optional<DType> dtype = parse_dtype_name(dtype_text);
   if (!dtype) {
     return bad_tensor(file, name,
-                      cat("unsupported dtype \"", dtype_text,
-                                   "\" (supported: F32, F16, BF16)"));
+                      cat("unsupported dtype \"", dtype_text, "\" (supported: F32, F16, BF16)"));
   }
   entry.dtype = *dtype;
 
@@ -128,8 +125,9 @@ absl::StatusOr<TensorEntry> parse_entry(const std::string& name, const json& val
     uint64_t dim = 0;
     if (!read_non_negative(dim_value, &dim)) {
       return bad_tensor(file, name,
-                        cat("shape ", shape_it->dump(), " has a dimension that is not a "
-                                     "non-negative integer"));
+                        cat("shape ", shape_it->dump(),
+                            " has a dimension that is not a "
+                            "non-negative integer"));
     }
     if (__builtin_mul_overflow(numel, dim, &numel) || numel > static_cast<uint64_t>(INT64_MAX)) {
       return bad_tensor(file, name, cat("shape ", shape_it->dump(), " overflows"));
@@ -145,17 +143,16 @@ absl::StatusOr<TensorEntry> parse_entry(const std::string& name, const json& val
                       "\"data_offsets\" is not a pair of non-negative integers [begin, end]");
   }
   if (entry.data_end < entry.data_begin) {
-    return bad_tensor(file, name, cat("data_offsets ", offsets_it->dump(),
-                                               " end before they begin"));
+    return bad_tensor(file, name,
+                      cat("data_offsets ", offsets_it->dump(), " end before they begin"));
   }
   uint64_t expected_bytes = 0;
   if (__builtin_mul_overflow(numel, dtype_bytes(entry.dtype), &expected_bytes) ||
       entry.data_end - entry.data_begin != expected_bytes) {
-    return bad_tensor(
-        file, name,
-        cat("data_offsets ", offsets_it->dump(), " span ",
-                     entry.data_end - entry.data_begin, " bytes, but shape ", shape_it->dump(),
-                     " of ", dtype_text, " needs ", numel, " x ", dtype_bytes(entry.dtype)));
+    return bad_tensor(file, name,
+                      cat("data_offsets ", offsets_it->dump(), " span ",
+                          entry.data_end - entry.data_begin, " bytes, but shape ", shape_it->dump(),
+                          " of ", dtype_text, " needs ", numel, " x ", dtype_bytes(entry.dtype)));
   }
   return entry;
 }
@@ -181,8 +178,8 @@ absl::StatusOr<Mapping> map_file(const std::string& path) {
   mapping.size = static_cast<size_t>(info.st_size);
   if (mapping.size < 8) {
     ::close(fd);
-    return bad_file(path, cat("only ", mapping.size,
-                                       " bytes: shorter than the 8-byte header length"));
+    return bad_file(path,
+                    cat("only ", mapping.size, " bytes: shorter than the 8-byte header length"));
   }
   mapping.address = ::mmap(nullptr, mapping.size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int map_errno = errno;
@@ -229,9 +226,8 @@ std::vector<float> tensor_to_floats(const TensorView& tensor) {
 
 absl::Status tensor_to_floats(const TensorView& tensor, std::span<float> out) {
   if (static_cast<int64_t>(out.size()) != tensor.numel()) {
-    return absl::InvalidArgumentError(cat("tensor '", tensor.name, "' has ",
-                                                   tensor.numel(), " elements, output holds ",
-                                                   out.size()));
+    return absl::InvalidArgumentError(cat("tensor '", tensor.name, "' has ", tensor.numel(),
+                                          " elements, output holds ", out.size()));
   }
   for (size_t i = 0; i < out.size(); ++i) out[i] = tensor.at(i);
   return absl::OkStatus();
@@ -241,7 +237,7 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
                                                            std::string_view file_name) {
   if (file_bytes.size() < 8) {
     return bad_file(file_name, cat("only ", file_bytes.size(),
-                                            " bytes: shorter than the 8-byte header length"));
+                                   " bytes: shorter than the 8-byte header length"));
   }
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) {
@@ -250,11 +246,11 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
   const uint64_t available = file_bytes.size() - 8;
   if (header_bytes > kMaxSafetensorsHeaderBytes) {
     return bad_file(file_name, cat("header length ", header_bytes, " exceeds the limit of ",
-                                            kMaxSafetensorsHeaderBytes, " bytes"));
+                                   kMaxSafetensorsHeaderBytes, " bytes"));
   }
   if (header_bytes > available) {
-    return bad_file(file_name, cat("header length ", header_bytes, " exceeds the ",
-                                            available, " bytes after the length field (truncated?)"));
+    return bad_file(file_name, cat("header length ", header_bytes, " exceeds the ", available,
+                                   " bytes after the length field (truncated?)"));
   }
   const std::string_view text(reinterpret_cast<const char*>(file_bytes.data() + 8),
                               static_cast<size_t>(header_bytes));
@@ -266,7 +262,7 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
   if (!parsed.value.is_object()) return bad_file(file_name, "header is not a JSON object");
   if (!parsed.duplicate_key.empty()) {
     return bad_file(file_name, cat("header repeats the key \"", parsed.duplicate_key,
-                                            "\" (duplicate tensor name?)"));
+                                   "\" (duplicate tensor name?)"));
   }
 
   SafetensorsHeader header;
@@ -277,8 +273,8 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
       if (!value.is_object()) return bad_file(file_name, "__metadata__ is not a JSON object");
       for (const auto& [meta_key, meta_value] : value.items()) {
         if (!meta_value.is_string()) {
-          return bad_file(file_name, cat("__metadata__ value of \"", meta_key,
-                                                  "\" is not a string"));
+          return bad_file(file_name,
+                          cat("__metadata__ value of \"", meta_key, "\" is not a string"));
         }
         header.metadata.emplace(meta_key, meta_value.get<std::string>());
       }
@@ -295,35 +291,33 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
     if (entry.data_end > data_bytes) {
       return bad_tensor(file_name, entry.name,
                         cat("data ends at byte ", entry.data_end, " but the file holds ",
-                                     data_bytes, " bytes of data (truncated?)"));
+                            data_bytes, " bytes of data (truncated?)"));
     }
   }
-  std::sort(header.tensors.begin(), header.tensors.end(),
-            [](const TensorEntry& a, const TensorEntry& b) {
-              return a.data_begin != b.data_begin ? a.data_begin < b.data_begin
-                                                  : a.data_end < b.data_end;
-            });
+  std::sort(
+      header.tensors.begin(), header.tensors.end(), [](const TensorEntry& a, const TensorEntry& b) {
+        return a.data_begin != b.data_begin ? a.data_begin < b.data_begin : a.data_end < b.data_end;
+      });
   uint64_t cursor = 0;
   const TensorEntry* previous = nullptr;
   for (const TensorEntry& entry : header.tensors) {
     if (entry.data_begin < cursor) {
-      return bad_tensor(file_name, entry.name,
-                        cat("data [", entry.data_begin, ", ", entry.data_end,
-                                     ") overlaps tensor '", previous->name, "' [",
-                                     previous->data_begin, ", ", previous->data_end, ")"));
+      return bad_tensor(
+          file_name, entry.name,
+          cat("data [", entry.data_begin, ", ", entry.data_end, ") overlaps tensor '",
+              previous->name, "' [", previous->data_begin, ", ", previous->data_end, ")"));
     }
     if (entry.data_begin > cursor) {
-      return bad_tensor(file_name, entry.name,
-                        cat("data begins at byte ", entry.data_begin,
-                                     ", leaving a gap after byte ", cursor));
+      return bad_tensor(
+          file_name, entry.name,
+          cat("data begins at byte ", entry.data_begin, ", leaving a gap after byte ", cursor));
     }
     cursor = entry.data_end;
     previous = &entry;
   }
   if (cursor != data_bytes) {
     return bad_file(file_name, cat(data_bytes - cursor, " bytes after the last tensor ",
-                                            "(tensors cover ", cursor, " of ", data_bytes,
-                                            " data bytes)"));
+                                   "(tensors cover ", cursor, " of ", data_bytes, " data bytes)"));
   }
   return header;
 }
@@ -384,8 +378,7 @@ TensorView SafetensorsFile::view(const TensorEntry& entry) const {
 absl::StatusOr<TensorView> SafetensorsFile::tensor(std::string_view name) const {
   const auto it = index_.find(name);
   if (it == index_.end()) {
-    return absl::NotFoundError(
-        cat("safetensors file '", path_, "' has no tensor '", name, "'"));
+    return absl::NotFoundError(cat("safetensors file '", path_, "' has no tensor '", name, "'"));
   }
   return view(header_.tensors[it->second]);
 }
@@ -396,8 +389,7 @@ absl::Status SafetensorsSet::add_file(std::unique_ptr<SafetensorsFile> file) {
   for (const TensorEntry& entry : file->entries()) {
     if (const auto it = tensors_.find(entry.name); it != tensors_.end()) {
       return absl::InvalidArgumentError(cat("tensor '", entry.name, "' is in both '",
-                                                     it->second.file, "' and '", file->path(),
-                                                     "'"));
+                                            it->second.file, "' and '", file->path(), "'"));
     }
   }
   for (const TensorEntry& entry : file->entries()) tensors_.emplace(entry.name, file->view(entry));
@@ -409,8 +401,7 @@ absl::Status SafetensorsSet::add_file(std::unique_ptr<SafetensorsFile> file) {
 absl::StatusOr<TensorView> SafetensorsSet::tensor(std::string_view name) const {
   const auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(
-        cat("checkpoint '", source_, "' has no tensor '", name, "'"));
+    return absl::NotFoundError(cat("checkpoint '", source_, "' has no tensor '", name, "'"));
   }
   return it->second;
 }
@@ -436,9 +427,10 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
         if (item.path().extension() == ".safetensors") found.push_back(item.path());
       }
       if (found.size() != 1) {
-        return absl::NotFoundError(cat(
-            "directory '", path.string(), "' has no model.safetensors.index.json or "
-            "model.safetensors, and ", found.size(), " *.safetensors files (need exactly one)"));
+        return absl::NotFoundError(cat("directory '", path.string(),
+                                       "' has no model.safetensors.index.json or "
+                                       "model.safetensors, and ",
+                                       found.size(), " *.safetensors files (need exactly one)"));
       }
       target = found.front();
     }
@@ -459,8 +451,7 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
   if (!text.ok()) return text.status();
   const ParsedJson index = parse_json_checking_duplicates(*text);
   auto bad_index = [&](std::string_view what) {
-    return absl::InvalidArgumentError(
-        cat("safetensors index '", target.string(), "': ", what));
+    return absl::InvalidArgumentError(cat("safetensors index '", target.string(), "': ", what));
   };
   if (index.value.is_discarded() || !index.value.is_object()) {
     return bad_index("not a well-formed JSON object");
@@ -477,7 +468,7 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
   for (const auto& [tensor_name, shard] : map_it->items()) {
     if (!shard.is_string() || !is_plain_relative(shard.get<std::string>())) {
       return bad_index(cat("tensor '", tensor_name, "' maps to ", shard.dump(),
-                                    ", not a file name inside the checkpoint directory"));
+                           ", not a file name inside the checkpoint directory"));
     }
     weight_map.emplace(tensor_name, shard.get<std::string>());
     shard_names.insert(shard.get<std::string>());
@@ -491,11 +482,11 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
       const auto it = weight_map.find(entry.name);
       if (it == weight_map.end()) {
         return bad_index(cat("shard '", shard_name, "' holds tensor '", entry.name,
-                                      "', which the weight_map does not list"));
+                             "', which the weight_map does not list"));
       }
       if (it->second != shard_name) {
         return bad_index(cat("shard '", shard_name, "' holds tensor '", entry.name,
-                                      "', which the weight_map puts in '", it->second, "'"));
+                             "', which the weight_map puts in '", it->second, "'"));
       }
     }
     if (absl::Status status = set.add_file(*std::move(file)); !status.ok()) return status;
@@ -503,7 +494,7 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
   for (const auto& [tensor_name, shard] : weight_map) {
     if (!set.contains(tensor_name)) {
       return bad_index(cat("weight_map puts tensor '", tensor_name, "' in '", shard,
-                                    "', but that shard does not hold it"));
+                           "', but that shard does not hold it"));
     }
   }
   return set;
@@ -538,8 +529,7 @@ absl::StatusOr<std::vector<std::byte>> serialize_safetensors(
   uint64_t offset = 0;
   for (const OwnedTensor& tensor : tensors) {
     if (tensor.name.empty() || tensor.name == kMetadataKey) {
-      return absl::InvalidArgumentError(
-          cat("cannot write a tensor named \"", tensor.name, "\""));
+      return absl::InvalidArgumentError(cat("cannot write a tensor named \"", tensor.name, "\""));
     }
     if (header.contains(tensor.name)) {
       return absl::InvalidArgumentError(cat("tensor '", tensor.name, "' given twice"));
@@ -553,9 +543,9 @@ absl::StatusOr<std::vector<std::byte>> serialize_safetensors(
       numel *= dim;
     }
     if (tensor.bytes.size() != static_cast<size_t>(numel) * dtype_bytes(tensor.dtype)) {
-      return absl::InvalidArgumentError(cat(
-          "tensor '", tensor.name, "' holds ", tensor.bytes.size(), " bytes, its shape needs ",
-          numel * static_cast<int64_t>(dtype_bytes(tensor.dtype))));
+      return absl::InvalidArgumentError(
+          cat("tensor '", tensor.name, "' holds ", tensor.bytes.size(), " bytes, its shape needs ",
+              numel * static_cast<int64_t>(dtype_bytes(tensor.dtype))));
     }
     header[tensor.name] = {{"dtype", std::string(dtype_name(tensor.dtype))},
                            {"shape", tensor.shape},

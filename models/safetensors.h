@@ -98,7 +98,7 @@ class SafetensorsFile {
   std::string path_;
   const std::byte* base_ = nullptr;
   size_t size_ = 0;
-  void* mapping_ = nullptr;  // munmap()ed on destruction when set
+  void* mapping_ = nullptr;       // munmap()ed on destruction when set
   std::vector<std::byte> owned_;  // backing store of from_bytes()
   SafetensorsHeader header_;
   std::unordered_map<std::string_view, size_t> index_;

@@ -95,9 +95,9 @@ TEST(LlamaCheckpointTest, BindsEveryWeight) {
   EXPECT_FALSE(weights->layers[0].q_bias.has_value());
   EXPECT_EQ(weights->embed_tokens.numel(), 88);
   // The views are the written bytes.
-  EXPECT_EQ(std::memcmp(weights->layers[0].k_proj.data, tensors[3].bytes.data(),
-                        tensors[3].bytes.size()),
-            0);
+  EXPECT_EQ(
+      std::memcmp(weights->layers[0].k_proj.data, tensors[3].bytes.data(), tensors[3].bytes.size()),
+      0);
 }
 
 TEST(LlamaCheckpointTest, TiedEmbeddingsServeAsLmHead) {
@@ -143,7 +143,8 @@ TEST(LlamaCheckpointTest, WrongShapeNamesFileAndShapes) {
   const ModelConfig config = tiny_config(ModelFamily::kLlama, /*tied=*/false);
   std::vector<OwnedTensor> tensors = tensors_for(config, 5);
   for (OwnedTensor& tensor : tensors) {
-    if (tensor.name == "model.layers.1.self_attn.v_proj.weight") tensor.shape = {8, 4};  // transposed
+    if (tensor.name == "model.layers.1.self_attn.v_proj.weight")
+      tensor.shape = {8, 4};  // transposed
   }
   EXPECT_THAT(bind_error(config, tensors),
               HasSubstr("tensor 'model.layers.1.self_attn.v_proj.weight' in 'model.safetensors' "
@@ -153,8 +154,8 @@ TEST(LlamaCheckpointTest, WrongShapeNamesFileAndShapes) {
 TEST(LlamaCheckpointTest, WrongDtypeIsRefused) {
   const ModelConfig config = tiny_config(ModelFamily::kLlama, /*tied=*/false);
   std::vector<OwnedTensor> tensors = tensors_for(config, 6);
-  tensors[1] = make_tensor(tensors[1].name, DType::kF32, tensors[1].shape,
-                           std::vector<float>(8, 1.0f));
+  tensors[1] =
+      make_tensor(tensors[1].name, DType::kF32, tensors[1].shape, std::vector<float>(8, 1.0f));
   EXPECT_THAT(bind_error(config, tensors),
               HasSubstr("tensor 'model.layers.0.input_layernorm.weight' in 'model.safetensors' "
                         "has dtype F32, config.json says BF16"));
@@ -196,7 +197,8 @@ TEST(LlamaCheckpointTest, ShardedCheckpointOnDisk) {
         i < half ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
     total += tensors[i].bytes.size();
   }
-  ASSERT_TRUE(write_safetensors_index(dir / "model.safetensors.index.json", weight_map, total).ok());
+  ASSERT_TRUE(
+      write_safetensors_index(dir / "model.safetensors.index.json", weight_map, total).ok());
 
   absl::StatusOr<SafetensorsSet> set = SafetensorsSet::open(dir);
   ASSERT_TRUE(set.ok()) << set.status();

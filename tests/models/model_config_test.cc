@@ -8,275 +8,15 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/models/hf_configs.h"
 
 namespace deft::models {
 namespace {
 
 using nlohmann::json;
+using namespace testing_configs;  // NOLINT(google-build-using-namespace)
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-// config.json texts as the Hugging Face hub ships them (fields and values of the real models).
-constexpr const char* kLlama1_7B = R"({
-  "architectures": ["LlamaForCausalLM"],
-  "bos_token_id": 1,
-  "eos_token_id": 2,
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "intermediate_size": 11008,
-  "initializer_range": 0.02,
-  "max_sequence_length": 2048,
-  "model_type": "llama",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "pad_token_id": 0,
-  "rms_norm_eps": 1e-06,
-  "tie_word_embeddings": false,
-  "torch_dtype": "float16",
-  "transformers_version": "4.28.0.dev0",
-  "use_cache": true,
-  "vocab_size": 32000
-})";
-
-constexpr const char* kLlama2_7B = R"({
-  "_name_or_path": "meta-llama/Llama-2-7b-hf",
-  "architectures": ["LlamaForCausalLM"],
-  "bos_token_id": 1,
-  "eos_token_id": 2,
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "initializer_range": 0.02,
-  "intermediate_size": 11008,
-  "max_position_embeddings": 4096,
-  "model_type": "llama",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "num_key_value_heads": 32,
-  "pretraining_tp": 1,
-  "rms_norm_eps": 1e-05,
-  "rope_scaling": null,
-  "tie_word_embeddings": false,
-  "torch_dtype": "float16",
-  "transformers_version": "4.31.0.dev0",
-  "use_cache": true,
-  "vocab_size": 32000
-})";
-
-constexpr const char* kLlama3_8B = R"({
-  "architectures": ["LlamaForCausalLM"],
-  "attention_bias": false,
-  "attention_dropout": 0.0,
-  "bos_token_id": 128000,
-  "eos_token_id": 128001,
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "initializer_range": 0.02,
-  "intermediate_size": 14336,
-  "max_position_embeddings": 8192,
-  "model_type": "llama",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "num_key_value_heads": 8,
-  "pretraining_tp": 1,
-  "rms_norm_eps": 1e-05,
-  "rope_scaling": null,
-  "rope_theta": 500000.0,
-  "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.40.0.dev0",
-  "use_cache": true,
-  "vocab_size": 128256
-})";
-
-constexpr const char* kLlama31_8B = R"({
-  "architectures": ["LlamaForCausalLM"],
-  "attention_bias": false,
-  "attention_dropout": 0.0,
-  "bos_token_id": 128000,
-  "eos_token_id": [128001, 128008, 128009],
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "initializer_range": 0.02,
-  "intermediate_size": 14336,
-  "max_position_embeddings": 131072,
-  "mlp_bias": false,
-  "model_type": "llama",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "num_key_value_heads": 8,
-  "pretraining_tp": 1,
-  "rms_norm_eps": 1e-05,
-  "rope_scaling": {
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-    "rope_type": "llama3"
-  },
-  "rope_theta": 500000.0,
-  "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.43.0.dev0",
-  "use_cache": true,
-  "vocab_size": 128256
-})";
-
-constexpr const char* kLlama32_1B = R"({
-  "architectures": ["LlamaForCausalLM"],
-  "attention_bias": false,
-  "attention_dropout": 0.0,
-  "bos_token_id": 128000,
-  "eos_token_id": 128001,
-  "head_dim": 64,
-  "hidden_act": "silu",
-  "hidden_size": 2048,
-  "initializer_range": 0.02,
-  "intermediate_size": 8192,
-  "max_position_embeddings": 131072,
-  "mlp_bias": false,
-  "model_type": "llama",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 16,
-  "num_key_value_heads": 8,
-  "pretraining_tp": 1,
-  "rms_norm_eps": 1e-05,
-  "rope_scaling": {
-    "factor": 32.0,
-    "high_freq_factor": 4.0,
-    "low_freq_factor": 1.0,
-    "original_max_position_embeddings": 8192,
-    "rope_type": "llama3"
-  },
-  "rope_theta": 500000.0,
-  "tie_word_embeddings": true,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.45.0.dev0",
-  "use_cache": true,
-  "vocab_size": 128256
-})";
-
-constexpr const char* kCodeLlama7B = R"({
-  "architectures": ["LlamaForCausalLM"],
-  "bos_token_id": 1,
-  "eos_token_id": 2,
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "initializer_range": 0.02,
-  "intermediate_size": 11008,
-  "max_position_embeddings": 16384,
-  "model_type": "llama",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "num_key_value_heads": 32,
-  "pretraining_tp": 1,
-  "rms_norm_eps": 1e-05,
-  "rope_scaling": null,
-  "rope_theta": 1000000,
-  "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.33.0.dev0",
-  "use_cache": true,
-  "vocab_size": 32016
-})";
-
-constexpr const char* kMistral7B_v03 = R"({
-  "architectures": ["MistralForCausalLM"],
-  "attention_dropout": 0.0,
-  "bos_token_id": 1,
-  "eos_token_id": 2,
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "initializer_range": 0.02,
-  "intermediate_size": 14336,
-  "max_position_embeddings": 32768,
-  "model_type": "mistral",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "num_key_value_heads": 8,
-  "rms_norm_eps": 1e-05,
-  "rope_theta": 1000000.0,
-  "sliding_window": null,
-  "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.42.0.dev0",
-  "use_cache": true,
-  "vocab_size": 32768
-})";
-
-constexpr const char* kMistral7B_v01 = R"({
-  "architectures": ["MistralForCausalLM"],
-  "bos_token_id": 1,
-  "eos_token_id": 2,
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "initializer_range": 0.02,
-  "intermediate_size": 14336,
-  "max_position_embeddings": 32768,
-  "model_type": "mistral",
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "num_key_value_heads": 8,
-  "rms_norm_eps": 1e-05,
-  "rope_theta": 10000.0,
-  "sliding_window": 4096,
-  "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.34.0.dev0",
-  "use_cache": true,
-  "vocab_size": 32000
-})";
-
-constexpr const char* kQwen25_7B = R"({
-  "architectures": ["Qwen2ForCausalLM"],
-  "attention_dropout": 0.0,
-  "bos_token_id": 151643,
-  "eos_token_id": 151645,
-  "hidden_act": "silu",
-  "hidden_size": 3584,
-  "initializer_range": 0.02,
-  "intermediate_size": 18944,
-  "max_position_embeddings": 32768,
-  "max_window_layers": 28,
-  "model_type": "qwen2",
-  "num_attention_heads": 28,
-  "num_hidden_layers": 28,
-  "num_key_value_heads": 4,
-  "rms_norm_eps": 1e-06,
-  "rope_theta": 1000000.0,
-  "sliding_window": 131072,
-  "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.43.1",
-  "use_cache": true,
-  "use_sliding_window": false,
-  "vocab_size": 152064
-})";
-
-constexpr const char* kQwen2_05B = R"({
-  "architectures": ["Qwen2ForCausalLM"],
-  "attention_dropout": 0.0,
-  "bos_token_id": 151643,
-  "eos_token_id": 151643,
-  "hidden_act": "silu",
-  "hidden_size": 896,
-  "initializer_range": 0.02,
-  "intermediate_size": 4864,
-  "max_position_embeddings": 131072,
-  "max_window_layers": 24,
-  "model_type": "qwen2",
-  "num_attention_heads": 14,
-  "num_hidden_layers": 24,
-  "num_key_value_heads": 2,
-  "rms_norm_eps": 1e-06,
-  "rope_theta": 1000000.0,
-  "sliding_window": 131072,
-  "tie_word_embeddings": true,
-  "torch_dtype": "bfloat16",
-  "transformers_version": "4.40.1",
-  "use_cache": true,
-  "use_sliding_window": false,
-  "vocab_size": 151936
-})";
 
 ModelConfig parse_ok(const std::string& text) {
   absl::StatusOr<ModelConfig> config = parse_model_config(text);
@@ -417,6 +157,17 @@ TEST(ModelConfigTest, Qwen2ActiveShortWindowIsRefused) {
                  {"sliding_window", "4096"});
 }
 
+TEST(ModelConfigTest, LayerTypesOfTransformers5) {
+  json config = json::parse(kQwen2_05B);
+  config["layer_types"] = json::array({"full_attention", "full_attention"});
+  EXPECT_TRUE(parse_model_config(config.dump()).ok());
+  expect_refused(kQwen2_05B,
+                 [](json& c) {
+                   c["layer_types"] = {"full_attention", "chunked"};
+                 },
+                 {"layer_types", "chunked"});
+}
+
 TEST(ModelConfigTest, LlamaAttentionBiasCoversOutputProjection) {
   json config = json::parse(kLlama2_7B);
   config["attention_bias"] = true;
@@ -469,7 +220,9 @@ TEST(ModelConfigTest, RefusesUnsupportedRopeScaling) {
   expect_refused(kLlama31_8B, [](json& c) { c["rope_scaling"]["rope_type"] = "yarn"; },
                  {"rope_scaling.rope_type", "yarn"});
   expect_refused(kLlama2_7B,
-                 [](json& c) { c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}}; },
+                 [](json& c) {
+                   c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+                 },
                  {"rope_scaling.type", "dynamic"});
   expect_refused(kLlama31_8B,
                  [](json& c) { c["rope_scaling"].erase("original_max_position_embeddings"); },
@@ -499,7 +252,10 @@ TEST(ModelConfigTest, RefusesBadShapes) {
 }
 
 TEST(ModelConfigTest, RefusesTokenIdsOutsideVocabulary) {
-  expect_refused(kLlama31_8B, [](json& c) { c["eos_token_id"] = {128001, 200000}; },
+  expect_refused(kLlama31_8B,
+                 [](json& c) {
+                   c["eos_token_id"] = {128001, 200000};
+                 },
                  {"eos_token_id", "200000"});
   expect_refused(kLlama2_7B, [](json& c) { c["bos_token_id"] = -1; }, {"bos_token_id", "-1"});
 }

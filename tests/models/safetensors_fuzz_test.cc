@@ -23,8 +23,7 @@ std::vector<std::byte> valid_file() {
   tensors.push_back(make_tensor("model.norm.weight", DType::kF32, {6}, std::span(values).first(6)));
   tensors.push_back(make_tensor("s", DType::kF32, {}, std::span(values).first(1)));
   tensors.push_back(make_tensor("z", DType::kF16, {0}, {}));
-  absl::StatusOr<std::vector<std::byte>> bytes =
-      serialize_safetensors(tensors, {{"format", "pt"}});
+  absl::StatusOr<std::vector<std::byte>> bytes = serialize_safetensors(tensors, {{"format", "pt"}});
   EXPECT_TRUE(bytes.ok());
   return *bytes;
 }
@@ -53,7 +52,8 @@ void mutate(std::vector<std::byte>& bytes, std::mt19937_64& rng) {
         const char c = static_cast<char>(bytes[i]);
         if (c >= '0' && c <= '9') digits.push_back(i);
       }
-      if (!digits.empty()) bytes[digits[pick(digits.size())]] = static_cast<std::byte>('0' + pick(10));
+      if (!digits.empty())
+        bytes[digits[pick(digits.size())]] = static_cast<std::byte>('0' + pick(10));
       break;
     }
     case 4:  // JSON structural character somewhere in the header
