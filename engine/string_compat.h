@@ -1,17 +1,32 @@
 // Debian's Abseil is built with its own absl::string_view class, which does not convert from
-// std::string_view. These helpers bridge the two in the tokenizer code, whose interfaces use
-// std::string_view.
+// std::string_view. These helpers bridge the two wherever our interfaces use std::string_view.
 #pragma once
 
 #include <string>
 #include <string_view>
+#include <type_traits>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace deft::engine {
 
 inline absl::string_view to_absl(std::string_view text) {
   return absl::string_view(text.data(), text.size());
+}
+
+// absl::StrCat that also takes std::string_view arguments.
+template <typename T>
+decltype(auto) to_alpha_num(const T& value) {
+  if constexpr (std::is_same_v<T, std::string_view>) {
+    return to_absl(value);
+  } else {
+    return (value);
+  }
+}
+template <typename... Args>
+std::string str_cat(const Args&... args) {
+  return absl::StrCat(to_alpha_num(args)...);
 }
 
 // `text` with every occurrence of `from` (non-empty) replaced by `to`.

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/string_compat.h"
 #include "nlohmann/json.hpp"
 
 namespace deft::models {
@@ -15,27 +16,15 @@ namespace {
 
 using nlohmann::json;
 
-// absl here is built without std::string_view aliasing; StrCat over std::string_view too.
-template <typename T>
-decltype(auto) alpha(const T& value) {
-  if constexpr (std::is_same_v<T, std::string_view>) {
-    return absl::string_view(value.data(), value.size());
-  } else {
-    return (value);
-  }
-}
-template <typename... Args>
-std::string cat(const Args&... args) {
-  return absl::StrCat(alpha(args)...);
-}
+using engine::str_cat;
 
 absl::Status refuse(std::string_view field, const json& value, std::string_view why) {
   return absl::InvalidArgumentError(
-      cat("config.json: field '", field, "' = ", value.dump(), ": ", why));
+      str_cat("config.json: field '", field, "' = ", value.dump(), ": ", why));
 }
 
 absl::Status missing(std::string_view field) {
-  return absl::InvalidArgumentError(cat("config.json: required field '", field, "' is missing"));
+  return absl::InvalidArgumentError(str_cat("config.json: required field '", field, "' is missing"));
 }
 
 // Treats an explicit null like an absent field, as transformers does for optional fields.
@@ -97,7 +86,7 @@ absl::Status read_token_id(const json& value, std::string_view field, int32_t vo
   absl::StatusOr<int64_t> id = as_int(value, field);
   if (!id.ok()) return id.status();
   if (*id < 0 || *id >= vocab_size) {
-    return refuse(field, value, cat("token id outside the vocabulary [0, ", vocab_size, ")"));
+    return refuse(field, value, str_cat("token id outside the vocabulary [0, ", vocab_size, ")"));
   }
   *out = static_cast<int32_t>(*id);
   return absl::OkStatus();
@@ -226,8 +215,8 @@ absl::Status read_rope(const json& config, ModelConfig* out) {
 
   auto read_number = [&](std::string_view key, double* value) -> absl::Status {
     const json* field = find_field(*rope, key);
-    if (field == nullptr) return missing(cat(prefix, ".", key));
-    absl::StatusOr<double> number = as_number(*field, cat(prefix, ".", key));
+    if (field == nullptr) return missing(str_cat(prefix, ".", key));
+    absl::StatusOr<double> number = as_number(*field, str_cat(prefix, ".", key));
     if (!number.ok()) return number.status();
     *value = *number;
     return absl::OkStatus();
@@ -249,7 +238,7 @@ absl::Status read_rope(const json& config, ModelConfig* out) {
   if (!(scaling.low_freq_factor > 0.0 && scaling.high_freq_factor > scaling.low_freq_factor)) {
     return refuse(
         prefix + ".high_freq_factor", (*rope)["high_freq_factor"],
-        cat("expected 0 < low_freq_factor (", scaling.low_freq_factor, ") < high_freq_factor"));
+        str_cat("expected 0 < low_freq_factor (", scaling.low_freq_factor, ") < high_freq_factor"));
   }
   const json* original = find_field(*rope, "original_max_position_embeddings");
   if (original == nullptr) return missing(prefix + ".original_max_position_embeddings");
@@ -300,7 +289,7 @@ absl::Status read_sliding_window(const json& config, ModelConfig* out) {
   if (!length.ok()) return length.status();
   if (*length < out->max_position_embeddings) {
     return refuse("sliding_window", *window,
-                  cat("sliding-window attention is not supported, and this window is "
+                  str_cat("sliding-window attention is not supported, and this window is "
                       "shorter than max_position_embeddings (",
                       out->max_position_embeddings, ")"));
   }
@@ -361,12 +350,12 @@ absl::StatusOr<ModelConfig> parse_object(const json& config) {
     return status;
   if (out.num_attention_heads % out.num_key_value_heads != 0) {
     return refuse("num_key_value_heads", config["num_key_value_heads"],
-                  cat("must divide num_attention_heads (", out.num_attention_heads, ")"));
+                  str_cat("must divide num_attention_heads (", out.num_attention_heads, ")"));
   }
   if (find_field(config, "head_dim") == nullptr && out.hidden_size % out.num_attention_heads != 0) {
     return refuse(
         "num_attention_heads", config["num_attention_heads"],
-        cat("must divide hidden_size (", out.hidden_size, ") when head_dim is not given"));
+        str_cat("must divide hidden_size (", out.hidden_size, ") when head_dim is not given"));
   }
   if (absl::Status status = read_size(config, "head_dim", &out.head_dim, false,
                                       out.hidden_size / out.num_attention_heads);
@@ -402,7 +391,7 @@ absl::StatusOr<ModelConfig> parse_object(const json& config) {
       out.rope_scaling.original_max_position_embeddings > out.max_position_embeddings) {
     return refuse("rope_scaling.original_max_position_embeddings",
                   json(out.rope_scaling.original_max_position_embeddings),
-                  cat("exceeds max_position_embeddings (", out.max_position_embeddings, ")"));
+                  str_cat("exceeds max_position_embeddings (", out.max_position_embeddings, ")"));
   }
   if (absl::Status status =
           read_bool(config, "tie_word_embeddings", &out.tie_word_embeddings, false);
@@ -479,7 +468,7 @@ absl::StatusOr<ModelConfig> parse_model_config(std::string_view json_text) {
   } catch (const json::exception& error) {
     // Every access above checks the type first; this is the backstop that keeps a JSON
     // surprise an error rather than a crash.
-    return absl::InvalidArgumentError(cat("config.json: ", error.what()));
+    return absl::InvalidArgumentError(str_cat("config.json: ", error.what()));
   }
 }
 
@@ -489,14 +478,14 @@ absl::StatusOr<ModelConfig> load_model_config(const std::filesystem::path& path)
       std::filesystem::is_directory(path, error) ? path / "config.json" : path;
   std::ifstream stream(file, std::ios::binary);
   if (!stream) {
-    return absl::NotFoundError(cat("cannot open model config '", file.string(), "'"));
+    return absl::NotFoundError(str_cat("cannot open model config '", file.string(), "'"));
   }
   std::ostringstream text;
   text << stream.rdbuf();
   absl::StatusOr<ModelConfig> config = parse_model_config(text.str());
   if (!config.ok()) {
     return absl::Status(config.status().code(),
-                        cat(file.string(), ": ", config.status().message()));
+                        str_cat(file.string(), ": ", config.status().message()));
   }
   return config;
 }

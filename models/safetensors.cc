@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/string_compat.h"
 #include "nlohmann/json.hpp"
 
 namespace deft::models {
@@ -23,29 +24,17 @@ namespace {
 
 using nlohmann::json;
 
-// absl here is built without std::string_view aliasing; StrCat over std::string_view too.
-template <typename T>
-decltype(auto) alpha(const T& value) {
-  if constexpr (std::is_same_v<T, std::string_view>) {
-    return absl::string_view(value.data(), value.size());
-  } else {
-    return (value);
-  }
-}
-template <typename... Args>
-std::string cat(const Args&... args) {
-  return absl::StrCat(alpha(args)...);
-}
+using engine::str_cat;
 
 constexpr std::string_view kMetadataKey = "__metadata__";
 
 absl::Status bad_file(std::string_view file, std::string_view what) {
-  return absl::InvalidArgumentError(cat("safetensors file '", file, "': ", what));
+  return absl::InvalidArgumentError(str_cat("safetensors file '", file, "': ", what));
 }
 
 absl::Status bad_tensor(std::string_view file, std::string_view tensor, std::string_view what) {
   return absl::InvalidArgumentError(
-      cat("safetensors file '", file, "', tensor '", tensor, "': ", what));
+      str_cat("safetensors file '", file, "', tensor '", tensor, "': ", what));
 }
 
 // JSON parse that also reports whether any object repeated a key (nlohmann keeps the last
@@ -112,7 +101,7 @@ absl::StatusOr<TensorEntry> parse_entry(const std::string& name, const json& val
   const std::optional<DType> dtype = parse_dtype_name(dtype_text);
   if (!dtype) {
     return bad_tensor(file, name,
-                      cat("unsupported dtype \"", dtype_text, "\" (supported: F32, F16, BF16)"));
+                      str_cat("unsupported dtype \"", dtype_text, "\" (supported: F32, F16, BF16)"));
   }
   entry.dtype = *dtype;
 
@@ -125,12 +114,12 @@ absl::StatusOr<TensorEntry> parse_entry(const std::string& name, const json& val
     uint64_t dim = 0;
     if (!read_non_negative(dim_value, &dim)) {
       return bad_tensor(file, name,
-                        cat("shape ", shape_it->dump(),
+                        str_cat("shape ", shape_it->dump(),
                             " has a dimension that is not a "
                             "non-negative integer"));
     }
     if (__builtin_mul_overflow(numel, dim, &numel) || numel > static_cast<uint64_t>(INT64_MAX)) {
-      return bad_tensor(file, name, cat("shape ", shape_it->dump(), " overflows"));
+      return bad_tensor(file, name, str_cat("shape ", shape_it->dump(), " overflows"));
     }
     entry.shape.push_back(static_cast<int64_t>(dim));
   }
@@ -144,13 +133,13 @@ absl::StatusOr<TensorEntry> parse_entry(const std::string& name, const json& val
   }
   if (entry.data_end < entry.data_begin) {
     return bad_tensor(file, name,
-                      cat("data_offsets ", offsets_it->dump(), " end before they begin"));
+                      str_cat("data_offsets ", offsets_it->dump(), " end before they begin"));
   }
   uint64_t expected_bytes = 0;
   if (__builtin_mul_overflow(numel, dtype_bytes(entry.dtype), &expected_bytes) ||
       entry.data_end - entry.data_begin != expected_bytes) {
     return bad_tensor(file, name,
-                      cat("data_offsets ", offsets_it->dump(), " span ",
+                      str_cat("data_offsets ", offsets_it->dump(), " span ",
                           entry.data_end - entry.data_begin, " bytes, but shape ", shape_it->dump(),
                           " of ", dtype_text, " needs ", numel, " x ", dtype_bytes(entry.dtype)));
   }
@@ -167,7 +156,7 @@ absl::StatusOr<Mapping> map_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     return absl::NotFoundError(
-        cat("cannot open safetensors file '", path, "': ", std::strerror(errno)));
+        str_cat("cannot open safetensors file '", path, "': ", std::strerror(errno)));
   }
   struct stat info;
   if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
@@ -179,14 +168,14 @@ absl::StatusOr<Mapping> map_file(const std::string& path) {
   if (mapping.size < 8) {
     ::close(fd);
     return bad_file(path,
-                    cat("only ", mapping.size, " bytes: shorter than the 8-byte header length"));
+                    str_cat("only ", mapping.size, " bytes: shorter than the 8-byte header length"));
   }
   mapping.address = ::mmap(nullptr, mapping.size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int map_errno = errno;
   ::close(fd);
   if (mapping.address == MAP_FAILED) {
     return absl::InternalError(
-        cat("cannot mmap safetensors file '", path, "': ", std::strerror(map_errno)));
+        str_cat("cannot mmap safetensors file '", path, "': ", std::strerror(map_errno)));
   }
   return mapping;
 }
@@ -204,7 +193,7 @@ bool is_plain_relative(const std::string& name) {
 
 absl::StatusOr<std::string> read_text_file(const std::filesystem::path& path) {
   std::ifstream stream(path, std::ios::binary);
-  if (!stream) return absl::NotFoundError(cat("cannot open '", path.string(), "'"));
+  if (!stream) return absl::NotFoundError(str_cat("cannot open '", path.string(), "'"));
   std::ostringstream text;
   text << stream.rdbuf();
   return text.str();
@@ -226,7 +215,7 @@ std::vector<float> tensor_to_floats(const TensorView& tensor) {
 
 absl::Status tensor_to_floats(const TensorView& tensor, std::span<float> out) {
   if (static_cast<int64_t>(out.size()) != tensor.numel()) {
-    return absl::InvalidArgumentError(cat("tensor '", tensor.name, "' has ", tensor.numel(),
+    return absl::InvalidArgumentError(str_cat("tensor '", tensor.name, "' has ", tensor.numel(),
                                           " elements, output holds ", out.size()));
   }
   for (size_t i = 0; i < out.size(); ++i) out[i] = tensor.at(i);
@@ -236,7 +225,7 @@ absl::Status tensor_to_floats(const TensorView& tensor, std::span<float> out) {
 absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::byte> file_bytes,
                                                            std::string_view file_name) {
   if (file_bytes.size() < 8) {
-    return bad_file(file_name, cat("only ", file_bytes.size(),
+    return bad_file(file_name, str_cat("only ", file_bytes.size(),
                                    " bytes: shorter than the 8-byte header length"));
   }
   uint64_t header_bytes = 0;
@@ -245,11 +234,11 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
   }
   const uint64_t available = file_bytes.size() - 8;
   if (header_bytes > kMaxSafetensorsHeaderBytes) {
-    return bad_file(file_name, cat("header length ", header_bytes, " exceeds the limit of ",
+    return bad_file(file_name, str_cat("header length ", header_bytes, " exceeds the limit of ",
                                    kMaxSafetensorsHeaderBytes, " bytes"));
   }
   if (header_bytes > available) {
-    return bad_file(file_name, cat("header length ", header_bytes, " exceeds the ", available,
+    return bad_file(file_name, str_cat("header length ", header_bytes, " exceeds the ", available,
                                    " bytes after the length field (truncated?)"));
   }
   const std::string_view text(reinterpret_cast<const char*>(file_bytes.data() + 8),
@@ -261,7 +250,7 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
   if (parsed.value.is_discarded()) return bad_file(file_name, "header is not well-formed JSON");
   if (!parsed.value.is_object()) return bad_file(file_name, "header is not a JSON object");
   if (!parsed.duplicate_key.empty()) {
-    return bad_file(file_name, cat("header repeats the key \"", parsed.duplicate_key,
+    return bad_file(file_name, str_cat("header repeats the key \"", parsed.duplicate_key,
                                    "\" (duplicate tensor name?)"));
   }
 
@@ -274,7 +263,7 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
       for (const auto& [meta_key, meta_value] : value.items()) {
         if (!meta_value.is_string()) {
           return bad_file(file_name,
-                          cat("__metadata__ value of \"", meta_key, "\" is not a string"));
+                          str_cat("__metadata__ value of \"", meta_key, "\" is not a string"));
         }
         header.metadata.emplace(meta_key, meta_value.get<std::string>());
       }
@@ -290,7 +279,7 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
   for (const TensorEntry& entry : header.tensors) {
     if (entry.data_end > data_bytes) {
       return bad_tensor(file_name, entry.name,
-                        cat("data ends at byte ", entry.data_end, " but the file holds ",
+                        str_cat("data ends at byte ", entry.data_end, " but the file holds ",
                             data_bytes, " bytes of data (truncated?)"));
     }
   }
@@ -304,19 +293,19 @@ absl::StatusOr<SafetensorsHeader> parse_safetensors_header(std::span<const std::
     if (entry.data_begin < cursor) {
       return bad_tensor(
           file_name, entry.name,
-          cat("data [", entry.data_begin, ", ", entry.data_end, ") overlaps tensor '",
+          str_cat("data [", entry.data_begin, ", ", entry.data_end, ") overlaps tensor '",
               previous->name, "' [", previous->data_begin, ", ", previous->data_end, ")"));
     }
     if (entry.data_begin > cursor) {
       return bad_tensor(
           file_name, entry.name,
-          cat("data begins at byte ", entry.data_begin, ", leaving a gap after byte ", cursor));
+          str_cat("data begins at byte ", entry.data_begin, ", leaving a gap after byte ", cursor));
     }
     cursor = entry.data_end;
     previous = &entry;
   }
   if (cursor != data_bytes) {
-    return bad_file(file_name, cat(data_bytes - cursor, " bytes after the last tensor ",
+    return bad_file(file_name, str_cat(data_bytes - cursor, " bytes after the last tensor ",
                                    "(tensors cover ", cursor, " of ", data_bytes, " data bytes)"));
   }
   return header;
@@ -378,7 +367,7 @@ TensorView SafetensorsFile::view(const TensorEntry& entry) const {
 absl::StatusOr<TensorView> SafetensorsFile::tensor(std::string_view name) const {
   const auto it = index_.find(name);
   if (it == index_.end()) {
-    return absl::NotFoundError(cat("safetensors file '", path_, "' has no tensor '", name, "'"));
+    return absl::NotFoundError(str_cat("safetensors file '", path_, "' has no tensor '", name, "'"));
   }
   return view(header_.tensors[it->second]);
 }
@@ -388,7 +377,7 @@ absl::StatusOr<TensorView> SafetensorsFile::tensor(std::string_view name) const 
 absl::Status SafetensorsSet::add_file(std::unique_ptr<SafetensorsFile> file) {
   for (const TensorEntry& entry : file->entries()) {
     if (const auto it = tensors_.find(entry.name); it != tensors_.end()) {
-      return absl::InvalidArgumentError(cat("tensor '", entry.name, "' is in both '",
+      return absl::InvalidArgumentError(str_cat("tensor '", entry.name, "' is in both '",
                                             it->second.file, "' and '", file->path(), "'"));
     }
   }
@@ -401,7 +390,7 @@ absl::Status SafetensorsSet::add_file(std::unique_ptr<SafetensorsFile> file) {
 absl::StatusOr<TensorView> SafetensorsSet::tensor(std::string_view name) const {
   const auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(cat("checkpoint '", source_, "' has no tensor '", name, "'"));
+    return absl::NotFoundError(str_cat("checkpoint '", source_, "' has no tensor '", name, "'"));
   }
   return it->second;
 }
@@ -427,7 +416,7 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
         if (item.path().extension() == ".safetensors") found.push_back(item.path());
       }
       if (found.size() != 1) {
-        return absl::NotFoundError(cat("directory '", path.string(),
+        return absl::NotFoundError(str_cat("directory '", path.string(),
                                        "' has no model.safetensors.index.json or "
                                        "model.safetensors, and ",
                                        found.size(), " *.safetensors files (need exactly one)"));
@@ -451,13 +440,13 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
   if (!text.ok()) return text.status();
   const ParsedJson index = parse_json_checking_duplicates(*text);
   auto bad_index = [&](std::string_view what) {
-    return absl::InvalidArgumentError(cat("safetensors index '", target.string(), "': ", what));
+    return absl::InvalidArgumentError(str_cat("safetensors index '", target.string(), "': ", what));
   };
   if (index.value.is_discarded() || !index.value.is_object()) {
     return bad_index("not a well-formed JSON object");
   }
   if (!index.duplicate_key.empty()) {
-    return bad_index(cat("repeats the key \"", index.duplicate_key, "\""));
+    return bad_index(str_cat("repeats the key \"", index.duplicate_key, "\""));
   }
   const auto map_it = index.value.find("weight_map");
   if (map_it == index.value.end() || !map_it->is_object()) {
@@ -467,7 +456,7 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
   std::set<std::string> shard_names;
   for (const auto& [tensor_name, shard] : map_it->items()) {
     if (!shard.is_string() || !is_plain_relative(shard.get<std::string>())) {
-      return bad_index(cat("tensor '", tensor_name, "' maps to ", shard.dump(),
+      return bad_index(str_cat("tensor '", tensor_name, "' maps to ", shard.dump(),
                            ", not a file name inside the checkpoint directory"));
     }
     weight_map.emplace(tensor_name, shard.get<std::string>());
@@ -481,11 +470,11 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
     for (const TensorEntry& entry : (*file)->entries()) {
       const auto it = weight_map.find(entry.name);
       if (it == weight_map.end()) {
-        return bad_index(cat("shard '", shard_name, "' holds tensor '", entry.name,
+        return bad_index(str_cat("shard '", shard_name, "' holds tensor '", entry.name,
                              "', which the weight_map does not list"));
       }
       if (it->second != shard_name) {
-        return bad_index(cat("shard '", shard_name, "' holds tensor '", entry.name,
+        return bad_index(str_cat("shard '", shard_name, "' holds tensor '", entry.name,
                              "', which the weight_map puts in '", it->second, "'"));
       }
     }
@@ -493,7 +482,7 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::open(const std::filesystem::path&
   }
   for (const auto& [tensor_name, shard] : weight_map) {
     if (!set.contains(tensor_name)) {
-      return bad_index(cat("weight_map puts tensor '", tensor_name, "' in '", shard,
+      return bad_index(str_cat("weight_map puts tensor '", tensor_name, "' in '", shard,
                            "', but that shard does not hold it"));
     }
   }
@@ -529,22 +518,22 @@ absl::StatusOr<std::vector<std::byte>> serialize_safetensors(
   uint64_t offset = 0;
   for (const OwnedTensor& tensor : tensors) {
     if (tensor.name.empty() || tensor.name == kMetadataKey) {
-      return absl::InvalidArgumentError(cat("cannot write a tensor named \"", tensor.name, "\""));
+      return absl::InvalidArgumentError(str_cat("cannot write a tensor named \"", tensor.name, "\""));
     }
     if (header.contains(tensor.name)) {
-      return absl::InvalidArgumentError(cat("tensor '", tensor.name, "' given twice"));
+      return absl::InvalidArgumentError(str_cat("tensor '", tensor.name, "' given twice"));
     }
     int64_t numel = 1;
     for (int64_t dim : tensor.shape) {
       if (dim < 0) {
         return absl::InvalidArgumentError(
-            cat("tensor '", tensor.name, "' has a negative dimension"));
+            str_cat("tensor '", tensor.name, "' has a negative dimension"));
       }
       numel *= dim;
     }
     if (tensor.bytes.size() != static_cast<size_t>(numel) * dtype_bytes(tensor.dtype)) {
       return absl::InvalidArgumentError(
-          cat("tensor '", tensor.name, "' holds ", tensor.bytes.size(), " bytes, its shape needs ",
+          str_cat("tensor '", tensor.name, "' holds ", tensor.bytes.size(), " bytes, its shape needs ",
               numel * static_cast<int64_t>(dtype_bytes(tensor.dtype))));
     }
     header[tensor.name] = {{"dtype", std::string(dtype_name(tensor.dtype))},
@@ -575,10 +564,10 @@ absl::Status write_safetensors(const std::filesystem::path& path,
   absl::StatusOr<std::vector<std::byte>> bytes = serialize_safetensors(tensors, metadata);
   if (!bytes.ok()) return bytes.status();
   std::ofstream stream(path, std::ios::binary | std::ios::trunc);
-  if (!stream) return absl::InternalError(cat("cannot create '", path.string(), "'"));
+  if (!stream) return absl::InternalError(str_cat("cannot create '", path.string(), "'"));
   stream.write(reinterpret_cast<const char*>(bytes->data()),
                static_cast<std::streamsize>(bytes->size()));
-  if (!stream.flush()) return absl::InternalError(cat("cannot write '", path.string(), "'"));
+  if (!stream.flush()) return absl::InternalError(str_cat("cannot write '", path.string(), "'"));
   return absl::OkStatus();
 }
 
@@ -587,9 +576,9 @@ absl::Status write_safetensors_index(const std::filesystem::path& path,
                                      uint64_t total_size) {
   const json index = {{"metadata", {{"total_size", total_size}}}, {"weight_map", weight_map}};
   std::ofstream stream(path, std::ios::trunc);
-  if (!stream) return absl::InternalError(cat("cannot create '", path.string(), "'"));
+  if (!stream) return absl::InternalError(str_cat("cannot create '", path.string(), "'"));
   stream << index.dump(2) << "\n";
-  if (!stream.flush()) return absl::InternalError(cat("cannot write '", path.string(), "'"));
+  if (!stream.flush()) return absl::InternalError(str_cat("cannot write '", path.string(), "'"));
   return absl::OkStatus();
 }
 
