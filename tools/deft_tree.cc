@@ -1,9 +1,9 @@
 // deft-tree: the main job until the gRPC server lands. Runs one server-side tree job end to end
-// on the CPU backend: the prompt branches --branch ways, every branch generates --every tokens
-// and branches again, --depth levels deep, each path running to --max-tokens or EOS; all live
-// branches decode together, one DeFT attention plan per step. Prints the tree and a summary.
+// on the CPU or CUDA backend: the prompt branches --branch ways, every branch generates --every
+// tokens and branches again, --depth levels deep, each path running to --max-tokens or EOS; all
+// live branches decode together, one DeFT attention plan per step. Prints the tree and a summary.
 //
-//   deft-tree [--model DIR] [--prompt TEXT] [--branch 4 --every 8 --depth 3] ...
+//   deft-tree [--model DIR] [--backend cpu|cuda] [--prompt TEXT] [--branch 4 --every 8] ...
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -23,6 +23,9 @@
 #include "engine/tokenizer.h"
 #include "engine/tree_job.h"
 #include "models/llama_cpu.h"
+#ifdef DEFT_HAVE_CUDA
+#include "models/llama_cuda.h"
+#endif
 #include "spdlog/spdlog.h"
 
 #ifndef DEFT_DEFAULT_MODEL_DIR
@@ -35,6 +38,8 @@ using deft::engine::TokenId;
 
 struct Flags {
   std::string model;
+  std::string backend = "cpu";
+  bool random_weights = false;  // cuda: the config's shape with seeded random weights
   std::string prompt = "Once upon a time there was a tree";
   std::string prompt_ids;  // comma-separated token ids instead of text
   deft::engine::TreeJobOptions job;
@@ -49,9 +54,11 @@ struct Flags {
 void print_usage(FILE* out) {
   std::fprintf(out,
       "usage: deft-tree [flags]\n"
-      "Runs a tree job on the CPU backend and prints the tree.\n\n"
+      "Runs a tree job on the CPU or CUDA backend and prints the tree.\n\n"
       "  --model DIR          Hugging Face checkpoint dir (default: the embedded model,\n"
       "                       %s)\n"
+      "  --backend B          cpu | cuda (default cpu; cuda needs a CUDA build and a GPU)\n"
+      "  --random-weights     cuda: the model's config with seeded random bf16 weights\n"
       "  --prompt TEXT        prompt text (default: \"Once upon a time there was a tree\")\n"
       "  --prompt-ids IDS     prompt as comma-separated token ids instead of text\n"
       "  --branch K           children per branch point (default 4)\n"
@@ -90,11 +97,18 @@ std::string parse_flags(int argc, char** argv, Flags& flags, bool* help) {
       flags.verbose = true;
       continue;
     }
+    if (arg == "--random-weights") {
+      flags.random_weights = true;
+      continue;
+    }
     if (i + 1 >= argc) return absl::StrCat(arg, " needs a value");
     const std::string value = argv[++i];
     bool ok = true;
     if (arg == "--model") {
       flags.model = std::string(value);
+    } else if (arg == "--backend") {
+      flags.backend = value;
+      ok = value == "cpu" || value == "cuda";
     } else if (arg == "--prompt") {
       flags.prompt = std::string(value);
     } else if (arg == "--prompt-ids") {
@@ -183,6 +197,33 @@ void print_node(const std::vector<deft::engine::TreeJobNode>& nodes, deft::engin
   }
 }
 
+absl::StatusOr<std::unique_ptr<deft::engine::ModelRunner>> load_runner(
+    const Flags& flags, const std::filesystem::path& model_dir,
+    const deft::models::ModelConfig& config, int64_t num_kv_slots) {
+  if (flags.backend == "cpu") {
+    if (flags.random_weights) {
+      return absl::InvalidArgumentError("--random-weights needs --backend cuda");
+    }
+    absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> runner =
+        deft::models::LlamaCpuRunner::load(model_dir, num_kv_slots);
+    if (!runner.ok()) return runner.status();
+    return std::unique_ptr<deft::engine::ModelRunner>(std::move(*runner));
+  }
+#ifdef DEFT_HAVE_CUDA
+  const deft::models::LlamaCudaOptions options{.num_kv_slots = num_kv_slots,
+                                               .page_tokens = flags.page_tokens};
+  const uint64_t seed = static_cast<uint64_t>(flags.job.sampling.seed);
+  absl::StatusOr<std::unique_ptr<deft::models::LlamaCudaRunner>> runner =
+      flags.random_weights ? deft::models::LlamaCudaRunner::create_random(config, options, seed)
+                           : deft::models::LlamaCudaRunner::load(model_dir, options);
+  if (!runner.ok()) return runner.status();
+  return std::unique_ptr<deft::engine::ModelRunner>(std::move(*runner));
+#else
+  (void)config;
+  return absl::UnimplementedError("--backend cuda: this build has no CUDA");
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,8 +296,8 @@ int main(int argc, char** argv) {
                             : deft::engine::tree_job_max_pages(flags.job, flags.page_tokens);
   deft::engine::KvCacheManager kv(
       {.page_tokens = flags.page_tokens, .num_pages = static_cast<int32_t>(pages)});
-  absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> runner =
-      deft::models::LlamaCpuRunner::load(model_dir, kv.num_slots());
+  absl::StatusOr<std::unique_ptr<deft::engine::ModelRunner>> runner =
+      load_runner(flags, model_dir, *config, kv.num_slots());
   if (!runner.ok()) {
     std::fprintf(stderr, "deft-tree: %s\n", std::string(runner.status().message()).c_str());
     return 1;
@@ -270,9 +311,11 @@ int main(int argc, char** argv) {
   print_node(result->nodes, 0, printer, flags.show_ids, "");
   const deft::engine::TreeJobStats& stats = result->stats;
   std::printf(
-      "summary: model %s, plan %s, %zu nodes, %d leaves, %lld prompt + %lld generated tokens in "
-      "%lld steps, %.3f s (%.0f tokens/s, forward %.3f s), KV peak %d pages of %d tokens\n",
-      model_dir.c_str(), flags.plan.c_str(), result->nodes.size(), stats.leaves,
+      "summary: model %s, backend %s, plan %s, %zu nodes, %d leaves, %lld prompt + %lld generated "
+      "tokens in %lld steps, %.3f s (%.0f tokens/s, forward %.3f s), KV peak %d pages of %d "
+      "tokens\n",
+      model_dir.c_str(), flags.backend.c_str(), flags.plan.c_str(), result->nodes.size(),
+      stats.leaves,
       static_cast<long long>(stats.prompt_tokens), static_cast<long long>(stats.generated_tokens),
       static_cast<long long>(stats.steps), stats.seconds,
       stats.seconds > 0 ? stats.generated_tokens / stats.seconds : 0.0, stats.forward_seconds,

@@ -1,0 +1,78 @@
+// CUDA backend of the Llama-family runner (same interface and model families as
+// models/llama_cpu.h). Weights live on the GPU in bf16 (fp16 when the config says float16;
+// fp32 checkpoints are rounded to bf16), with q/k/v fused into one [q+2kv, hidden] matrix and
+// gate/up into one [2*intermediate, hidden] matrix. One step:
+//   embedding gather -> fp32 residual stream
+//   per layer: RMSNorm -> QKV GEMM -> bias + RoPE + KV write (one kernel) -> DeFT attention on
+//              the step's plan (uploaded once, reused by every layer) -> O GEMM accumulated
+//              into the residual (beta = 1) -> RMSNorm -> gate/up GEMM -> SiLU·mul -> down GEMM
+//              accumulated into the residual
+//   final RMSNorm of the logit rows only (gathered) -> LM head GEMM (fp32 out) -> host.
+// GEMMs are cuBLAS (bf16/fp16 in, fp32 accumulate). GPU memory is planned at load from the free
+// memory: weights, activations for `max_batch_rows` query rows, then the KV pool.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/model_runner.h"
+#include "models/model_config.h"
+#include "models/safetensors.h"
+
+namespace deft::models {
+
+struct LlamaCudaOptions {
+  // KV slots to hold; 0 = as many as kv_memory_fraction of the memory left after weights and
+  // activations allows (rounded down to whole pages of page_tokens).
+  int64_t num_kv_slots = 0;
+  double kv_memory_fraction = 0.9;
+  int32_t page_tokens = 16;
+  // Query rows one step may carry (activations are sized for it; prefill runs longer than
+  // this must be split by the caller).
+  int32_t max_batch_rows = 4096;
+  int device = 0;
+};
+
+class LlamaCudaRunner final : public engine::ModelRunner {
+ public:
+  // Loads `model_dir` (config.json + *.safetensors). Errors name the file, tensor or field.
+  static absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> load(
+      const std::filesystem::path& model_dir, const LlamaCudaOptions& options);
+  static absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> create(const ModelConfig& config,
+                                                                 const SafetensorsSet& checkpoint,
+                                                                 const LlamaCudaOptions& options,
+                                                                 std::string name = "");
+  // Seeded random weights of `config`'s shape, generated on the GPU (benchmarks without a
+  // checkpoint, e.g. a Llama-3-8B-shaped config): matrices uniform with std 1/sqrt(fan_in),
+  // norms 1, no biases.
+  static absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> create_random(
+      const ModelConfig& config, const LlamaCudaOptions& options, uint64_t seed = 0,
+      std::string name = "random");
+
+  ~LlamaCudaRunner() override;
+
+  const engine::ModelInfo& info() const override { return info_; }
+  const ModelConfig& config() const { return config_; }
+  absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override;
+
+  size_t weight_bytes() const;
+  size_t activation_bytes() const;
+  size_t kv_cache_bytes() const;
+  // True when attention runs the DeFT kernels; false for the generic fallback (head dims the
+  // DeFT kernels are not built for).
+  bool uses_deft_kernels() const;
+
+ private:
+  struct State;  // device buffers, cuBLAS handle, stream (CUDA types stay out of this header)
+  LlamaCudaRunner();
+  absl::Status finish_setup(const LlamaCudaOptions& options);
+
+  ModelConfig config_;
+  engine::ModelInfo info_;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace deft::models
