@@ -155,6 +155,7 @@ int main(int argc, char** argv) {
                  {"tasks", job->io.tasks},
                  {"entries", job->io.query_chunk_pairs},
                  {"mask_words", job->io.mask_words},
+                 {"chunk_tokens", 128},
                  {"target_us", 50}};
     result.add(row);
   }
