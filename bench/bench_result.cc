@@ -59,7 +59,7 @@ std::string BenchResult::write(const std::string& dir) const {
   json["benchmark"] = benchmark_;
   json["hardware"] = hardware_;
   std::string commit = run_command("git -C " DEFT_SOURCE_DIR " rev-parse HEAD 2>/dev/null");
-  if (!run_command("git -C " DEFT_SOURCE_DIR " status --porcelain --untracked-files=no 2>/dev/null")
+  if (!run_command("git -C " DEFT_SOURCE_DIR " status --porcelain --untracked-files=no -- . :!bench/results 2>/dev/null")
            .empty()) {
     commit += "-dirty";
   }
