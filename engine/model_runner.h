@@ -1,0 +1,54 @@
+// The interface the engine drives a model through: one forward pass per engine step. The
+// engine decides what to compute (the step's AttentionPlan, the token of every query row, which
+// rows need logits); a backend (models/llama_cpu.h today, the CUDA runner later) executes it.
+// Nothing here knows about a device, a weight format or a model family.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "engine/attention_planner.h"
+#include "engine/sequence_tree.h"
+
+namespace deft::engine {
+
+// What one step computes. Query row r of the plan is one new token: its id is tokens[r], its
+// RoPE position plan->query_position[r] (its depth in its tree), and its K/V go to KV slot
+// plan->query_slot[r] before attention runs, so rows of one step may attend to each other
+// (prefill runs, token trees). The same plan serves every layer.
+struct StepBatch {
+  const AttentionPlan* plan = nullptr;
+  std::span<const TokenId> tokens;  // [plan->num_queries]
+  // Query rows whose next-token logits are wanted, in the order their logits are written;
+  // usually ascending (e.g. the last row of a prefill run, every row of a decode step).
+  std::span<const int32_t> logit_rows;
+};
+
+// Static facts of a loaded model the engine plans with.
+struct ModelInfo {
+  std::string name;        // e.g. the checkpoint directory
+  std::string family;      // "llama", "mistral", "qwen2"
+  int32_t vocab_size = 0;  // width of one logits row
+  int32_t num_layers = 0;
+  int64_t max_position = 0;   // largest RoPE position + 1 the model was configured for
+  int64_t num_kv_slots = 0;   // KV slots the runner holds (must cover the KvCacheManager's)
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+
+  virtual const ModelInfo& info() const = 0;
+  int32_t vocab_size() const { return info().vocab_size; }
+
+  // Runs the step: writes the K/V of every query row into its slot in every layer, attends
+  // through the plan, and writes logits [batch.logit_rows.size()][vocab_size()] into `logits`
+  // (row-major, fp32). INVALID_ARGUMENT (naming the row and value) for a token outside the
+  // vocabulary, a slot outside the cache, a negative position, a logit row outside the plan,
+  // or a `logits` span of the wrong size; the KV cache is then untouched.
+  virtual absl::Status forward(const StepBatch& batch, std::span<float> logits) = 0;
+};
+
+}  // namespace deft::engine
