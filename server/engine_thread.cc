@@ -237,6 +237,7 @@ void EngineThread::run() {
     s.live.erase(s.live.begin() + static_cast<std::ptrdiff_t>(index));  // frees its pages
   };
 
+  publish();
   for (;;) {
     // 1. Drain the command queue.
     bool stopping = false;

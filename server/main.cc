@@ -200,11 +200,12 @@ int main(int argc, char** argv) {
     }
   });
   second_signal.detach();
-  (*engine)->begin_shutdown(grace);
-  // In-flight calls end when their jobs do; the deadline is a backstop.
-  server->Shutdown(std::chrono::system_clock::now() + grace + std::chrono::seconds(2));
+  // The engine first: it refuses new jobs, lets live ones run for the grace, then cancels them,
+  // which ends their streaming handlers within a poll interval. Then gRPC, with a short
+  // backstop for calls still in flight (the unary ones take milliseconds).
+  (*engine)->shutdown(grace);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   server->Wait();
-  (*engine)->shutdown(std::chrono::milliseconds(0));
   spdlog::info("deft-server: stopped");
   return 0;
 }
