@@ -45,8 +45,10 @@ constexpr deft::engine::SentencePiecePluginApi kApi = {
     .decode = decode,
     .piece_size = [](const void* h) { return processor(h).GetPieceSize(); },
     .id_to_piece = [](const void* h, int id) { return &processor(h).IdToPiece(id); },
-    .piece_to_id = [](const void* h, const char* piece,
-                      size_t size) { return processor(h).PieceToId(std::string_view(piece, size)); },
+    .piece_to_id =
+        [](const void* h, const char* piece, size_t size) {
+          return processor(h).PieceToId(std::string_view(piece, size));
+        },
     .is_control = [](const void* h, int id) { return processor(h).IsControl(id); },
     .is_byte = [](const void* h, int id) { return processor(h).IsByte(id); },
     .is_unknown = [](const void* h, int id) { return processor(h).IsUnknown(id); },

@@ -53,12 +53,18 @@ int rpc_error(const char* rpc, const grpc::Status& status) {
 
 const char* finish_name(v1::FinishReason reason) {
   switch (reason) {
-    case v1::FINISH_REASON_LENGTH: return "length";
-    case v1::FINISH_REASON_STOP: return "stop";
-    case v1::FINISH_REASON_EOS: return "eos";
-    case v1::FINISH_REASON_PRUNED: return "pruned";
-    case v1::FINISH_REASON_CANCELLED: return "cancelled";
-    default: return "?";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_PRUNED:
+      return "pruned";
+    case v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    default:
+      return "?";
   }
 }
 
@@ -78,8 +84,8 @@ int health(const std::shared_ptr<grpc::Channel>& channel) {
   const grpc::Status status =
       stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
   if (!status.ok()) return rpc_error("Health.Check", status);
-  std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())
-                          .c_str());
+  std::printf("%s\n",
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()).c_str());
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 

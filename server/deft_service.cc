@@ -24,43 +24,67 @@ grpc::Status invalid(const std::string& message) {
 
 const char* code_name(grpc::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
   }
 }
 
 v1::FinishReason to_proto(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
-    case FinishReason::kStop: return v1::FINISH_REASON_STOP;
-    case FinishReason::kEos: return v1::FINISH_REASON_EOS;
-    case FinishReason::kCancelled: return v1::FINISH_REASON_CANCELLED;
-    case FinishReason::kNone: break;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kEos:
+      return v1::FINISH_REASON_EOS;
+    case FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kNone:
+      break;
   }
   return v1::FINISH_REASON_UNSPECIFIED;
 }
 
 grpc::Status unimplemented(const char* rpc) {
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      absl::StrCat(rpc, " is not implemented by this server yet (it needs the "
-                                        "engine Scheduler of issue 6); Generate, Tokenize, "
-                                        "Detokenize and ModelInfo are"));
+                      absl::StrCat(rpc,
+                                   " is not implemented by this server yet (it needs the "
+                                   "engine Scheduler of issue 6); Generate, Tokenize, "
+                                   "Detokenize and ModelInfo are"));
 }
 
 // How often a streaming handler looks at its client while waiting for the engine.
@@ -99,8 +123,8 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
       absl::StatusOr<std::vector<engine::TokenId>> encoded =
           tokenizer_.encode(prompt.text(), /*add_bos=*/true, /*parse_special=*/false);
       if (!encoded.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".text: ",
-                                                       encoded.status().message()));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".text: ", encoded.status().message()));
       }
       ids = std::move(*encoded);
       break;
@@ -109,9 +133,9 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
       const auto& given = prompt.tokens().ids();
       for (int i = 0; i < given.size(); ++i) {
         if (given[i] < 0 || given[i] >= model_.vocab_size) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(field, ".tokens.ids[", i, "] = ", given[i],
-                           " is outside the vocabulary [0, ", model_.vocab_size, ")"));
+          return absl::InvalidArgumentError(absl::StrCat(field, ".tokens.ids[", i, "] = ", given[i],
+                                                         " is outside the vocabulary [0, ",
+                                                         model_.vocab_size, ")"));
         }
       }
       ids.assign(given.begin(), given.end());
@@ -125,24 +149,21 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
     return absl::InvalidArgumentError(absl::StrCat(field, " has no tokens"));
   }
   if (static_cast<int64_t>(ids.size()) > config_.max_prompt_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " has ", ids.size(),
-                                                   " tokens; the limit is ",
-                                                   config_.max_prompt_tokens,
-                                                   " (max_prompt_tokens)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " has ", ids.size(), " tokens; the limit is ",
+                     config_.max_prompt_tokens, " (max_prompt_tokens)"));
   }
   return ids;
 }
 
 // ---- Generate -----------------------------------------------------------------------------
 
-grpc::Status DeftService::Generate(grpc::ServerContext* context,
-                                   const v1::GenerateRequest* request,
+grpc::Status DeftService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
   return done("Generate", generate(context, *request, writer));
 }
 
-grpc::Status DeftService::generate(grpc::ServerContext* context,
-                                   const v1::GenerateRequest& request,
+grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::GenerateRequest& request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
   GenerateJobRequest job;
   absl::StatusOr<std::vector<engine::TokenId>> prompt = prompt_tokens(request.prompt(), "prompt");
@@ -194,8 +215,7 @@ grpc::Status DeftService::generate(grpc::ServerContext* context,
   if (tree_tokens > config_.max_tree_tokens) {
     return invalid(absl::StrCat("the job may hold ", tree_tokens, " tokens (prompt ", prompt_size,
                                 " + n ", job.n, " x max_tokens ", job.max_tokens,
-                                "); the limit is ", config_.max_tree_tokens,
-                                " (max_tree_tokens)"));
+                                "); the limit is ", config_.max_tree_tokens, " (max_tree_tokens)"));
   }
 
   absl::StatusOr<std::shared_ptr<GenerateStream>> stream = engine_.submit(std::move(job));

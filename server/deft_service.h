@@ -40,16 +40,14 @@ class DeftService final : public deft::v1::Deft::Service {
                         grpc::ServerWriter<deft::v1::GenerateResponse>* writer) override;
   grpc::Status RunTree(grpc::ServerContext* context, const deft::v1::RunTreeRequest* request,
                        grpc::ServerWriter<deft::v1::TreeEvent>* writer) override;
-  grpc::Status TreeSession(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<deft::v1::SessionResponse, deft::v1::SessionRequest>* stream)
-      override;
+  grpc::Status TreeSession(grpc::ServerContext* context,
+                           grpc::ServerReaderWriter<deft::v1::SessionResponse,
+                                                    deft::v1::SessionRequest>* stream) override;
   grpc::Status Verify(grpc::ServerContext* context, const deft::v1::VerifyRequest* request,
                       deft::v1::VerifyResponse* response) override;
   grpc::Status Tokenize(grpc::ServerContext* context, const deft::v1::TokenizeRequest* request,
                         deft::v1::TokenizeResponse* response) override;
-  grpc::Status Detokenize(grpc::ServerContext* context,
-                          const deft::v1::DetokenizeRequest* request,
+  grpc::Status Detokenize(grpc::ServerContext* context, const deft::v1::DetokenizeRequest* request,
                           deft::v1::DetokenizeResponse* response) override;
   grpc::Status ModelInfo(grpc::ServerContext* context, const deft::v1::ModelInfoRequest* request,
                          deft::v1::ModelInfoResponse* response) override;

@@ -71,8 +71,8 @@ struct EngineThread::Job {
     uint64_t seed = 0;
     int32_t generated = 0;
     std::unique_ptr<engine::IncrementalDetokenizer> detokenizer;
-    std::string text;           // decoded so far (cut at a stop string)
-    size_t emitted_bytes = 0;   // of `text`, streamed already
+    std::string text;          // decoded so far (cut at a stop string)
+    size_t emitted_bytes = 0;  // of `text`, streamed already
     bool live = true;
   };
 
@@ -131,9 +131,7 @@ EngineThread::EngineThread(EngineOptions options, std::unique_ptr<engine::ModelR
       metrics_(metrics),
       state_(std::make_unique<State>(options)) {}
 
-EngineThread::~EngineThread() {
-  shutdown(std::chrono::milliseconds(0));
-}
+EngineThread::~EngineThread() { shutdown(std::chrono::milliseconds(0)); }
 
 int64_t EngineThread::job_max_pages(const GenerateJobRequest& request) const {
   return pages_for(static_cast<int64_t>(request.prompt.size()), options_.page_tokens) +
@@ -144,10 +142,9 @@ absl::StatusOr<std::shared_ptr<GenerateStream>> EngineThread::submit(GenerateJob
   const int64_t max_pages = job_max_pages(request);
   if (max_pages > options_.kv_pages) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the job may need ", max_pages, " KV pages (prompt ", request.prompt.size(),
-        " tokens + ", request.n, " branches x ", request.max_tokens,
-        " tokens) but the KV pool has ", options_.kv_pages, " pages of ", options_.page_tokens,
-        " tokens"));
+        "the job may need ", max_pages, " KV pages (prompt ", request.prompt.size(), " tokens + ",
+        request.n, " branches x ", request.max_tokens, " tokens) but the KV pool has ",
+        options_.kv_pages, " pages of ", options_.page_tokens, " tokens"));
   }
   if (request.n > options_.max_step_tokens ||
       static_cast<int64_t>(request.prompt.size()) > options_.max_step_tokens) {
@@ -203,291 +200,312 @@ EngineSnapshot EngineThread::snapshot() const {
           .live_jobs = live_jobs_.load()};
 }
 
-// ---- The step loop ------------------------------------------------------------------------
+// ---- The step loop (DESIGN.md §2) -------------------------------------------------------
 
 void EngineThread::run() {
   State& s = *state_;
   spdlog::info("engine: started ({} KV pages of {} tokens, step budget {} tokens, plan {})",
                options_.kv_pages, options_.page_tokens, options_.max_step_tokens,
                engine::plan_kind_name(options_.planner.kind));
-  const int32_t vocab = runner_->vocab_size();
-  const auto publish = [&] {
-    kv_pages_used_.store(s.kv.used_pages());
-    live_jobs_.store(static_cast<int32_t>(s.live.size()));
-    if (metrics_ != nullptr) {
-      metrics_->set_engine_state(queued_jobs_.load(), static_cast<int32_t>(s.live.size()),
-                                 s.kv.used_pages(), s.kv.free_pages());
-    }
-  };
-  const auto finish_job = [&](size_t index, FinishReason reason, const absl::Status& status) {
-    // Ends the job: finish reason `reason` for every live branch, then `status`; destroying
-    // the job frees its tree's pages.
-    Job& job = *s.live[index];
-    if (reason != FinishReason::kNone) {
-      for (size_t i = 0; i < job.branches.size(); ++i) {
-        if (!job.branches[i].live) continue;
-        job.branches[i].live = false;
-        job.stream->push({.branch = static_cast<int32_t>(i), .finish = reason});
-      }
-    }
-    job.stream->finish(status);
-    s.reserved_pages -= job.max_pages;
-    spdlog::debug("engine: job {} ended ({}), {:.3f} s", job.id, status.ToString(),
-                  seconds_since(job.submitted_at));
-    s.live.erase(s.live.begin() + static_cast<std::ptrdiff_t>(index));  // frees its pages
-  };
-
   publish();
   for (;;) {
-    // 1. Drain the command queue.
     bool stopping = false;
-    bool cancel_all = false;
-    {
-      std::unique_lock lock(mutex_);
-      // Idle (a queued job that cannot be admitted waits for a live one, so none is live
-      // only when the queue is empty too): sleep until a command arrives.
-      if (submitted_.empty() && s.live.empty() && !stopping_) {
-        wake_.wait_for(lock, std::chrono::seconds(1));
-      }
-      for (std::unique_ptr<Job>& job : submitted_) s.queued.push_back(std::move(job));
-      submitted_.clear();
-      stopping = stopping_;
-      cancel_all = stopping_ && Clock::now() >= cancel_at_;
-    }
-    if (metrics_ != nullptr) metrics_->refresh_rates();
-
-    // 2. Cancellations; at shutdown the queue is refused and, after the grace, live jobs end.
-    for (auto it = s.queued.begin(); it != s.queued.end();) {
-      if ((*it)->stream->cancelled() || stopping) {
-        (*it)->stream->finish(stopping ? absl::UnavailableError("the server is shutting down")
-                                       : absl::CancelledError("cancelled by the client"));
-        queued_jobs_.fetch_sub(1);
-        it = s.queued.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    for (size_t i = s.live.size(); i-- > 0;) {
-      if (s.live[i]->stream->cancelled()) {
-        finish_job(i, FinishReason::kCancelled, absl::CancelledError("cancelled by the client"));
-      } else if (cancel_all) {
-        finish_job(i, FinishReason::kCancelled,
-                   absl::UnavailableError("the server shut down before the job finished"));
-      }
-    }
-    if (stopping && s.live.empty()) {
-      publish();
-      break;
-    }
-
-    // 3. Admission: FIFO, while the worst cases fit the pool and the step's token budget.
-    int64_t step_rows = 0;
-    for (const auto& job : s.live) step_rows += job->live_branches;
-    while (!s.queued.empty()) {
-      Job& job = *s.queued.front();
-      const int64_t prompt_rows = static_cast<int64_t>(job.request.prompt.size());
-      if (s.reserved_pages + job.max_pages > options_.kv_pages) break;
-      if (step_rows + prompt_rows > options_.max_step_tokens ||
-          step_rows + job.request.n > options_.max_step_tokens) {
-        break;
-      }
-      step_rows += prompt_rows;
-      s.reserved_pages += job.max_pages;
-      job.tree = std::make_unique<engine::SequenceTree>(static_cast<uint32_t>(job.id), &s.kv);
-      spdlog::debug("engine: job {} admitted ({} prompt tokens, n {}, max_tokens {})", job.id,
-                    prompt_rows, job.request.n, job.request.max_tokens);
-      s.live.push_back(std::move(s.queued.front()));
-      s.queued.pop_front();
-      queued_jobs_.fetch_sub(1);
-    }
+    bool cancel_live = false;
+    drain_commands(&stopping, &cancel_live);  // 1. new jobs; shutdown
+    cancel_jobs(stopping, cancel_live);       //    cancellations free KV now
+    if (stopping && s.live.empty()) break;
+    admit_jobs();  // 2. continuous batching under the KV and token budgets
     publish();
     if (s.live.empty()) continue;
+    run_step();  // 3-7. plan, forward, sample, stream
+    publish();
+  }
+  publish();
+  spdlog::info("engine: stopped");
+}
 
-    // 4. The step's queries: the prompt of a new job, the pending token of every live branch.
-    const Clock::time_point step_start = Clock::now();
-    StepRecord record;
-    s.queries.resize(s.live.size());
-    s.tokens.clear();
-    s.logit_rows.clear();
-    absl::Status step_status;
-    for (size_t j = 0; j < s.live.size() && step_status.ok(); ++j) {
-      Job& job = *s.live[j];
-      std::vector<engine::QueryToken>& queries = s.queries[j];
-      queries.clear();
-      if (!job.prefilled) {
-        step_status = job.tree->append(job.tree->root(), job.request.prompt);
-        for (int32_t i = 0; i < static_cast<int32_t>(job.request.prompt.size()); ++i) {
-          queries.push_back({job.tree->root(), i});
-          s.tokens.push_back(job.request.prompt[i]);
-        }
-        s.logit_rows.push_back(static_cast<int32_t>(s.tokens.size()) - 1);
-        record.prompt_tokens += static_cast<int64_t>(job.request.prompt.size());
-        continue;
-      }
-      for (Job::Branch& branch : job.branches) {
-        if (!branch.live) continue;
-        step_status = job.tree->append(branch.node, std::span(&branch.pending, 1));
-        if (!step_status.ok()) break;
-        queries.push_back(
-            {branch.node, static_cast<int32_t>(job.tree->node(branch.node).tokens.size()) - 1});
-        s.logit_rows.push_back(static_cast<int32_t>(s.tokens.size()));
-        s.tokens.push_back(branch.pending);
-      }
-    }
-    std::vector<engine::TreeQueries> trees;
-    trees.reserve(s.live.size());
-    for (size_t j = 0; j < s.live.size(); ++j) trees.push_back({s.live[j]->tree.get(), s.queries[j]});
+void EngineThread::publish() {
+  const State& s = *state_;
+  kv_pages_used_.store(s.kv.used_pages());
+  live_jobs_.store(static_cast<int32_t>(s.live.size()));
+  if (metrics_ != nullptr) {
+    metrics_->set_engine_state(queued_jobs_.load(), static_cast<int32_t>(s.live.size()),
+                               s.kv.used_pages(), s.kv.free_pages());
+    metrics_->refresh_rates();
+  }
+}
 
-    // 5. Plan and forward.
-    if (step_status.ok()) {
-      const Clock::time_point plan_start = Clock::now();
-      step_status = s.planner.plan(trees, s.plan);
-      record.plan_seconds = seconds_since(plan_start);
+void EngineThread::drain_commands(bool* stopping, bool* cancel_live) {
+  State& s = *state_;
+  std::unique_lock lock(mutex_);
+  // Idle: sleep until a command arrives. (A queued job waits only for a live one's pages, so
+  // with no live job the queue is empty too.) The timeout refreshes the rate gauges.
+  if (submitted_.empty() && s.live.empty() && !stopping_) {
+    wake_.wait_for(lock, std::chrono::seconds(1));
+  }
+  for (std::unique_ptr<Job>& job : submitted_) s.queued.push_back(std::move(job));
+  submitted_.clear();
+  *stopping = stopping_;
+  *cancel_live = stopping_ && Clock::now() >= cancel_at_;
+}
+
+void EngineThread::cancel_jobs(bool stopping, bool cancel_live) {
+  State& s = *state_;
+  // At shutdown the queue is refused at once; live jobs end after the grace.
+  for (auto it = s.queued.begin(); it != s.queued.end();) {
+    if ((*it)->stream->cancelled() || stopping) {
+      (*it)->stream->finish(stopping ? absl::UnavailableError("the server is shutting down")
+                                     : absl::CancelledError("cancelled by the client"));
+      queued_jobs_.fetch_sub(1);
+      it = s.queued.erase(it);
+    } else {
+      ++it;
     }
-    if (step_status.ok()) {
-      s.logits.resize(s.logit_rows.size() * static_cast<size_t>(vocab));
-      const engine::StepBatch batch{.plan = &s.plan, .tokens = s.tokens,
-                                    .logit_rows = s.logit_rows};
-      const Clock::time_point forward_start = Clock::now();
-      step_status = runner_->forward(batch, s.logits);
-      record.forward_seconds = seconds_since(forward_start);
-      record.kv_tokens_read = s.plan.io.kv_tokens_read;
+  }
+  for (size_t i = s.live.size(); i-- > 0;) {
+    if (s.live[i]->stream->cancelled()) {
+      end_job(i, FinishReason::kCancelled, absl::CancelledError("cancelled by the client"));
+    } else if (cancel_live) {
+      end_job(i, FinishReason::kCancelled,
+              absl::UnavailableError("the server shut down before the job finished"));
     }
-    if (!step_status.ok()) {
-      // An engine bug or a runner failure: the step's jobs cannot continue; others are none.
-      spdlog::error("engine: step failed, ending {} jobs: {}", s.live.size(),
-                    step_status.ToString());
-      for (size_t i = s.live.size(); i-- > 0;) {
-        finish_job(i, FinishReason::kCancelled,
-                   absl::InternalError(absl::StrCat("engine step failed: ",
-                                                    step_status.message())));
+  }
+}
+
+void EngineThread::admit_jobs() {
+  State& s = *state_;
+  // FIFO (no job overtakes an older one), while the worst cases fit the pool and the step's
+  // rows fit the token budget: the new prompts now, their n branches from the next step on.
+  int64_t step_rows = 0;
+  for (const auto& job : s.live) step_rows += job->live_branches;
+  while (!s.queued.empty()) {
+    Job& job = *s.queued.front();
+    const int64_t prompt_rows = static_cast<int64_t>(job.request.prompt.size());
+    if (s.reserved_pages + job.max_pages > options_.kv_pages) break;
+    if (step_rows + prompt_rows > options_.max_step_tokens ||
+        step_rows + job.request.n > options_.max_step_tokens) {
+      break;
+    }
+    step_rows += prompt_rows;
+    s.reserved_pages += job.max_pages;
+    job.tree = std::make_unique<engine::SequenceTree>(static_cast<uint32_t>(job.id), &s.kv);
+    spdlog::debug("engine: job {} admitted ({} prompt tokens, n {}, max_tokens {})", job.id,
+                  prompt_rows, job.request.n, job.request.max_tokens);
+    s.live.push_back(std::move(s.queued.front()));
+    s.queued.pop_front();
+    queued_jobs_.fetch_sub(1);
+  }
+}
+
+void EngineThread::end_job(size_t index, FinishReason reason, const absl::Status& status) {
+  State& s = *state_;
+  Job& job = *s.live[index];
+  // Branches still live end with `reason`; the stream ends with `status` (a job that failed
+  // earlier keeps its first status).
+  if (reason != FinishReason::kNone) {
+    for (size_t i = 0; i < job.branches.size(); ++i) {
+      if (!job.branches[i].live) continue;
+      job.branches[i].live = false;
+      job.stream->push({.branch = static_cast<int32_t>(i), .finish = reason});
+    }
+  }
+  job.stream->finish(status);
+  s.reserved_pages -= job.max_pages;
+  spdlog::debug("engine: job {} ended ({}), {:.3f} s", job.id, status.ToString(),
+                seconds_since(job.submitted_at));
+  s.live.erase(s.live.begin() + static_cast<std::ptrdiff_t>(index));  // frees its tree's pages
+}
+
+absl::Status EngineThread::build_step(StepRecord& record) {
+  State& s = *state_;
+  // One query row per new token: a new job's whole prompt (logits of its last row only), and
+  // the pending token of every live branch.
+  s.queries.resize(s.live.size());
+  s.tokens.clear();
+  s.logit_rows.clear();
+  for (size_t j = 0; j < s.live.size(); ++j) {
+    Job& job = *s.live[j];
+    std::vector<engine::QueryToken>& queries = s.queries[j];
+    queries.clear();
+    if (!job.prefilled) {
+      if (absl::Status status = job.tree->append(job.tree->root(), job.request.prompt);
+          !status.ok()) {
+        return status;
       }
-      publish();
+      for (int32_t i = 0; i < static_cast<int32_t>(job.request.prompt.size()); ++i) {
+        queries.push_back({job.tree->root(), i});
+        s.tokens.push_back(job.request.prompt[i]);
+      }
+      s.logit_rows.push_back(static_cast<int32_t>(s.tokens.size()) - 1);
+      record.prompt_tokens += static_cast<int64_t>(job.request.prompt.size());
       continue;
     }
-
-    // 6-7. Sample every branch, stream its token, end finished branches and jobs.
-    size_t logit_row = 0;
-    const auto row_logits = [&](size_t row) {
-      return std::span<const float>(s.logits.data() + row * static_cast<size_t>(vocab),
-                                    static_cast<size_t>(vocab));
-    };
-    std::vector<size_t> finished_jobs;
-    for (size_t j = 0; j < s.live.size(); ++j) {
-      Job& job = *s.live[j];
-      engine::SamplingParams params = job.request.sampling;
-      absl::Status job_status;
-      const auto add_token = [&](Job::Branch& branch, int32_t index,
-                                 const engine::SampledToken& sampled) {
-        BranchDelta delta;
-        delta.branch = index;
-        delta.ids.push_back(sampled.token);
-        delta.logprobs.push_back(sampled.logprob);
-        if (params.top_logprobs > 0) delta.top_logprobs.push_back(sampled.top_logprobs);
-        ++branch.generated;
-        ++record.generated_tokens;
-        const std::string piece = branch.detokenizer->feed(sampled.token);
-        branch.text += piece;
-        FinishReason finish = FinishReason::kNone;
-        if (tokenizer_.is_eos(sampled.token)) {
-          finish = FinishReason::kEos;
-        } else if (sampled.stop) {
-          finish = FinishReason::kStop;
-        } else if (const engine::StopStringMatch match =
-                       engine::find_stop_string(branch.text, piece.size(), job.request.stop);
-                   match.found()) {
-          branch.text.resize(match.position);
-          finish = FinishReason::kStop;
-        } else if (branch.generated >= job.request.max_tokens) {
-          finish = FinishReason::kLength;
-        }
-        size_t releasable = branch.text.size();
-        if (finish == FinishReason::kNone) {
-          releasable -= engine::stop_string_holdback(branch.text, job.request.stop);
-        } else if (finish != FinishReason::kStop || sampled.stop) {
-          branch.text += branch.detokenizer->finish();
-          releasable = branch.text.size();
-        }
-        releasable = std::max(releasable, branch.emitted_bytes);
-        delta.text = branch.text.substr(branch.emitted_bytes, releasable - branch.emitted_bytes);
-        branch.emitted_bytes = releasable;
-        delta.finish = finish;
-        job.stream->push(std::move(delta));
-        if (finish == FinishReason::kNone) {
-          branch.pending = sampled.token;
-        } else {
-          branch.live = false;
-          --job.live_branches;
-          // The branch's KV is of no further use: free its pages now.
-          if (absl::Status status = job.tree->prune(branch.node); !status.ok()) {
-            job_status = status;
-          }
-        }
-      };
-
-      if (!job.prefilled) {
-        const std::span<const float> logits = row_logits(logit_row++);
-        job.prefilled = true;
-        absl::StatusOr<std::vector<NodeId>> children =
-            job.tree->branch(job.tree->root(), job.request.n);
-        if (!children.ok()) {
-          job_status = children.status();
-        } else {
-          job.branches.resize(static_cast<size_t>(job.request.n));
-          job.live_branches = job.request.n;
-          const uint64_t position = job.request.prompt.size();
-          for (int32_t i = 0; i < job.request.n && job_status.ok(); ++i) {
-            Job::Branch& branch = job.branches[i];
-            branch.node = (*children)[i];
-            branch.seed = engine::branch_seed(job.request.sampling.seed, static_cast<uint64_t>(i));
-            branch.detokenizer = std::make_unique<engine::IncrementalDetokenizer>(
-                tokenizer_, /*starts_text=*/false, /*skip_special=*/true);
-            params.seed = branch.seed;
-            absl::StatusOr<engine::SampledToken> sampled =
-                s.sampler.sample(logits, params, position);
-            if (!sampled.ok()) {
-              job_status = sampled.status();
-            } else {
-              add_token(branch, i, *sampled);
-            }
-          }
-        }
-      } else {
-        for (int32_t i = 0; i < static_cast<int32_t>(job.branches.size()); ++i) {
-          Job::Branch& branch = job.branches[i];
-          if (!branch.live) continue;
-          const std::span<const float> logits = row_logits(logit_row++);
-          if (!job_status.ok()) continue;
-          params.seed = branch.seed;
-          const auto position = static_cast<uint64_t>(job.tree->depth(
-              branch.node, static_cast<int64_t>(job.tree->node(branch.node).tokens.size())));
-          absl::StatusOr<engine::SampledToken> sampled =
-              s.sampler.sample(logits, params, position);
-          if (!sampled.ok()) {
-            job_status = sampled.status();
-          } else {
-            add_token(branch, i, *sampled);
-          }
-        }
+    for (Job::Branch& branch : job.branches) {
+      if (!branch.live) continue;
+      if (absl::Status status = job.tree->append(branch.node, std::span(&branch.pending, 1));
+          !status.ok()) {
+        return status;
       }
-      if (!job_status.ok()) {
-        spdlog::error("engine: job {} failed: {}", job.id, job_status.ToString());
-        job.stream->finish(absl::InternalError(job_status.message()));
-        job.live_branches = 0;
-      }
-      if (job.live_branches == 0) finished_jobs.push_back(j);
+      queries.push_back(
+          {branch.node, static_cast<int32_t>(job.tree->node(branch.node).tokens.size()) - 1});
+      s.logit_rows.push_back(static_cast<int32_t>(s.tokens.size()));
+      s.tokens.push_back(branch.pending);
     }
-    for (size_t k = finished_jobs.size(); k-- > 0;) {
-      const size_t j = finished_jobs[k];
-      finish_job(j, FinishReason::kNone, absl::OkStatus());
-    }
-    record.step_seconds = seconds_since(step_start);
-    if (metrics_ != nullptr) metrics_->record_step(record);
-    publish();
-    spdlog::trace("engine: step {} rows, {} jobs, {:.2f} ms", s.tokens.size(), s.live.size(),
-                  record.step_seconds * 1e3);
   }
-  spdlog::info("engine: stopped");
+  return absl::OkStatus();
+}
+
+void EngineThread::run_step() {
+  State& s = *state_;
+  const Clock::time_point step_start = Clock::now();
+  StepRecord record;
+  absl::Status status = build_step(record);
+  if (status.ok()) {
+    std::vector<engine::TreeQueries> trees;
+    trees.reserve(s.live.size());
+    for (size_t j = 0; j < s.live.size(); ++j) {
+      trees.push_back({s.live[j]->tree.get(), s.queries[j]});
+    }
+    const Clock::time_point plan_start = Clock::now();
+    status = s.planner.plan(trees, s.plan);
+    record.plan_seconds = seconds_since(plan_start);
+  }
+  if (status.ok()) {
+    s.logits.resize(s.logit_rows.size() * static_cast<size_t>(runner_->vocab_size()));
+    const engine::StepBatch batch{.plan = &s.plan, .tokens = s.tokens, .logit_rows = s.logit_rows};
+    const Clock::time_point forward_start = Clock::now();
+    status = runner_->forward(batch, s.logits);
+    record.forward_seconds = seconds_since(forward_start);
+    record.kv_tokens_read = s.plan.io.kv_tokens_read;
+  }
+  if (!status.ok()) {
+    // An engine bug or a runner failure: the jobs of this step cannot go on.
+    spdlog::error("engine: step failed, ending {} jobs: {}", s.live.size(), status.ToString());
+    for (size_t i = s.live.size(); i-- > 0;) {
+      end_job(i, FinishReason::kCancelled,
+              absl::InternalError(absl::StrCat("engine step failed: ", status.message())));
+    }
+    return;
+  }
+  sample_step(record);
+  record.step_seconds = seconds_since(step_start);
+  if (metrics_ != nullptr) metrics_->record_step(record);
+  spdlog::trace("engine: step {} rows, {} jobs, {:.2f} ms", s.tokens.size(), s.live.size(),
+                record.step_seconds * 1e3);
+}
+
+void EngineThread::sample_step(StepRecord& record) {
+  State& s = *state_;
+  const size_t vocab = static_cast<size_t>(runner_->vocab_size());
+  size_t logit_row = 0;
+  const auto next_logits = [&] {
+    return std::span<const float>(s.logits.data() + logit_row++ * vocab, vocab);
+  };
+  std::vector<size_t> finished;
+  for (size_t j = 0; j < s.live.size(); ++j) {
+    Job& job = *s.live[j];
+    engine::SamplingParams params = job.request.sampling;
+    absl::Status status;
+    if (!job.prefilled) {
+      // The prompt's last row: the root branches n ways, each child samples its first token
+      // with its own seed.
+      job.prefilled = true;
+      const std::span<const float> logits = next_logits();
+      absl::StatusOr<std::vector<NodeId>> children =
+          job.tree->branch(job.tree->root(), job.request.n);
+      if (!children.ok()) {
+        status = children.status();
+      } else {
+        job.branches.resize(static_cast<size_t>(job.request.n));
+        job.live_branches = job.request.n;
+        const uint64_t position = job.request.prompt.size();
+        for (int32_t i = 0; i < job.request.n && status.ok(); ++i) {
+          Job::Branch& branch = job.branches[i];
+          branch.node = (*children)[i];
+          branch.seed = engine::branch_seed(job.request.sampling.seed, static_cast<uint64_t>(i));
+          branch.detokenizer = std::make_unique<engine::IncrementalDetokenizer>(
+              tokenizer_, /*starts_text=*/false, /*skip_special=*/true);
+          params.seed = branch.seed;
+          absl::StatusOr<engine::SampledToken> sampled = s.sampler.sample(logits, params, position);
+          status = sampled.ok() ? add_token(job, i, *sampled, record) : sampled.status();
+        }
+      }
+    } else {
+      for (int32_t i = 0; i < static_cast<int32_t>(job.branches.size()); ++i) {
+        Job::Branch& branch = job.branches[i];
+        if (!branch.live) continue;
+        const std::span<const float> logits = next_logits();
+        if (!status.ok()) continue;
+        params.seed = branch.seed;
+        // The sampler's step counter is the new token's position: draws replay exactly.
+        const auto position = static_cast<uint64_t>(job.tree->depth(
+            branch.node, static_cast<int64_t>(job.tree->node(branch.node).tokens.size())));
+        absl::StatusOr<engine::SampledToken> sampled = s.sampler.sample(logits, params, position);
+        status = sampled.ok() ? add_token(job, i, *sampled, record) : sampled.status();
+      }
+    }
+    if (!status.ok()) {
+      spdlog::error("engine: job {} failed: {}", job.id, status.ToString());
+      job.stream->finish(absl::InternalError(status.message()));
+      job.live_branches = 0;
+    }
+    if (job.live_branches == 0) finished.push_back(j);
+  }
+  for (size_t k = finished.size(); k-- > 0;) {
+    end_job(finished[k], FinishReason::kNone, absl::OkStatus());
+  }
+}
+
+absl::Status EngineThread::add_token(Job& job, int32_t index, const engine::SampledToken& sampled,
+                                     StepRecord& record) {
+  Job::Branch& branch = job.branches[index];
+  BranchDelta delta;
+  delta.branch = index;
+  delta.ids.push_back(sampled.token);
+  delta.logprobs.push_back(sampled.logprob);
+  if (job.request.sampling.top_logprobs > 0) delta.top_logprobs.push_back(sampled.top_logprobs);
+  ++branch.generated;
+  ++record.generated_tokens;
+
+  const std::string piece = branch.detokenizer->feed(sampled.token);
+  branch.text += piece;
+  const std::vector<std::string>& stop = job.request.stop;
+  FinishReason finish = FinishReason::kNone;
+  if (tokenizer_.is_eos(sampled.token)) {
+    finish = FinishReason::kEos;
+  } else if (sampled.stop) {
+    finish = FinishReason::kStop;
+  } else if (const engine::StopStringMatch match =
+                 engine::find_stop_string(branch.text, piece.size(), stop);
+             match.found()) {
+    branch.text.resize(match.position);  // the text ends before the stop string
+    finish = FinishReason::kStop;
+  } else if (branch.generated >= job.request.max_tokens) {
+    finish = FinishReason::kLength;
+  }
+  // Stream what is settled: while the branch runs, hold back a tail that may be the start of
+  // a stop string; at its end, flush the detokenizer (unless a stop string cut the text).
+  size_t settled = branch.text.size();
+  if (finish == FinishReason::kNone) {
+    settled -= engine::stop_string_holdback(branch.text, stop);
+  } else if (finish != FinishReason::kStop || sampled.stop) {
+    branch.text += branch.detokenizer->finish();
+    settled = branch.text.size();
+  }
+  settled = std::max(settled, branch.emitted_bytes);
+  delta.text = branch.text.substr(branch.emitted_bytes, settled - branch.emitted_bytes);
+  branch.emitted_bytes = settled;
+  delta.finish = finish;
+  job.stream->push(std::move(delta));
+
+  if (finish == FinishReason::kNone) {
+    branch.pending = sampled.token;
+    return absl::OkStatus();
+  }
+  branch.live = false;
+  --job.live_branches;
+  // The branch's KV is of no further use: its pages go back now, not at the job's end.
+  return job.tree->prune(branch.node);
 }
 
 }  // namespace deft::server

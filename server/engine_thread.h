@@ -36,6 +36,7 @@
 namespace deft::server {
 
 class ServerMetrics;
+struct StepRecord;
 
 enum class FinishReason : uint8_t { kNone, kLength, kStop, kEos, kCancelled };
 
@@ -133,7 +134,18 @@ class EngineThread {
   struct Job;
   EngineThread(EngineOptions options, std::unique_ptr<engine::ModelRunner> runner,
                const engine::Tokenizer& tokenizer, ServerMetrics* metrics);
+  // The engine thread's loop and its parts (engine thread only).
   void run();
+  void publish();
+  void drain_commands(bool* stopping, bool* cancel_live);
+  void cancel_jobs(bool stopping, bool cancel_live);
+  void admit_jobs();
+  void run_step();
+  absl::Status build_step(StepRecord& record);
+  void sample_step(StepRecord& record);
+  absl::Status add_token(Job& job, int32_t index, const engine::SampledToken& sampled,
+                         StepRecord& record);
+  void end_job(size_t index, FinishReason reason, const absl::Status& status);
 
   EngineOptions options_;
   std::unique_ptr<engine::ModelRunner> runner_;

@@ -44,8 +44,8 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 std::filesystem::path model_dir(const ServerConfig& config) {
   if (!config.model.empty()) return config.model;
   // The embedded default model: the source tree's copy, else one beside the working directory.
-  for (const std::filesystem::path& candidate : {std::filesystem::path(DEFT_DEFAULT_MODEL_DIR),
-                                                std::filesystem::path("models/default")}) {
+  for (const std::filesystem::path& candidate :
+       {std::filesystem::path(DEFT_DEFAULT_MODEL_DIR), std::filesystem::path("models/default")}) {
     if (std::filesystem::exists(candidate / "config.json")) return candidate;
   }
   return DEFT_DEFAULT_MODEL_DIR;
@@ -73,8 +73,7 @@ int fail(int code, const std::string& message) {
 
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
-  absl::StatusOr<deft::server::CommandLine> command_line =
-      deft::server::parse_command_line(args);
+  absl::StatusOr<deft::server::CommandLine> command_line = deft::server::parse_command_line(args);
   if (!command_line.ok()) {
     std::fprintf(stderr, "deft-server: %s\n", std::string(command_line.status().message()).c_str());
     return 2;
@@ -115,15 +114,15 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> runner =
       deft::models::LlamaCpuRunner::load(dir, kv_slots);
   if (!runner.ok()) return fail(1, absl::StrCat("model: ", runner.status().message()));
-  spdlog::info("model: {} ({}, {} layers, vocab {}, {} KV slots, {:.1f} MB weights) on the CPU "
-               "backend, loaded in {:.2f} s",
-               dir.string(), model_config->architecture, model_config->num_hidden_layers,
-               model_config->vocab_size, kv_slots, (*runner)->weight_bytes() / 1e6,
-               seconds_since(load_start));
+  spdlog::info(
+      "model: {} ({}, {} layers, vocab {}, {} KV slots, {:.1f} MB weights) on the CPU "
+      "backend, loaded in {:.2f} s",
+      dir.string(), model_config->architecture, model_config->num_hidden_layers,
+      model_config->vocab_size, kv_slots, (*runner)->weight_bytes() / 1e6,
+      seconds_since(load_start));
 
   deft::server::ModelFacts facts{
-      .name = dir.filename().string() == "default" ? "default (embedded)"
-                                                   : dir.filename().string(),
+      .name = dir.filename().string() == "default" ? "default (embedded)" : dir.filename().string(),
       .architecture = model_config->architecture,
       .vocab_size = model_config->vocab_size,
       .max_context = model_config->max_position_embeddings,
@@ -152,7 +151,8 @@ int main(int argc, char** argv) {
       .max_step_tokens = config.max_step_tokens,
   };
   engine_options.planner.chunk_tokens = config.chunk_tokens;
-  if (absl::Status status = deft::engine::parse_plan_kind(config.plan, &engine_options.planner.kind);
+  if (absl::Status status =
+          deft::engine::parse_plan_kind(config.plan, &engine_options.planner.kind);
       !status.ok()) {
     return fail(2, std::string(status.message()));
   }
@@ -185,11 +185,12 @@ int main(int argc, char** argv) {
   // ---- Run until a signal ----
   int signal_number = 0;
   sigwait(&signals, &signal_number);
-  const auto grace = std::chrono::milliseconds(
-      static_cast<int64_t>(config.shutdown_grace_seconds * 1000.0));
-  spdlog::info("{} received: shutting down (no new jobs; live jobs have {:.1f} s to finish; a "
-               "second signal cancels them)",
-               signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
+  const auto grace =
+      std::chrono::milliseconds(static_cast<int64_t>(config.shutdown_grace_seconds * 1000.0));
+  spdlog::info(
+      "{} received: shutting down (no new jobs; live jobs have {:.1f} s to finish; a "
+      "second signal cancels them)",
+      signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
   health->SetServingStatus(false);
   // A second signal cuts the grace short.
   std::thread second_signal([&signals, engine = engine->get()] {

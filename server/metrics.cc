@@ -49,13 +49,13 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                           "included; the runners do not time attention separately yet)");
   plan_share_ = &gauge(r, "deft_step_plan_share",
                        "Share of the last step spent planning attention (QKV preparation)");
-  step_latency_ = &prometheus::BuildHistogram()
-                       .Name("deft_step_latency_seconds")
-                       .Help("Engine step latency")
-                       .Register(r)
-                       .Add({}, prometheus::Histogram::BucketBoundaries{
-                                    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
-                                    0.5, 1, 2, 5});
+  step_latency_ =
+      &prometheus::BuildHistogram()
+           .Name("deft_step_latency_seconds")
+           .Help("Engine step latency")
+           .Register(r)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.0005, 0.001, 0.002, 0.005, 0.01, 0.02,
+                                                            0.05, 0.1, 0.2, 0.5, 1, 2, 5});
 }
 
 ServerMetrics::~ServerMetrics() = default;
@@ -104,8 +104,8 @@ void ServerMetrics::refresh_rates() {
   steps_per_second_->Set(static_cast<double>(window_.size()) / seconds);
 }
 
-void ServerMetrics::set_engine_state(int32_t queued_jobs, int32_t live_jobs,
-                                     int32_t kv_pages_used, int32_t kv_pages_free) {
+void ServerMetrics::set_engine_state(int32_t queued_jobs, int32_t live_jobs, int32_t kv_pages_used,
+                                     int32_t kv_pages_free) {
   queue_depth_->Set(queued_jobs);
   live_jobs_->Set(live_jobs);
   kv_pages_used_->Set(kv_pages_used);

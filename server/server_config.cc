@@ -14,8 +14,8 @@
 namespace deft::server {
 namespace {
 
-using Member = std::variant<std::string ServerConfig::*, int32_t ServerConfig::*,
-                            double ServerConfig::*>;
+using Member =
+    std::variant<std::string ServerConfig::*, int32_t ServerConfig::*, double ServerConfig::*>;
 
 // One configurable field: its JSON key; its option is the key with '-' for '_'.
 struct Field {
@@ -79,7 +79,7 @@ std::string value_text(const ServerConfig& config, const Field& field) {
 absl::Status set_from_text(ServerConfig& config, const Field& field, const std::string& text) {
   const std::string name = option_name(field);
   if (auto* member = std::get_if<std::string ServerConfig::*>(&field.member)) {
-    config.**member = text;
+    config.** member = text;
   } else if (auto* member = std::get_if<int32_t ServerConfig::*>(&field.member)) {
     if (!absl::SimpleAtoi(text, &(config.**member))) {
       return absl::InvalidArgumentError(
@@ -98,17 +98,17 @@ absl::Status set_from_text(ServerConfig& config, const Field& field, const std::
 absl::Status set_from_json(ServerConfig& config, const Field& field, const nlohmann::json& value,
                            const std::string& source) {
   const auto bad = [&](const char* wanted) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", field.key, "\" is ",
-                                                   value.dump(), ", not ", wanted));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": field \"", field.key, "\" is ", value.dump(), ", not ", wanted));
   };
   if (auto* member = std::get_if<std::string ServerConfig::*>(&field.member)) {
     if (!value.is_string()) return bad("a string");
-    config.**member = value.get<std::string>();
+    config.** member = value.get<std::string>();
   } else if (auto* member = std::get_if<int32_t ServerConfig::*>(&field.member)) {
     if (!value.is_number_integer()) return bad("an integer");
     const int64_t number = value.get<int64_t>();
     if (number < INT32_MIN || number > INT32_MAX) return bad("a 32-bit integer");
-    config.**member = static_cast<int32_t>(number);
+    config.** member = static_cast<int32_t>(number);
   } else {
     if (!value.is_number()) return bad("a number");
     config.*std::get<double ServerConfig::*>(field.member) = value.get<double>();
@@ -210,8 +210,8 @@ absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& a
 absl::Status validate_config(const ServerConfig& config) {
   const auto at_least = [](const char* key, int64_t value, int64_t minimum) {
     return value >= minimum ? absl::OkStatus()
-                            : absl::InvalidArgumentError(absl::StrCat(
-                                  "config: ", key, " = ", value, " must be >= ", minimum));
+                            : absl::InvalidArgumentError(absl::StrCat("config: ", key, " = ", value,
+                                                                      " must be >= ", minimum));
   };
   for (const absl::Status& status : {
            at_least("kv_pages", config.kv_pages, 1),
@@ -229,9 +229,8 @@ absl::Status validate_config(const ServerConfig& config) {
   }
   if (config.listen.empty()) return absl::InvalidArgumentError("config: listen is empty");
   if (!(config.shutdown_grace_seconds >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("config: shutdown_grace_seconds = ",
-                                                   config.shutdown_grace_seconds,
-                                                   " must be >= 0"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: shutdown_grace_seconds = ", config.shutdown_grace_seconds, " must be >= 0"));
   }
   engine::PlanKind kind;
   if (absl::Status status = engine::parse_plan_kind(config.plan, &kind); !status.ok()) {
@@ -241,9 +240,9 @@ absl::Status validate_config(const ServerConfig& config) {
   bool known_level = false;
   for (const char* level : kLevels) known_level |= config.log_level == level;
   if (!known_level) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config: log_level \"", config.log_level,
-        "\" is not one of trace, debug, info, warn, error, off"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: log_level \"", config.log_level,
+                     "\" is not one of trace, debug, info, warn, error, off"));
   }
   return absl::OkStatus();
 }
@@ -258,8 +257,8 @@ std::string usage_text() {
       "field \"kv_pages\"); both default as below.\n\n"
       "  --config FILE               JSON config file (see configs/default.json)\n";
   for (const Field& field : fields()) {
-    absl::StrAppend(&text, "  ", option_name(field), " VALUE\n      ", field.help,
-                    " (default ", value_text(defaults, field), ")\n");
+    absl::StrAppend(&text, "  ", option_name(field), " VALUE\n      ", field.help, " (default ",
+                    value_text(defaults, field), ")\n");
   }
   absl::StrAppend(&text, "  --help                      this text\n");
   return text;

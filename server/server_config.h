@@ -12,13 +12,13 @@
 namespace deft::server {
 
 struct ServerConfig {
-  std::string model;                   // Hugging Face model dir; empty: the embedded default
+  std::string model;  // Hugging Face model dir; empty: the embedded default
   std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: off
-  int32_t kv_pages = 2048;             // KV pool size in pages
-  int32_t page_tokens = 16;            // tokens per KV page (DESIGN.md §4)
-  int32_t max_queued_jobs = 64;        // jobs waiting for admission; more: RESOURCE_EXHAUSTED
-  int32_t max_tree_tokens = 8192;      // prompt + every branch's tokens of one job
+  int32_t kv_pages = 2048;                        // KV pool size in pages
+  int32_t page_tokens = 16;                       // tokens per KV page (DESIGN.md §4)
+  int32_t max_queued_jobs = 64;    // jobs waiting for admission; more: RESOURCE_EXHAUSTED
+  int32_t max_tree_tokens = 8192;  // prompt + every branch's tokens of one job
   int32_t max_prompt_tokens = 2048;
   int32_t max_branches = 64;           // n of Generate
   int32_t default_max_tokens = 64;     // per branch when a request leaves max_tokens at 0

@@ -181,6 +181,17 @@ class PythonClientTest(unittest.TestCase):
         self.assertRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV pool", client.generate,
                             [1, 2], n=64, max_tokens=120)
 
+    def test_malformed_message(self):
+        # Bytes that are not a TokenizeRequest: gRPC's parser refuses them (INTERNAL) before
+        # the handler; the server stays up.
+        call = client.channel.unary_unary("/deft.v1.Deft/Tokenize",
+                                          request_serializer=lambda raw: raw,
+                                          response_deserializer=lambda raw: raw)
+        with self.assertRaises(grpc.RpcError) as raised:
+            call(b"\x0a\xff\xff\xff\xff\x0f", timeout=10)
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.INTERNAL)
+        self.assertEqual(client.health(), "SERVING")
+
     def test_unimplemented(self):
         self.assertRpcError(grpc.StatusCode.UNIMPLEMENTED, "Verify", client.verify,
                             deft_pb2.VerifyRequest())

@@ -136,11 +136,9 @@ ServerProcess::ServerProcess(std::vector<std::string> extra_args) : dir_(make_te
 
 void ServerProcess::start(std::vector<std::string> extra_args) {
   const std::filesystem::path port_file = dir_ / "ports.txt";
-  std::vector<std::string> argv = {DEFT_SERVER_BINARY,      "--listen",
-                                   "127.0.0.1:0",           "--metrics-listen",
-                                   "127.0.0.1:0",           "--port-file",
-                                   port_file.string(),      "--log-level",
-                                   "info"};
+  std::vector<std::string> argv = {DEFT_SERVER_BINARY, "--listen",    "127.0.0.1:0",
+                                   "--metrics-listen", "127.0.0.1:0", "--port-file",
+                                   port_file.string(), "--log-level", "info"};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   pid_ = spawn(argv, dir_ / "server.log");
   ASSERT_GT(pid_, 0) << "fork failed";

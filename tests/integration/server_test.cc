@@ -26,10 +26,16 @@ using std::chrono::seconds;
 constexpr int kKvPages = 1024;
 constexpr int kMaxPromptTokens = 256;
 constexpr int kMaxTextBytes = 4096;
-const std::vector<std::string> kServerArgs = {
-    "--kv-pages",          std::to_string(kKvPages), "--max-prompt-tokens",
-    std::to_string(kMaxPromptTokens), "--max-text-bytes", std::to_string(kMaxTextBytes),
-    "--max-tree-tokens",   "32768",   "--shutdown-grace-seconds", "5"};
+const std::vector<std::string> kServerArgs = {"--kv-pages",
+                                              std::to_string(kKvPages),
+                                              "--max-prompt-tokens",
+                                              std::to_string(kMaxPromptTokens),
+                                              "--max-text-bytes",
+                                              std::to_string(kMaxTextBytes),
+                                              "--max-tree-tokens",
+                                              "32768",
+                                              "--shutdown-grace-seconds",
+                                              "5"};
 
 struct Branch {
   std::vector<int32_t> ids;
@@ -119,8 +125,7 @@ TEST_F(ServerTest, HealthServingForServerAndService) {
   grpc::health::v1::HealthCheckRequest request;
   request.set_service("no.such.Service");
   grpc::health::v1::HealthCheckResponse response;
-  EXPECT_EQ(health->Check(&context, request, &response).error_code(),
-            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(health->Check(&context, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(ServerTest, ModelInfoDescribesTheEmbeddedModel) {
@@ -175,12 +180,27 @@ TEST_F(ServerTest, TokenizeBadInputs) {
   request.set_text(std::string(kMaxTextBytes + 1, 'a'));
   v1::TokenizeResponse response;
   grpc::ClientContext context;
-  expect_status(stub->Tokenize(&context, request, &response),
-                grpc::StatusCode::INVALID_ARGUMENT, std::to_string(kMaxTextBytes + 1));
+  expect_status(stub->Tokenize(&context, request, &response), grpc::StatusCode::INVALID_ARGUMENT,
+                std::to_string(kMaxTextBytes + 1));
   // Exactly at the limit is fine.
   request.set_text(std::string(kMaxTextBytes, 'a'));
   grpc::ClientContext at_limit;
   EXPECT_TRUE(stub->Tokenize(&at_limit, request, &response).ok());
+}
+
+TEST_F(ServerTest, MalformedMessagesAreRefusedByTheFramework) {
+  // A proto3 string that is not UTF-8 fails to parse on the server; gRPC answers INTERNAL
+  // before any handler runs.
+  auto stub = server_->stub();
+  v1::TokenizeRequest request;
+  request.set_text("ab\xff\xfe");
+  v1::TokenizeResponse response;
+  grpc::ClientContext context;
+  EXPECT_EQ(stub->Tokenize(&context, request, &response).error_code(), grpc::StatusCode::INTERNAL);
+  v1::GenerateRequest generate_request;
+  generate_request.mutable_prompt()->set_text("\xc3");
+  EXPECT_EQ(generate(*stub, generate_request).status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_TRUE(server_->serving());
 }
 
 TEST_F(ServerTest, DetokenizeRejectsIdsOutsideTheVocabulary) {
@@ -201,8 +221,7 @@ TEST_F(ServerTest, UnimplementedRpcsSaySo) {
   {
     grpc::ClientContext context;
     v1::VerifyResponse response;
-    expect_status(stub->Verify(&context, {}, &response), grpc::StatusCode::UNIMPLEMENTED,
-                  "Verify");
+    expect_status(stub->Verify(&context, {}, &response), grpc::StatusCode::UNIMPLEMENTED, "Verify");
   }
   {
     grpc::ClientContext context;
@@ -292,8 +311,8 @@ TEST_F(ServerTest, GenerateBadInputsGetInvalidArgument) {
   };
   std::vector<Case> cases;
   const auto base = [] { return token_request({1, 5, 6}, 1, 4); };
-  cases.push_back({"no prompt", v1::GenerateRequest(), grpc::StatusCode::INVALID_ARGUMENT,
-                   "prompt is empty"});
+  cases.push_back(
+      {"no prompt", v1::GenerateRequest(), grpc::StatusCode::INVALID_ARGUMENT, "prompt is empty"});
   {
     v1::GenerateRequest r = base();
     r.mutable_prompt()->mutable_tokens()->clear_ids();
@@ -317,8 +336,8 @@ TEST_F(ServerTest, GenerateBadInputsGetInvalidArgument) {
   }
   {
     v1::GenerateRequest r = token_request(std::vector<int32_t>(kMaxPromptTokens + 1, 7), 1, 4);
-    cases.push_back({"prompt over limit", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "max_prompt_tokens"});
+    cases.push_back(
+        {"prompt over limit", r, grpc::StatusCode::INVALID_ARGUMENT, "max_prompt_tokens"});
   }
   for (int n : {-1, 65}) {
     v1::GenerateRequest r = base();
@@ -328,8 +347,7 @@ TEST_F(ServerTest, GenerateBadInputsGetInvalidArgument) {
   {
     v1::GenerateRequest r = base();
     r.mutable_sampling()->set_temperature(-0.5f);
-    cases.push_back({"negative temperature", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "temperature"});
+    cases.push_back({"negative temperature", r, grpc::StatusCode::INVALID_ARGUMENT, "temperature"});
   }
   {
     v1::GenerateRequest r = base();
@@ -344,14 +362,14 @@ TEST_F(ServerTest, GenerateBadInputsGetInvalidArgument) {
   {
     v1::GenerateRequest r = base();
     r.mutable_sampling()->set_top_logprobs(21);
-    cases.push_back({"too many top_logprobs", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "top_logprobs"});
+    cases.push_back(
+        {"too many top_logprobs", r, grpc::StatusCode::INVALID_ARGUMENT, "top_logprobs"});
   }
   {
     v1::GenerateRequest r = base();
     r.mutable_sampling()->set_max_tokens(-3);
-    cases.push_back({"negative max_tokens", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "max_tokens = -3"});
+    cases.push_back(
+        {"negative max_tokens", r, grpc::StatusCode::INVALID_ARGUMENT, "max_tokens = -3"});
   }
   {
     v1::GenerateRequest r = base();
@@ -360,28 +378,27 @@ TEST_F(ServerTest, GenerateBadInputsGetInvalidArgument) {
   }
   {
     v1::GenerateRequest r = token_request({1, 2}, 64, 1000);
-    cases.push_back({"tree over max_tree_tokens", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "max_tree_tokens"});
+    cases.push_back(
+        {"tree over max_tree_tokens", r, grpc::StatusCode::INVALID_ARGUMENT, "max_tree_tokens"});
   }
   {
     v1::GenerateRequest r = base();
     r.mutable_sampling()->add_stop_token_ids(100000);
-    cases.push_back({"stop token outside vocab", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "100000"});
+    cases.push_back({"stop token outside vocab", r, grpc::StatusCode::INVALID_ARGUMENT, "100000"});
   }
   {
     v1::GenerateRequest r = base();
     r.mutable_sampling()->add_stop("ok");
     r.mutable_sampling()->add_stop("");
-    cases.push_back({"empty stop string", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "sampling.stop[1]"});
+    cases.push_back(
+        {"empty stop string", r, grpc::StatusCode::INVALID_ARGUMENT, "sampling.stop[1]"});
   }
   {
     // Fits every request limit but could never fit the KV pool: 64 x 256 tokens = 1024 pages
     // plus the prompt's page.
     v1::GenerateRequest r = token_request({1, 2, 3}, 64, 256);
-    cases.push_back({"larger than the KV pool", r, grpc::StatusCode::RESOURCE_EXHAUSTED,
-                     "KV pool"});
+    cases.push_back(
+        {"larger than the KV pool", r, grpc::StatusCode::RESOURCE_EXHAUSTED, "KV pool"});
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -412,8 +429,8 @@ TEST_F(ServerTest, AbruptClientDisconnectFreesKv) {
   // deft-cli streams a long generation; SIGKILL it mid-stream (no cancel, no goodbye).
   const std::filesystem::path log =
       std::filesystem::temp_directory_path() / ("deft-cli-" + std::to_string(getpid()) + ".log");
-  const pid_t cli = spawn({DEFT_CLI_BINARY, "--server", server_->address(), "generate", "--n",
-                           "2", "--max-tokens", "3000", "Once upon a time"},
+  const pid_t cli = spawn({DEFT_CLI_BINARY, "--server", server_->address(), "generate", "--n", "2",
+                           "--max-tokens", "3000", "Once upon a time"},
                           log);
   ASSERT_GT(cli, 0);
   EXPECT_EQ(server_->wait_metric("deft_live_jobs", 1), 1);
@@ -529,8 +546,8 @@ TEST(ServerConfig, HelpListsEveryOptionWithItsDefault) {
   EXPECT_EQ(result.exit_code, 0);
   for (const char* option :
        {"--config", "--model", "--listen", "--metrics-listen", "--kv-pages", "--page-tokens",
-        "--max-queued-jobs", "--max-tree-tokens", "--max-prompt-tokens", "--plan",
-        "--log-level", "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
+        "--max-queued-jobs", "--max-tree-tokens", "--max-prompt-tokens", "--plan", "--log-level",
+        "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
     EXPECT_NE(result.output.find(option), std::string::npos) << option << "\n" << result.output;
   }
 }
@@ -538,9 +555,7 @@ TEST(ServerConfig, HelpListsEveryOptionWithItsDefault) {
 TEST(ServerConfig, BadOptionsAndFieldsExitTwoNamingThem) {
   const std::filesystem::path config =
       std::filesystem::temp_directory_path() / ("deft-bad-" + std::to_string(getpid()) + ".json");
-  const auto write = [&](const std::string& text) {
-    std::ofstream(config) << text;
-  };
+  const auto write = [&](const std::string& text) { std::ofstream(config) << text; };
   struct Case {
     std::vector<std::string> args;
     std::string mention;
