@@ -83,9 +83,8 @@ class Regex {
                                                         std::string_view where) {
     int error_code = 0;
     PCRE2_SIZE error_offset = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()),
-                                     pattern.size(), PCRE2_UTF | PCRE2_UCP, &error_code,
-                                     &error_offset, nullptr);
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                                     PCRE2_UTF | PCRE2_UCP, &error_code, &error_offset, nullptr);
     if (code == nullptr) {
       std::array<PCRE2_UCHAR, 256> message{};
       pcre2_get_error_message(error_code, message.data(), message.size());
@@ -244,9 +243,9 @@ struct AddedToken {
 
 // One piece of the input after splitting on added tokens.
 struct Segment {
-  std::string_view text;    // when added_id < 0
+  std::string_view text;  // when added_id < 0
   TokenId added_id = -1;
-  bool first = false;       // starts at offset 0 of the input (Metaspace "first")
+  bool first = false;  // starts at offset 0 of the input (Metaspace "first")
 };
 
 bool is_ascii_space(char c) {
@@ -254,14 +253,15 @@ bool is_ascii_space(char c) {
 }
 
 absl::Status field_error(std::string_view source, std::string_view field, std::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(to_absl(source), ": ", to_absl(field), " ", to_absl(what)));
+  return absl::InvalidArgumentError(
+      absl::StrCat(to_absl(source), ": ", to_absl(field), " ", to_absl(what)));
 }
 
 }  // namespace
 
 struct HfTokenizer::Impl {
-  std::string source;  // file name, for messages
-  absl::flat_hash_map<std::string, TokenId> vocab;   // model vocabulary and added tokens
+  std::string source;                               // file name, for messages
+  absl::flat_hash_map<std::string, TokenId> vocab;  // model vocabulary and added tokens
   std::vector<std::string> id_to_token;
   std::vector<uint8_t> id_is_special;
   // (left id << 32 | right id) -> (rank, merged id)
@@ -368,7 +368,8 @@ absl::Status HfTokenizer::Impl::parse(const json& root) {
 absl::Status HfTokenizer::Impl::parse_model(const json& model) {
   const std::string type = model.value("type", "BPE");
   if (type != "BPE") {
-    return field_error(source, "model.type", absl::StrCat("is '", type, "'; only BPE is supported"));
+    return field_error(source, "model.type",
+                       absl::StrCat("is '", type, "'; only BPE is supported"));
   }
   for (const char* unsupported : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (model.contains(unsupported) && !model[unsupported].is_null() &&
@@ -400,7 +401,8 @@ absl::Status HfTokenizer::Impl::parse_model(const json& model) {
     const std::string unk = model["unk_token"].get<std::string>();
     const auto it = vocab.find(unk);
     if (it == vocab.end()) {
-      return field_error(source, "model.unk_token", absl::StrCat("'", unk, "' is not in model.vocab"));
+      return field_error(source, "model.unk_token",
+                         absl::StrCat("'", unk, "' is not in model.vocab"));
     }
     unk_id = it->second;
   }
@@ -441,8 +443,8 @@ absl::Status HfTokenizer::Impl::parse_model(const json& model) {
       return field_error(source, absl::StrCat("model.merges[", rank, "]"),
                          absl::StrCat("'", left, " ", right, "' uses a token not in model.vocab"));
     }
-    const uint64_t key = (static_cast<uint64_t>(left_it->second) << 32) |
-                         static_cast<uint32_t>(right_it->second);
+    const uint64_t key =
+        (static_cast<uint64_t>(left_it->second) << 32) | static_cast<uint32_t>(right_it->second);
     // The first (lowest-rank) occurrence of a pair wins.
     merges.try_emplace(key, static_cast<int32_t>(rank), merged_it->second);
   }
@@ -505,7 +507,8 @@ absl::Status HfTokenizer::Impl::parse_normalizer(const json& node) {
   if (type == "Replace") {
     const json& pattern = node.value("pattern", json::object());
     if (!pattern.contains("String")) {
-      return field_error(source, "normalizer.Replace.pattern", "is not a String pattern; unsupported");
+      return field_error(source, "normalizer.Replace.pattern",
+                         "is not a String pattern; unsupported");
     }
     normalizer.push_back({NormalizerStep::Kind::kReplace, pattern["String"].get<std::string>(),
                           node.value("content", "")});
@@ -747,9 +750,8 @@ absl::StatusOr<std::vector<std::string>> HfTokenizer::Impl::pre_tokenize(std::st
         }
         case PreTokenizerStep::Kind::kMetaspace: {
           std::string replaced = replace_all(piece, " ", step.replacement);
-          const bool prepend =
-              step.prepend == PreTokenizerStep::Prepend::kAlways ||
-              (step.prepend == PreTokenizerStep::Prepend::kFirst && first);
+          const bool prepend = step.prepend == PreTokenizerStep::Prepend::kAlways ||
+                               (step.prepend == PreTokenizerStep::Prepend::kFirst && first);
           if (prepend && !replaced.starts_with(step.replacement)) {
             replaced.insert(0, step.replacement);
           }
@@ -842,8 +844,9 @@ absl::Status HfTokenizer::Impl::bpe_uncached(std::string_view word,
       }
     }
     if (!unk_id.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          source, ": character '", to_absl(character), "' has no token and the model has no unk_token"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": character '", to_absl(character),
+                       "' has no token and the model has no unk_token"));
     }
     if (fuse_unk && last_was_unk) continue;
     push_symbol(*unk_id);
@@ -872,7 +875,8 @@ absl::Status HfTokenizer::Impl::bpe_uncached(std::string_view word,
     const TokenId right_id = symbols[static_cast<size_t>(right)].id;
     const uint64_t key = (static_cast<uint64_t>(left_id) << 32) | static_cast<uint32_t>(right_id);
     const auto it = merges.find(key);
-    if (it != merges.end()) queue.push({it->second.first, left, left_id, right_id, it->second.second});
+    if (it != merges.end())
+      queue.push({it->second.first, left, left_id, right_id, it->second.second});
   };
   for (int32_t i = 0; i + 1 < static_cast<int32_t>(symbols.size()); ++i) consider(i);
   std::vector<uint8_t> dead(symbols.size(), 0);
@@ -964,7 +968,8 @@ std::string HfTokenizer::Impl::decode_tokens(std::vector<std::string> tokens) co
       }
       case DecoderStep::Kind::kStrip:
         for (std::string& token : tokens) {
-          for (int i = 0; i < step.start && token.starts_with(step.a); ++i) token.erase(0, step.a.size());
+          for (int i = 0; i < step.start && token.starts_with(step.a); ++i)
+            token.erase(0, step.a.size());
           for (int i = 0; i < step.stop && token.ends_with(step.a); ++i) {
             token.erase(token.size() - step.a.size());
           }
@@ -981,11 +986,11 @@ std::string HfTokenizer::Impl::decode_tokens(std::vector<std::string> tokens) co
         break;
       }
       case DecoderStep::Kind::kMetaspace:
+        // As `tokenizers` does: every "▁" of the first token is dropped (not only a leading
+        // one) unless the prepend scheme is "never"; elsewhere "▁" becomes a space.
         for (size_t i = 0; i < tokens.size(); ++i) {
-          tokens[i] = replace_all(tokens[i], step.a, " ");
-          if (i == 0 && step.metaspace_strip_first && tokens[i].starts_with(' ')) {
-            tokens[i].erase(0, 1);
-          }
+          const bool drop = i == 0 && step.metaspace_strip_first;
+          tokens[i] = replace_all(tokens[i], step.a, drop ? "" : " ");
         }
         break;
     }
@@ -1045,9 +1050,7 @@ std::string HfTokenizer::token_to_piece(TokenId id) const {
 
 bool HfTokenizer::decode_strips_leading_space() const { return impl_->strips_leading_space; }
 
-int32_t HfTokenizer::vocab_size() const {
-  return static_cast<int32_t>(impl_->id_to_token.size());
-}
+int32_t HfTokenizer::vocab_size() const { return static_cast<int32_t>(impl_->id_to_token.size()); }
 
 std::optional<TokenId> HfTokenizer::token_id(std::string_view piece) const {
   const auto it = impl_->vocab.find(to_absl(piece));

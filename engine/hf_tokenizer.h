@@ -25,7 +25,7 @@ class HfTokenizer final : public Tokenizer {
   static absl::StatusOr<std::unique_ptr<HfTokenizer>> load(const std::string& path);
   // Parses tokenizer.json text; `source_name` names it in error messages.
   static absl::StatusOr<std::unique_ptr<HfTokenizer>> from_json(std::string_view json_text,
-                                                                 std::string_view source_name);
+                                                                std::string_view source_name);
   ~HfTokenizer() override;
 
   absl::StatusOr<std::vector<TokenId>> encode(std::string_view text, bool add_bos,
@@ -41,9 +41,8 @@ class HfTokenizer final : public Tokenizer {
   // True for byte-level BPE (Llama 3), false for sentencepiece-style BPE (Llama 2).
   bool is_byte_level() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   explicit HfTokenizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

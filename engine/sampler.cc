@@ -15,10 +15,6 @@ constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
 constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
 
-// First prefix tried when top-p runs without top-k; most of the mass of a language model's
-// next-token distribution sits in a few dozen tokens, so the full vocabulary is rarely sorted.
-constexpr size_t kTopPFirstPrefix = 64;
-
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -87,16 +83,86 @@ absl::Status validate_sampling_params(const SamplingParams& params, int32_t voca
   return absl::OkStatus();
 }
 
-void Sampler::sort_prefix(std::span<const float> logits, size_t count) {
-  const auto more_likely = [&logits](int32_t a, int32_t b) {
-    return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-  };
-  count = std::min(count, order_.size());
-  if (count < order_.size()) {
-    std::nth_element(order_.begin(), order_.begin() + static_cast<ptrdiff_t>(count), order_.end(),
-                     more_likely);
+bool Sampler::more_likely(std::span<const float> logits, int32_t a, int32_t b) {
+  return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+}
+
+void Sampler::select_most_likely(std::span<const float> logits, size_t count) {
+  const size_t vocab_size = logits.size();
+  count = std::min(count, vocab_size);
+  const auto by_likelihood = [&logits](int32_t a, int32_t b) { return more_likely(logits, a, b); };
+  if (count > 0 && count * 8 <= vocab_size) {
+    // Few wanted (top-k, top logprobs): one pass with a heap whose root is the least likely
+    // token kept so far; most tokens fail the comparison with the root and cost one compare.
+    order_.clear();
+    for (int32_t token = 0; token < static_cast<int32_t>(vocab_size); ++token) {
+      if (order_.size() < count) {
+        order_.push_back(token);
+        std::push_heap(order_.begin(), order_.end(), by_likelihood);
+      } else if (more_likely(logits, token, order_.front())) {
+        std::pop_heap(order_.begin(), order_.end(), by_likelihood);
+        order_.back() = token;
+        std::push_heap(order_.begin(), order_.end(), by_likelihood);
+      }
+    }
+    std::pop_heap(order_.begin(), order_.end(), by_likelihood);  // least likely to the back
+    return;
   }
-  std::sort(order_.begin(), order_.begin() + static_cast<ptrdiff_t>(count), more_likely);
+  order_.resize(vocab_size);
+  for (size_t token = 0; token < vocab_size; ++token) order_[token] = static_cast<int32_t>(token);
+  if (count == 0 || count == vocab_size) return;
+  std::nth_element(order_.begin(), order_.begin() + static_cast<ptrdiff_t>(count - 1),
+                   order_.end(), by_likelihood);
+}
+
+int32_t Sampler::select_top_p(std::span<const float> logits, size_t count, double mass_needed) {
+  // Quickselect on likelihood that tracks mass: [0, lo) are known to be kept and weigh
+  // `mass_before` < mass_needed; the boundary lies in [lo, hi).
+  size_t lo = 0;
+  size_t hi = count;
+  double mass_before = 0.0;
+  uint64_t pivot_state = count;
+  while (hi - lo > 32) {
+    // Median of three pseudo-random positions: deterministic, and no bad case for sorted rows.
+    size_t positions[3];
+    for (size_t& position : positions) {
+      pivot_state = pivot_state * 6364136223846793005ull + 1442695040888963407ull;
+      position = lo + static_cast<size_t>((pivot_state >> 33) % (hi - lo));
+    }
+    const auto by_likelihood = [&](size_t a, size_t b) {
+      return more_likely(logits, order_[a], order_[b]);
+    };
+    if (by_likelihood(positions[1], positions[0])) std::swap(positions[0], positions[1]);
+    if (by_likelihood(positions[2], positions[1])) std::swap(positions[1], positions[2]);
+    if (by_likelihood(positions[1], positions[0])) std::swap(positions[0], positions[1]);
+    const int32_t pivot = order_[positions[1]];
+    const auto middle = std::partition(
+        order_.begin() + static_cast<ptrdiff_t>(lo), order_.begin() + static_cast<ptrdiff_t>(hi),
+        [&](int32_t token) { return more_likely(logits, token, pivot); });
+    const auto mid = static_cast<size_t>(middle - order_.begin());
+    double upper_mass = 0.0;
+    for (size_t i = lo; i < mid; ++i) upper_mass += weights_[order_[i]];
+    if (mass_before + upper_mass >= mass_needed) {
+      hi = mid;  // the boundary is among the tokens more likely than the pivot
+      continue;
+    }
+    mass_before += upper_mass;
+    // The pivot is the most likely of [mid, hi); it is the boundary or kept.
+    std::iter_swap(order_.begin() + static_cast<ptrdiff_t>(mid),
+                   std::find(order_.begin() + static_cast<ptrdiff_t>(mid),
+                             order_.begin() + static_cast<ptrdiff_t>(hi), pivot));
+    mass_before += weights_[pivot];
+    if (mass_before >= mass_needed) return pivot;
+    lo = mid + 1;
+  }
+  std::sort(order_.begin() + static_cast<ptrdiff_t>(lo), order_.begin() + static_cast<ptrdiff_t>(hi),
+            [&logits](int32_t a, int32_t b) { return more_likely(logits, a, b); });
+  for (size_t i = lo; i < hi; ++i) {
+    mass_before += weights_[order_[i]];
+    if (mass_before >= mass_needed) return order_[i];
+  }
+  // Rounding left the mass a hair short: everything up to the least likely candidate is kept.
+  return hi > 0 ? order_[hi - 1] : order_[0];
 }
 
 absl::StatusOr<SampledToken> Sampler::sample(std::span<const float> logits,
@@ -122,89 +188,62 @@ absl::StatusOr<SampledToken> Sampler::sample(std::span<const float> logits,
     }
   }
   if (argmax < 0) return absl::InternalError("sampling: every logit of the row is -inf");
+  weights_.resize(logits.size());
   double raw_sum = 0.0;
-  for (float logit : logits) raw_sum += std::exp(static_cast<double>(logit - max_logit));
+  for (int32_t token = 0; token < vocab_size; ++token) {
+    weights_[token] = std::exp(logits[token] - max_logit);
+    raw_sum += weights_[token];
+  }
   const double log_normaliser = static_cast<double>(max_logit) + std::log(raw_sum);
   const auto raw_logprob = [&](int32_t token) {
     return static_cast<float>(static_cast<double>(logits[token]) - log_normaliser);
   };
 
-  order_.resize(logits.size());
-  for (int32_t token = 0; token < vocab_size; ++token) order_[token] = token;
-
   int32_t chosen = argmax;
   const bool greedy = params.temperature == 0.0f || params.top_k == 1;
   if (!greedy) {
-    const double inv_temperature = 1.0 / static_cast<double>(params.temperature);
-    const auto weight = [&](int32_t token) {
-      return std::exp((static_cast<double>(logits[token]) - max_logit) * inv_temperature);
-    };
-    const double u = sampling_uniform(params.seed, step);
-    if (params.top_k == 0 && params.top_p >= 1.0f) {
-      // Plain temperature sampling: inverse CDF in token-id order, no sort.
-      weights_.resize(logits.size());
-      double total = 0.0;
+    // Weights exp((logit - max) / T); at T = 1 those of the normaliser above.
+    // Divided, not multiplied by 1/T: a tiny T must give exp(0 / T) = 1 for the maximum,
+    // where 1/T overflows and 0 * inf is NaN.
+    if (params.temperature != 1.0f) {
       for (int32_t token = 0; token < vocab_size; ++token) {
-        weights_[token] = weight(token);
-        total += weights_[token];
+        weights_[token] = std::exp((logits[token] - max_logit) / params.temperature);
       }
-      const double target = u * total;
-      double cumulative = 0.0;
-      for (int32_t token = 0; token < vocab_size; ++token) {
-        if (weights_[token] == 0.0) continue;
-        chosen = token;  // the last positive-weight token absorbs rounding at the top end
-        cumulative += weights_[token];
-        if (cumulative > target) break;
-      }
-    } else {
-      // Candidates in likelihood order: top-k first, then top-p over the top-k set
-      // (transformers' and vLLM's order of the two filters).
-      size_t kept = params.top_k > 0 ? std::min<size_t>(params.top_k, logits.size())
-                                     : logits.size();
-      double kept_total = 0.0;
-      if (params.top_k > 0) {
-        sort_prefix(logits, kept);
-        for (size_t i = 0; i < kept; ++i) kept_total += weight(order_[i]);
-      } else {
-        for (int32_t token = 0; token < vocab_size; ++token) kept_total += weight(token);
-      }
+    }
+    // The kept set is every token ranked (logit descending, id ascending) at or above a
+    // boundary token: top-k picks the k-th, top-p then the smallest prefix of those reaching
+    // p of their mass (transformers' and vLLM's order of the two filters). Neither needs a
+    // sort: selection and a mass-aware selection are linear in the vocabulary.
+    int32_t boundary = -1;  // -1: every token is kept
+    if (params.top_k > 0 || params.top_p < 1.0f) {
+      const bool top_k_filters =
+          params.top_k > 0 && static_cast<size_t>(params.top_k) < logits.size();
+      const size_t candidates = top_k_filters ? static_cast<size_t>(params.top_k) : logits.size();
+      select_most_likely(logits, candidates);
+      if (top_k_filters) boundary = order_[candidates - 1];
       if (params.top_p < 1.0f) {
-        // Smallest prefix whose mass reaches top_p; sort more of the vocabulary only when
-        // the prefix sorted so far does not reach it.
-        const double mass_needed = static_cast<double>(params.top_p) * kept_total;
-        size_t sorted = params.top_k > 0 ? kept : 0;
-        size_t prefix = 0;
-        double cumulative = 0.0;
-        bool reached = false;
-        while (!reached) {
-          if (prefix == sorted) {
-            const size_t next = std::min(kept, std::max(kTopPFirstPrefix, sorted * 4));
-            if (params.top_k == 0) sort_prefix(logits, next);
-            sorted = next;
-          }
-          while (prefix < sorted) {
-            cumulative += weight(order_[prefix]);
-            ++prefix;
-            if (cumulative >= mass_needed) {
-              reached = true;
-              break;
-            }
-          }
-          if (sorted == kept) reached = true;
-        }
-        kept = prefix;
-        kept_total = cumulative;
+        double candidate_mass = 0.0;
+        for (size_t i = 0; i < candidates; ++i) candidate_mass += weights_[order_[i]];
+        boundary = select_top_p(logits, candidates, params.top_p * candidate_mass);
       }
-      const double target = u * kept_total;
-      double cumulative = 0.0;
-      chosen = order_[0];
-      for (size_t i = 0; i < kept; ++i) {
-        const double w = weight(order_[i]);
-        if (w == 0.0) break;  // sorted: the rest weigh nothing too
-        chosen = order_[i];
-        cumulative += w;
-        if (cumulative > target) break;
-      }
+    }
+    const auto kept = [&](int32_t token) {
+      if (boundary < 0) return true;
+      return logits[token] != logits[boundary] ? logits[token] > logits[boundary]
+                                               : token <= boundary;
+    };
+    // Inverse CDF over the kept tokens in id order.
+    double kept_mass = 0.0;
+    for (int32_t token = 0; token < vocab_size; ++token) {
+      if (kept(token)) kept_mass += weights_[token];
+    }
+    const double target = sampling_uniform(params.seed, step) * kept_mass;
+    double cumulative = 0.0;
+    for (int32_t token = 0; token < vocab_size; ++token) {
+      if (weights_[token] == 0.0f || !kept(token)) continue;
+      chosen = token;  // the last kept token absorbs rounding at the top end
+      cumulative += weights_[token];
+      if (cumulative > target) break;
     }
   }
 
@@ -215,8 +254,9 @@ absl::StatusOr<SampledToken> Sampler::sample(std::span<const float> logits,
                 params.stop_token_ids.end();
   if (params.top_logprobs > 0) {
     const size_t count = std::min<size_t>(params.top_logprobs, logits.size());
-    for (int32_t token = 0; token < vocab_size; ++token) order_[token] = token;
-    sort_prefix(logits, count);
+    select_most_likely(logits, count);
+    std::sort(order_.begin(), order_.begin() + static_cast<ptrdiff_t>(count),
+              [&logits](int32_t a, int32_t b) { return more_likely(logits, a, b); });
     result.top_logprobs.reserve(count);
     for (size_t i = 0; i < count; ++i) {
       result.top_logprobs.push_back({order_[i], raw_logprob(order_[i])});

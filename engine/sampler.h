@@ -70,12 +70,17 @@ class Sampler {
                                       uint64_t step);
 
  private:
-  // Sorts the `count` most likely tokens of `logits` to the front of order_ (logit
-  // descending, token id ascending); order_ holds every token id.
-  void sort_prefix(std::span<const float> logits, size_t count);
+  // Likelihood order: logit descending, then token id ascending (a total order).
+  static bool more_likely(std::span<const float> logits, int32_t a, int32_t b);
+  // Moves the `count` most likely tokens of order_ to its front (unordered), the count-th
+  // most likely at position count - 1.
+  void select_most_likely(std::span<const float> logits, size_t count);
+  // Among order_[0, count): the least likely token of the smallest most-likely set whose
+  // weight reaches `mass_needed`. Expected linear time (no full sort).
+  int32_t select_top_p(std::span<const float> logits, size_t count, double mass_needed);
 
-  std::vector<int32_t> order_;
-  std::vector<double> weights_;
+  std::vector<int32_t> order_;  // token ids, permuted by the selections
+  std::vector<float> weights_;  // exp((logit - max) / temperature)
 };
 
 }  // namespace deft::engine

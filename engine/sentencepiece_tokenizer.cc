@@ -73,11 +73,10 @@ absl::StatusOr<std::vector<TokenId>> SentencePieceTokenizer::encode(std::string_
   size_t text_start = 0;
   size_t pos = 0;
   while (pos < text.size()) {
-    const auto match = std::find_if(control_pieces_.begin(), control_pieces_.end(),
-                                    [&](const auto& control) {
-                                      return text.compare(pos, control.first.size(),
-                                                          control.first) == 0;
-                                    });
+    const auto match =
+        std::find_if(control_pieces_.begin(), control_pieces_.end(), [&](const auto& control) {
+          return text.compare(pos, control.first.size(), control.first) == 0;
+        });
     if (match == control_pieces_.end()) {
       ++pos;
       continue;

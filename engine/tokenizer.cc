@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/hf_tokenizer.h"
-#include "engine/string_compat.h"
 #include "engine/sentencepiece_tokenizer.h"
+#include "engine/string_compat.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/spdlog.h"
 
@@ -174,7 +174,8 @@ absl::StatusOr<std::vector<TokenId>> encode_llama3_chat(const Tokenizer& tokeniz
   for (const ChatMessage& message : messages) {
     if (absl::Status status = append_header(message.role); !status.ok()) return status;
     // Jinja's `| trim`.
-    if (absl::Status status = append_text(absl::StrCat("\n\n", to_absl(trim_ascii_space(message.content))));
+    if (absl::Status status =
+            append_text(absl::StrCat("\n\n", to_absl(trim_ascii_space(message.content))));
         !status.ok()) {
       return status;
     }

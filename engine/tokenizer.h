@@ -47,7 +47,9 @@ class Tokenizer {
   virtual std::string token_bytes(TokenId id, bool skip_special = false) const = 0;
 
   // True when decoding removes one leading space from the text (sentencepiece-style
-  // tokenizers, whose words carry a leading "▁").
+  // tokenizers, whose words carry a leading "▁"). (A tokenizer.json Metaspace decoder drops
+  // every "▁" of the first token; for a first token that is a run of "▁" the streamed text of
+  // IncrementalDetokenizer then keeps the spaces after the first.)
   virtual bool decode_strips_leading_space() const = 0;
 
   // Number of ids, added tokens included (the model's embedding table may be larger).

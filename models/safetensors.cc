@@ -401,6 +401,7 @@ absl::Status SafetensorsSet::add_file(std::unique_ptr<SafetensorsFile> file) {
     }
   }
   for (const TensorEntry& entry : file->entries()) tensors_.emplace(entry.name, file->view(entry));
+  if (source_.empty()) source_ = file->path();
   files_.push_back(std::move(file));
   return absl::OkStatus();
 }

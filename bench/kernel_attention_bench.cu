@@ -1,0 +1,368 @@
+// One attention layer (Llama-3-8B shapes: 32 query heads, 8 KV heads, head_dim 128, bf16) on the
+// DeFT paper's snapshots, for every plan kind of engine/attention_planner.h and a sweep of the
+// Flatten chunk size B. Kernel time = both stages, CUDA events around replays of a CUDA graph of 20
+// launches, median after warm-up, KV and Q rotated over copies larger than L2. Each method's output is checked against
+// a float64 dense reference on sampled queries; a row that fails the check is not written.
+//
+//   kernel_attention_bench [--workloads DIR] [--out DIR] [--reps N] [--case NAME] [--method NAME]
+// Writes <out>/kernel_attention-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_result.h"
+#include "engine/attention_planner.h"
+#include "engine/kv_cache_manager.h"
+#include "engine/sequence_tree.h"
+#include "engine/workload_trace.h"
+#include "kernels/cuda_check.h"
+#include "kernels/deft_attention.h"
+#include "kernels/device_buffer.h"
+
+namespace deft::bench {
+namespace {
+
+using engine::AttentionPlan;
+using engine::AttentionPlanner;
+using engine::KvCacheManager;
+using engine::NodeId;
+using engine::PlanKind;
+using engine::QueryToken;
+using engine::SequenceTree;
+using engine::TokenId;
+using kernels::DeviceBuffer;
+
+constexpr int kNumQHeads = 32;
+constexpr int kNumKvHeads = 8;
+constexpr int kHeadDim = 128;
+constexpr int kElemBytes = 2;  // bf16
+constexpr size_t kRotateBytes = 200u << 20;  // > 4x the H100's 50 MB L2
+
+struct Snapshot {
+  std::string name;
+  std::unique_ptr<KvCacheManager> kv;
+  std::unique_ptr<SequenceTree> tree;
+  std::vector<QueryToken> queries;
+};
+
+Snapshot new_snapshot(std::string name, int64_t tokens) {
+  Snapshot s;
+  s.name = std::move(name);
+  s.kv = std::make_unique<KvCacheManager>(
+      // Slack for the pages of one-token nodes (a node owns whole pages).
+      engine::KvCacheConfig{.num_pages = static_cast<int32_t>(tokens / 16 + 600)});
+  s.tree = std::make_unique<SequenceTree>(0, s.kv.get());
+  return s;
+}
+
+void must(const absl::Status& status) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s\n", status.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+Snapshot fewshot(int prompt, int branches, int suffix) {
+  Snapshot s = new_snapshot("fewshot_p" + std::to_string(prompt) + "_b" +
+                                std::to_string(branches) + "_s" + std::to_string(suffix),
+                            prompt + int64_t{branches} * suffix);
+  must(s.tree->append(0, std::vector<TokenId>(prompt, 1)));
+  const std::vector<NodeId> leaves = s.tree->branch(0, branches).value();
+  for (NodeId leaf : leaves) {
+    must(s.tree->append(leaf, std::vector<TokenId>(suffix, 2)));
+    s.queries.push_back({leaf, suffix - 1});
+  }
+  return s;
+}
+
+Snapshot specdec(int prefix, const engine::SpecDecTrace& trace) {
+  Snapshot s = new_snapshot(
+      "specdec_p" + std::to_string(prefix) + "_t" + std::to_string(trace.tree_size()),
+      prefix + trace.tree_size());
+  engine::SpecDecReplay replay(trace, *s.tree, prefix);
+  replay.build_token_tree(s.queries);
+  must(replay.status());
+  return s;
+}
+
+// 1000-token root, 10 children of 300 tokens, each with 10 children of 100; one query per leaf.
+Snapshot reasoning() {
+  Snapshot s = new_snapshot("reasoning_p1000_10x300_100x100", 1000 + 3000 + 10000);
+  must(s.tree->append(0, std::vector<TokenId>(1000, 1)));
+  const std::vector<NodeId> children = s.tree->branch(0, 10).value();
+  for (NodeId child : children) {
+    must(s.tree->append(child, std::vector<TokenId>(300, 2)));
+    const std::vector<NodeId> leaves = s.tree->branch(child, 10).value();
+    for (NodeId leaf : leaves) {
+      must(s.tree->append(leaf, std::vector<TokenId>(100, 3)));
+      s.queries.push_back({leaf, 99});
+    }
+  }
+  return s;
+}
+
+// KV slots query `q` sees: every token of its proper ancestors, its node up to itself.
+std::vector<int32_t> visible_slots(const Snapshot& s, const QueryToken& q) {
+  std::vector<int32_t> slots;
+  const std::vector<NodeId> path = s.tree->path(q.node).value();
+  for (NodeId node : path) {
+    const int64_t count =
+        node == q.node ? q.token_index + 1 : static_cast<int64_t>(s.tree->node(node).tokens.size());
+    for (int64_t i = 0; i < count; ++i) slots.push_back(s.kv->slot(s.tree->kv_key(node), i));
+  }
+  return slots;
+}
+
+float bf16_value(uint16_t bits) {
+  const uint32_t word = uint32_t{bits} << 16;
+  float x;
+  std::memcpy(&x, &word, 4);
+  return x;
+}
+
+std::vector<uint16_t> random_bf16(size_t count, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> bits(count);
+  for (uint16_t& b : bits) b = __nv_bfloat16_raw(__float2bfloat16_rn(normal(rng))).x;
+  return bits;
+}
+
+struct Args {
+  std::string workloads = DEFT_WORKLOADS_DIR;
+  std::string out;
+  int reps = 50;                // graph replays of kLaunchesPerGraph launches each
+  std::string only_case;        // run only this case (for profiling)
+  std::string only_method;      // run only this method
+};
+
+}  // namespace
+}  // namespace deft::bench
+
+int main(int argc, char** argv) {
+  using namespace deft;
+  using namespace deft::bench;
+  Args args;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--workloads") args.workloads = argv[i + 1];
+    else if (flag == "--out") args.out = argv[i + 1];
+    else if (flag == "--reps") args.reps = std::atoi(argv[i + 1]);
+    else if (flag == "--case") args.only_case = argv[i + 1];
+    else if (flag == "--method") args.only_method = argv[i + 1];
+  }
+
+  std::vector<Snapshot> snapshots;
+  for (int b : {20, 30, 50}) snapshots.push_back(fewshot(4000, b, 200));
+  for (int t : {32, 64, 128, 256}) {
+    const std::string path =
+        args.workloads + "/speculative_decoding/apps_tree_size" + std::to_string(t) + ".json";
+    absl::StatusOr<engine::SpecDecTrace> trace = engine::load_specdec_trace(path);
+    if (!trace.ok()) {
+      std::fprintf(stderr, "skipping t=%d: %s\n", t, trace.status().ToString().c_str());
+      continue;
+    }
+    for (int prefix : {1000, 6000}) snapshots.push_back(specdec(prefix, *trace));
+  }
+  snapshots.push_back(reasoning());
+
+  cudaDeviceProp prop;
+  DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const std::string gpu = prop.name;
+  const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
+  BenchResult result("kernel_attention", gpu, tag, argc, argv);
+
+  kernels::AttentionDims dims;
+  dims.num_q_heads = kNumQHeads;
+  dims.num_kv_heads = kNumKvHeads;
+  dims.head_dim = kHeadDim;
+  dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  const size_t kv_row = size_t{kNumKvHeads} * kHeadDim;
+  const size_t q_row = size_t{kNumQHeads} * kHeadDim;
+
+  struct Method {
+    PlanKind kind;
+    int chunk_tokens;
+    std::string name;
+  };
+  const std::vector<Method> methods = {
+      {PlanKind::kDeftFlatten, 128, "deft_flatten"},
+      {PlanKind::kDeftFlatten, 64, "deft_flatten_b64"},
+      {PlanKind::kDeftFlatten, 256, "deft_flatten_b256"},
+      {PlanKind::kDeftFlatten, 512, "deft_flatten_b512"},
+      {PlanKind::kDeftNode, 128, "deft_node"},
+      {PlanKind::kDeftNodeChunk, 128, "deft_node_chunk"},
+      {PlanKind::kSequence, 512, "sequence"},
+      {PlanKind::kDenseMask, 128, "dense_tree"},
+  };
+
+  std::mt19937 rng(20261123);
+  cudaStream_t stream;
+  DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t start, stop;
+  DEFT_CUDA_CHECK(cudaEventCreate(&start));
+  DEFT_CUDA_CHECK(cudaEventCreate(&stop));
+
+  std::printf("%-32s %-18s %9s %9s %7s %9s %8s\n", "case", "method", "median_us", "floor_us",
+              "ratio", "GB/s", "rel_err");
+  for (const Snapshot& s : snapshots) {
+    if (!args.only_case.empty() && s.name != args.only_case) continue;
+    const int32_t num_slots = static_cast<int32_t>(s.kv->num_slots());
+    const int32_t num_queries = static_cast<int32_t>(s.queries.size());
+    const size_t kv_elems = size_t(num_slots) * kv_row;
+    const size_t q_elems = size_t(num_queries) * q_row;
+    const std::vector<uint16_t> k_host = random_bf16(kv_elems, rng);
+    const std::vector<uint16_t> v_host = random_bf16(kv_elems, rng);
+    const std::vector<uint16_t> q_host = random_bf16(q_elems, rng);
+    const size_t copy_bytes = (2 * kv_elems + q_elems) * kElemBytes;
+    const int copies = static_cast<int>(std::max<size_t>(2, (kRotateBytes + copy_bytes - 1) / copy_bytes));
+    DeviceBuffer k_dev(kv_elems * kElemBytes * copies), v_dev(kv_elems * kElemBytes * copies);
+    DeviceBuffer q_dev(q_elems * kElemBytes * copies), out_dev(q_elems * kElemBytes);
+    for (int c = 0; c < copies; ++c) {
+      DEFT_CUDA_CHECK(cudaMemcpy(k_dev.as<uint16_t>() + c * kv_elems, k_host.data(),
+                                 kv_elems * kElemBytes, cudaMemcpyHostToDevice));
+      DEFT_CUDA_CHECK(cudaMemcpy(v_dev.as<uint16_t>() + c * kv_elems, v_host.data(),
+                                 kv_elems * kElemBytes, cudaMemcpyHostToDevice));
+      DEFT_CUDA_CHECK(cudaMemcpy(q_dev.as<uint16_t>() + c * q_elems, q_host.data(),
+                                 q_elems * kElemBytes, cudaMemcpyHostToDevice));
+    }
+
+    // Floor: tree KV read once, and 4 * head_dim * q_heads FLOPs per (query, visible token).
+    const int64_t tree_tokens = s.tree->total_tokens();
+    int64_t visible_pairs = 0;
+    for (const QueryToken& q : s.queries) visible_pairs += s.tree->depth(q.node, q.token_index) + 1;
+    const double tree_kv_bytes = double(tree_tokens) * kv_row * kElemBytes * 2;
+    const double flops = 4.0 * kHeadDim * kNumQHeads * double(visible_pairs);
+    const double floor_us =
+        std::max(tree_kv_bytes / BenchResult::kHbmBytesPerS, flops / BenchResult::kFlopsPerS) * 1e6;
+
+    // Float64 dense reference on up to 12 sampled queries (copy 0's values).
+    std::vector<int32_t> sampled;
+    for (int i = 0; i < std::min(num_queries, 12); ++i) {
+      sampled.push_back(static_cast<int32_t>((int64_t(i) * num_queries) / std::min(num_queries, 12)));
+    }
+    std::vector<double> reference(sampled.size() * q_row, 0.0);
+    for (size_t i = 0; i < sampled.size(); ++i) {
+      const std::vector<int32_t> slots = visible_slots(s, s.queries[sampled[i]]);
+      std::vector<double> scores(slots.size());
+      for (int h = 0; h < kNumQHeads; ++h) {
+        const int kvh = h / (kNumQHeads / kNumKvHeads);
+        const uint16_t* qv = &q_host[size_t(sampled[i]) * q_row + size_t(h) * kHeadDim];
+        double mx = -1e300;
+        for (size_t j = 0; j < slots.size(); ++j) {
+          const uint16_t* kvec = &k_host[size_t(slots[j]) * kv_row + size_t(kvh) * kHeadDim];
+          double dot = 0;
+          for (int d = 0; d < kHeadDim; ++d) dot += double(bf16_value(qv[d])) * bf16_value(kvec[d]);
+          scores[j] = dot * dims.softmax_scale;
+          mx = std::max(mx, scores[j]);
+        }
+        double denom = 0;
+        for (double& x : scores) denom += (x = std::exp(x - mx));
+        double* o = &reference[i * q_row + size_t(h) * kHeadDim];
+        for (size_t j = 0; j < slots.size(); ++j) {
+          const uint16_t* vvec = &v_host[size_t(slots[j]) * kv_row + size_t(kvh) * kHeadDim];
+          for (int d = 0; d < kHeadDim; ++d) o[d] += scores[j] / denom * bf16_value(vvec[d]);
+        }
+      }
+    }
+
+    for (const Method& m : methods) {
+      if (!args.only_method.empty() && m.name != args.only_method) continue;
+      AttentionPlanner planner({.kind = m.kind, .chunk_tokens = m.chunk_tokens});
+      AttentionPlan plan;
+      const std::vector<engine::TreeQueries> input = {{s.tree.get(), s.queries}};
+      must(planner.plan(input, plan));
+      kernels::DevicePlan device_plan;
+      device_plan.upload(plan.view(), stream);
+      kernels::DeftAttentionBuffers buffers;
+      buffers.reserve(plan.num_entries(), dims);
+      const auto launch = [&](int copy) {
+        kernels::launch_deft_attention(device_plan, dims, kernels::DType::kBf16,
+                                       q_dev.as<uint16_t>() + copy * q_elems,
+                                       k_dev.as<uint16_t>() + copy * kv_elems,
+                                       v_dev.as<uint16_t>() + copy * kv_elems, buffers,
+                                       out_dev.data(), stream);
+      };
+
+      // Correctness on copy 0 (output poisoned first).
+      DEFT_CUDA_CHECK(cudaMemsetAsync(out_dev.data(), 0xff, q_elems * kElemBytes, stream));
+      launch(0);
+      DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<uint16_t> out_host(q_elems);
+      DEFT_CUDA_CHECK(cudaMemcpy(out_host.data(), out_dev.data(), q_elems * kElemBytes,
+                                 cudaMemcpyDeviceToHost));
+      double diff = 0, norm = 0;
+      bool nan = false;
+      for (size_t i = 0; i < sampled.size(); ++i) {
+        for (size_t x = 0; x < q_row; ++x) {
+          const float got = bf16_value(out_host[size_t(sampled[i]) * q_row + x]);
+          nan |= std::isnan(got);
+          const double ref = reference[i * q_row + x];
+          diff += (got - ref) * (got - ref);
+          norm += ref * ref;
+        }
+      }
+      const double rel_err = std::sqrt(diff / norm);
+      const bool correct = !nan && rel_err <= 1e-2;
+
+      // A CUDA graph of kLaunchesPerGraph launches (rotating copies) keeps the GPU busy, so
+      // neither host launch gaps nor idle clocks enter the numbers; one sample = one replay's
+      // time / kLaunchesPerGraph.
+      constexpr int kLaunchesPerGraph = 20;
+      cudaGraph_t graph;
+      cudaGraphExec_t graph_exec;
+      DEFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < kLaunchesPerGraph; ++i) launch(i % copies);
+      DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      DEFT_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
+      for (int w = 0; w < 5; ++w) DEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
+      std::vector<double> samples_us;
+      for (int r = 0; r < args.reps; ++r) {
+        DEFT_CUDA_CHECK(cudaEventRecord(start, stream));
+        DEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
+        DEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
+        DEFT_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        samples_us.push_back(ms * 1e3 / kLaunchesPerGraph);
+      }
+      DEFT_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
+      DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+      const Samples stats = summarize(samples_us);
+      const int64_t kv_bytes = plan.io.kv_tokens_read * int64_t(kv_row) * kElemBytes * 2;
+      std::printf("%-32s %-18s %9.1f %9.1f %7.2f %9.0f %8.1e%s\n", s.name.c_str(), m.name.c_str(),
+                  stats.median, floor_us, stats.median / floor_us, kv_bytes / stats.median / 1e3,
+                  rel_err, correct ? "" : "  FAILED CHECK (row not written)");
+      if (!correct) continue;
+      ResultRow row;
+      row.case_name = s.name;
+      row.method = m.name;
+      row.median_us = stats.median;
+      row.p10_us = stats.p10;
+      row.p90_us = stats.p90;
+      row.repetitions = args.reps;
+      row.kv_bytes = kv_bytes;
+      row.floor_us = floor_us;
+      row.extra = {{"tree_kv_tokens", tree_tokens},
+                   {"queries", num_queries},
+                   {"chunk_tokens", m.chunk_tokens},
+                   {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
+                   {"tasks", plan.io.tasks},
+                   {"entries", plan.io.query_chunk_pairs},
+                   {"kv_tokens_read", plan.io.kv_tokens_read},
+                   {"achieved_gb_per_s", kv_bytes / stats.median / 1e3},
+                   {"attention_gflop", flops / 1e9},
+                   {"rel_err_sampled", rel_err}};
+      result.add(row);
+    }
+  }
+  std::printf("wrote %s\n", result.write(args.out).c_str());
+  return 0;
+}

@@ -1,0 +1,196 @@
+// Host side of the DeFT attention kernels: plan upload, scratch buffers, and the one place that
+// instantiates the kernel templates of kernels/deft_attention.cuh (bf16/fp16 x head_dim 64/128).
+#include "kernels/deft_attention.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/cuda_check.h"
+#include "kernels/deft_attention.cuh"
+
+namespace deft::kernels {
+
+namespace {
+
+[[noreturn]] void fail(const char* what, int value) {
+  std::fprintf(stderr, "deft_attention: %s (%d)\n", what, value);
+  std::fflush(stderr);
+  std::abort();
+}
+
+constexpr size_t kSectionAlign = 16;
+
+size_t align_up(size_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
+
+// Row slices of stage 1 (gridDim.z): a task with many rows (entries x group) is split over up
+// to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
+constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every pass its own CTA
+
+template <typename T, int kHeadDim>
+void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
+                  const AttentionDims& dims, const void* q, const void* k_cache,
+                  const void* v_cache, float* partial_out, float* partial_lse, void* out,
+                  cudaStream_t stream) {
+  using detail::Stage1Smem;
+  auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim>;
+  constexpr int kSmemBytes = Stage1Smem<kHeadDim>::kBytes;
+  // Raising the dynamic shared-memory limit is not a stream operation: done once per
+  // instantiation, before any capture the caller may start later.
+  static const bool smem_configured = [&] {
+    DEFT_CUDA_CHECK(
+        cudaFuncSetAttribute(stage1, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    return true;
+  }();
+  (void)smem_configured;
+
+  const int group = dims.group_size();
+  const int max_rows = std::max(1, max_task_entries * group);
+  const int rows_per_pass = 4 * detail::kMmaRows;
+  const int passes = (max_rows + rows_per_pass - 1) / rows_per_pass;
+
+  detail::Stage1Params params{};
+  params.plan = plan;
+  params.q = q;
+  params.k_cache = k_cache;
+  params.v_cache = v_cache;
+  params.partial_out = partial_out;
+  params.partial_lse = partial_lse;
+  params.out = out;
+  params.num_q_heads = dims.num_q_heads;
+  params.num_kv_heads = dims.num_kv_heads;
+  params.group_size = group;
+  params.scale_log2 = dims.softmax_scale * 1.4426950408889634f;
+
+  const dim3 grid1(static_cast<unsigned>(plan.num_tasks), static_cast<unsigned>(dims.num_kv_heads),
+                   static_cast<unsigned>(std::min(passes, kMaxRowSlices)));
+  stage1<<<grid1, detail::kStage1Threads, kSmemBytes, stream>>>(params);
+  DEFT_CUDA_CHECK_LAUNCH();
+
+  // Stage 2 spans every query (a launch shape fixed by the plan's size); queries with a single
+  // partial return at once. Skipped entirely when no query has two partials.
+  if (plan.num_entries > plan.num_queries) {
+    const dim3 grid2(static_cast<unsigned>(plan.num_queries),
+                     static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
+                                           detail::kStage2Warps));
+    detail::deft_attention_stage2_kernel<T, kHeadDim><<<grid2, detail::kStage2Threads, 0, stream>>>(
+        plan, partial_out, partial_lse, static_cast<T*>(out), dims.num_q_heads);
+    DEFT_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace
+
+// ---- DevicePlan ---------------------------------------------------------------------------------
+
+DevicePlan::DevicePlan() {
+  DEFT_CUDA_CHECK(cudaEventCreateWithFlags(&upload_done_, cudaEventDisableTiming));
+}
+
+DevicePlan::~DevicePlan() {
+  if (upload_pending_) cudaEventSynchronize(upload_done_);
+  cudaEventDestroy(upload_done_);
+}
+
+void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream) {
+  struct Section {
+    const void* source;
+    size_t bytes;
+    size_t offset;
+  };
+  const auto i32 = [](int32_t count) { return static_cast<size_t>(std::max(count, 0)) * 4; };
+  Section sections[] = {
+      {host_plan.kv_slots, i32(host_plan.num_kv_indices), 0},
+      {host_plan.task_kv_begin, i32(host_plan.num_tasks), 0},
+      {host_plan.task_kv_end, i32(host_plan.num_tasks), 0},
+      {host_plan.task_entry_begin, i32(host_plan.num_tasks + 1), 0},
+      {host_plan.task_mask_begin, i32(host_plan.num_tasks), 0},
+      {host_plan.mask_words, static_cast<size_t>(std::max(host_plan.num_mask_words, 0)) * 8, 0},
+      {host_plan.entry_query, i32(host_plan.num_entries), 0},
+      {host_plan.query_entry_begin, i32(host_plan.num_queries + 1), 0},
+      {host_plan.query_entries, i32(host_plan.num_entries), 0},
+  };
+  size_t total = 0;
+  for (Section& section : sections) {
+    section.offset = total;
+    total += align_up(section.bytes);
+  }
+  total = std::max<size_t>(total, kSectionAlign);
+
+  // The staging buffer may still be feeding the previous upload's copy.
+  if (upload_pending_) DEFT_CUDA_CHECK(cudaEventSynchronize(upload_done_));
+  staging_.reserve(total);
+  device_.reserve(total);
+
+  auto* staging = staging_.as<unsigned char>();
+  for (const Section& section : sections) {
+    if (section.bytes > 0 && section.source != nullptr) {
+      std::memcpy(staging + section.offset, section.source, section.bytes);
+    }
+  }
+  DEFT_CUDA_CHECK(
+      cudaMemcpyAsync(device_.data(), staging, total, cudaMemcpyHostToDevice, stream));
+  DEFT_CUDA_CHECK(cudaEventRecord(upload_done_, stream));
+  upload_pending_ = true;
+
+  auto* base = device_.as<unsigned char>();
+  const auto at = [&](int index) { return base + sections[index].offset; };
+  device_view_ = host_plan;
+  device_view_.kv_slots = reinterpret_cast<const int32_t*>(at(0));
+  device_view_.task_kv_begin = reinterpret_cast<const int32_t*>(at(1));
+  device_view_.task_kv_end = reinterpret_cast<const int32_t*>(at(2));
+  device_view_.task_entry_begin = reinterpret_cast<const int32_t*>(at(3));
+  device_view_.task_mask_begin = reinterpret_cast<const int32_t*>(at(4));
+  device_view_.mask_words = reinterpret_cast<const uint64_t*>(at(5));
+  device_view_.entry_query = reinterpret_cast<const int32_t*>(at(6));
+  device_view_.query_entry_begin = reinterpret_cast<const int32_t*>(at(7));
+  device_view_.query_entries = reinterpret_cast<const int32_t*>(at(8));
+
+  max_task_entries_ = 0;
+  for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
+    max_task_entries_ = std::max(max_task_entries_, host_plan.task_entry_begin[task + 1] -
+                                                        host_plan.task_entry_begin[task]);
+  }
+}
+
+// ---- DeftAttentionBuffers ------------------------------------------------------------------------
+
+void DeftAttentionBuffers::reserve(int32_t num_entries, const AttentionDims& dims) {
+  const size_t rows = static_cast<size_t>(std::max(num_entries, 1)) * dims.num_q_heads;
+  partial_out_.reserve(rows * dims.head_dim * sizeof(float));
+  partial_lse_.reserve(rows * sizeof(float));
+}
+
+// ---- launch ------------------------------------------------------------------------------------
+
+bool deft_attention_supported(const AttentionDims& dims) {
+  return (dims.head_dim == 64 || dims.head_dim == 128) && dims.num_kv_heads > 0 &&
+         dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
+}
+
+void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
+                           const AttentionDims& dims, DType dtype, const void* q,
+                           const void* k_cache, const void* v_cache, float* partial_out,
+                           float* partial_lse, void* out, cudaStream_t stream) {
+  if (!deft_attention_supported(dims)) fail("unsupported head_dim or head counts", dims.head_dim);
+  if (max_task_entries > 0 && max_task_entries * dims.group_size() > (1 << 24)) {
+    fail("task too large", max_task_entries);
+  }
+  if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
+  const auto run = [&](auto type_tag, auto head_dim_tag) {
+    using T = decltype(type_tag);
+    launch_typed<T, decltype(head_dim_tag)::value>(device_plan, max_task_entries, dims, q,
+                                                   k_cache, v_cache, partial_out, partial_lse,
+                                                   out, stream);
+  };
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == DType::kBf16) {
+    dims.head_dim == 64 ? run(__nv_bfloat16{}, D64{}) : run(__nv_bfloat16{}, D128{});
+  } else {
+    dims.head_dim == 64 ? run(__half{}, D64{}) : run(__half{}, D128{});
+  }
+}
+
+}  // namespace deft::kernels

@@ -1,0 +1,595 @@
+// DeFT tree-attention kernels (templates; included only by kernels/deft_attention.cu, which
+// instantiates the few (dtype, head_dim) combinations in one place).
+//
+// Stage 1: one CTA (4 warps) per (task, KV head, row slice). The CTA's rows are the task's
+// entries x the KV head's GQA group (row = entry_local * group_size + head_in_group), so the
+// task's KV tiles are read once for every query head that uses them. A pass handles up to 64
+// rows (4 warps x 16 rows of an m16n8k16 MMA); tasks with fewer rows split each KV tile among
+// the warps instead (rows <= 16: 4 warps x 16 tokens of every 64-token tile), and the warps'
+// softmax states are merged through shared memory at the end of the pass.
+// KV tiles of 64 tokens are gathered through kv_slots (paged KV) with cp.async into a
+// double-buffered, padded shared-memory ring; QK^T and PV run on tensor cores (mma.sync, fp32
+// accumulation); per-token 64-bit mask words mask scores; tiles no row of the pass sees are
+// never loaded; online softmax in base 2. Rows whose query has a single partial write the final
+// output directly, the others write partial O (normalised) and LSE (natural log).
+//
+// Stage 2: one warp per (query, head); queries with a single partial return at once; the others
+// merge their partials: out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/attention_params.h"
+
+namespace deft::kernels::detail {
+
+inline constexpr float kNegInf = -INFINITY;
+
+inline constexpr int kStage1Warps = 4;
+inline constexpr int kStage1Threads = kStage1Warps * 32;
+inline constexpr int kKvTileTokens = 64;  // tokens per cp.async tile
+inline constexpr int kMmaRows = 16;       // rows of one warp's m16n8k16 tile
+inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the PV MMA)
+inline constexpr int kStage2Warps = 4;  // heads per stage-2 CTA
+inline constexpr int kStage2Threads = kStage2Warps * 32;
+
+// Shared memory of stage 1: two stages of (K tile, V tile, mask words). Rows are padded by
+// 16 bytes so that ldmatrix's 8 row addresses fall into distinct bank groups.
+template <int kHeadDim>
+struct Stage1Smem {
+  static constexpr int kRowElems = kHeadDim + 8;
+  static constexpr int kTileBytes = kKvTileTokens * kRowElems * 2;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
+  static constexpr int kMaskOffset = 2 * kStageBytes;
+  static constexpr int kBytes = kMaskOffset + 2 * kKvTileTokens * 8;
+  // The end-of-pass merge reuses the KV ring: per warp 16 rows of O, m and l (fp32).
+  static constexpr int kMergeOBytes = kStage1Warps * kMmaRows * kHeadDim * 4;
+  static constexpr int kMergeBytes = kMergeOBytes + 2 * kStage1Warps * kMmaRows * 4;
+  static_assert(kMergeBytes <= kMaskOffset, "merge scratch must fit in the KV ring");
+};
+
+struct Stage1Params {
+  AttentionPlanView plan;  // device pointers
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  float* partial_out;
+  float* partial_lse;
+  void* out;
+  int32_t num_q_heads;
+  int32_t num_kv_heads;
+  int32_t group_size;
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+// ---- element type traits ----------------------------------------------------------------------
+
+template <typename T>
+struct ElemTraits;
+
+template <>
+struct ElemTraits<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
+    return __float2bfloat16_rn(x);
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct ElemTraits<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ---- PTX helpers ------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte async copy; when !valid nothing is read and the destination is zero-filled (so padded
+// tail tokens hold zeros, never stale NaNs that 0 * NaN would spread).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 8 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// Bits [lo, hi] of a mask word (0 <= lo <= hi < 64).
+__device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
+  const int count = hi - lo + 1;
+  const uint64_t ones = count >= 64 ? ~uint64_t{0} : ((uint64_t{1} << count) - 1);
+  return ones << lo;
+}
+
+// ---- stage 1 ----------------------------------------------------------------------------------
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kStage1Threads, 3)
+    deft_attention_stage1_kernel(const __grid_constant__ Stage1Params params) {
+  using Smem = Stage1Smem<kHeadDim>;
+  using Traits = ElemTraits<T>;
+  constexpr int kKSteps = kHeadDim / 16;    // k-steps of QK^T
+  constexpr int kOBlocks = kHeadDim / 8;    // n-blocks of the O accumulator
+  constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
+
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const AttentionPlanView& plan = params.plan;
+  const int task = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int lane_row = lane / 4;  // "groupID" of the MMA fragment layouts
+  const int lane_col = lane % 4;  // "threadID_in_group"
+
+  const int kv_begin = plan.task_kv_begin[task];
+  const int run_tokens = plan.task_kv_end[task] - kv_begin;
+  const int entry_begin = plan.task_entry_begin[task];
+  const int num_entries = plan.task_entry_begin[task + 1] - entry_begin;
+  const int mask_begin = plan.task_mask_begin[task];
+  const bool masked = mask_begin >= 0;
+  const int group = params.group_size;
+  const int num_rows = num_entries * group;
+  const int num_tiles = (run_tokens + kKvTileTokens - 1) / kKvTileTokens;
+
+  // Few rows: spread every tile's tokens over the warps instead of leaving warps idle.
+  const int row_warps = num_rows <= kMmaRows ? 1 : (num_rows <= 2 * kMmaRows ? 2 : 4);
+  const int kv_splits = kStage1Warps / row_warps;
+  const int rows_per_pass = row_warps * kMmaRows;
+  const int num_passes = (num_rows + rows_per_pass - 1) / rows_per_pass;
+  const int warp_row_block = warp % row_warps;
+  const int warp_split = warp / row_warps;
+
+  const T* q = static_cast<const T*>(params.q);
+  const T* k_cache = static_cast<const T*>(params.k_cache);
+  const T* v_cache = static_cast<const T*>(params.v_cache);
+  const int q_row_stride = params.num_q_heads * kHeadDim;
+
+  for (int pass = blockIdx.z; pass < num_passes; pass += gridDim.z) {
+    const int pass_row0 = pass * rows_per_pass;
+    const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
+    // Entries (mask bits) this pass covers: a tile none of them sees is skipped.
+    const uint64_t pass_bits =
+        masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
+
+    // This thread's two fragment rows (lane_row and lane_row + 8 of the warp's 16).
+    const int row_a = pass_row0 + warp_row_block * kMmaRows + lane_row;
+    const int row_b = row_a + 8;
+    const bool row_a_valid = row_a < num_rows;
+    const bool row_b_valid = row_b < num_rows;
+    // Mask bit of each row (masked tasks have <= 64 entries); rows past the task see nothing
+    // in masked tasks and are never written in any task.
+    const int bit_a = row_a_valid ? row_a / group : 64;
+    const int bit_b = row_b_valid ? row_b / group : 64;
+
+    // Q fragments (A operand, row-major 16 x kHeadDim) straight from global memory.
+    uint32_t q_frag[kKSteps][4];
+    {
+      const T* q_row_a = nullptr;
+      const T* q_row_b = nullptr;
+      if (row_a_valid) {
+        const int query = plan.entry_query[entry_begin + row_a / group];
+        q_row_a = q + static_cast<int64_t>(query) * q_row_stride +
+                  (kv_head * group + row_a % group) * kHeadDim;
+      }
+      if (row_b_valid) {
+        const int query = plan.entry_query[entry_begin + row_b / group];
+        q_row_b = q + static_cast<int64_t>(query) * q_row_stride +
+                  (kv_head * group + row_b % group) * kHeadDim;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        const int col = kk * 16 + 2 * lane_col;
+        q_frag[kk][0] = row_a_valid ? *reinterpret_cast<const uint32_t*>(q_row_a + col) : 0u;
+        q_frag[kk][1] = row_b_valid ? *reinterpret_cast<const uint32_t*>(q_row_b + col) : 0u;
+        q_frag[kk][2] = row_a_valid ? *reinterpret_cast<const uint32_t*>(q_row_a + col + 8) : 0u;
+        q_frag[kk][3] = row_b_valid ? *reinterpret_cast<const uint32_t*>(q_row_b + col + 8) : 0u;
+      }
+    }
+
+    float o_acc[kOBlocks][4];
+#pragma unroll
+    for (int nb = 0; nb < kOBlocks; ++nb) {
+      o_acc[nb][0] = o_acc[nb][1] = o_acc[nb][2] = o_acc[nb][3] = 0.0f;
+    }
+    float max_a = kNegInf, max_b = kNegInf;  // running max of scaled scores (base 2)
+    float sum_a = 0.0f, sum_b = 0.0f;        // this thread's share of the running denominators
+
+    // First tile at or after `tile` that some row of this pass sees (block-uniform).
+    auto next_needed_tile = [&](int tile) {
+      if (!masked) return tile;
+      for (; tile < num_tiles; ++tile) {
+        bool seen = false;
+        if (threadIdx.x < kKvTileTokens) {
+          const int token = tile * kKvTileTokens + threadIdx.x;
+          if (token < run_tokens) seen = (plan.mask_words[mask_begin + token] & pass_bits) != 0;
+        }
+        if (__syncthreads_or(seen)) return tile;
+      }
+      return num_tiles;
+    };
+
+    auto load_tile = [&](int tile, int stage) {
+      unsigned char* k_tile = smem + stage * Smem::kStageBytes;
+      unsigned char* v_tile = k_tile + Smem::kTileBytes;
+      const int token0 = tile * kKvTileTokens;
+      for (int chunk = threadIdx.x; chunk < kKvTileTokens * kChunksPerRow;
+           chunk += kStage1Threads) {
+        const int token = chunk / kChunksPerRow;
+        const int part = chunk % kChunksPerRow;
+        const bool valid = token0 + token < run_tokens;
+        const int slot = valid ? plan.kv_slots[kv_begin + token0 + token] : 0;
+        const int64_t offset =
+            (static_cast<int64_t>(slot) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
+        const int smem_offset = (token * Smem::kRowElems + part * 8) * 2;
+        cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
+        cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
+      }
+      if (masked && threadIdx.x < kKvTileTokens) {
+        const int token = token0 + threadIdx.x;
+        const bool valid = token < run_tokens;
+        uint64_t* mask_tile =
+            reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
+        cp_async_8(smem_address(mask_tile + threadIdx.x),
+                   plan.mask_words + mask_begin + (valid ? token : 0), valid);
+      }
+    };
+
+    // One warp step: 16 rows x (8 * kBlocks) tokens starting at tile token `step_token0`:
+    // S = Q K^T, mask, online softmax update, O += P V.
+    auto compute_step = [&](auto blocks_tag, const unsigned char* k_tile,
+                            const unsigned char* v_tile, const uint64_t* mask_tile, int token0,
+                            int step_token0) {
+      constexpr int kBlocks = decltype(blocks_tag)::value;  // n-blocks of 8 tokens, even
+      const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
+      const int matrix_row = lane % 8;
+
+      float scores[kBlocks][4];
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+        scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
+      }
+#pragma unroll
+      for (int pair = 0; pair < kBlocks / 2; ++pair) {
+        const int token = step_token0 + pair * 16 + (matrix >> 1) * 8 + matrix_row;
+        const uint32_t row_address =
+            smem_address(k_tile + token * Smem::kRowElems * 2) + (matrix & 1) * 8 * 2;
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          uint32_t k_frag[4];
+          ldmatrix_x4(k_frag, row_address + kk * 16 * 2);
+          Traits::mma(scores[2 * pair], q_frag[kk], k_frag[0], k_frag[1]);
+          Traits::mma(scores[2 * pair + 1], q_frag[kk], k_frag[2], k_frag[3]);
+        }
+      }
+
+      // Scale, mask (tail tokens, mask bits), online softmax update.
+      float step_max_a = kNegInf, step_max_b = kNegInf;
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
+          const int bit = e < 2 ? bit_a : bit_b;
+          bool visible = token0 + token < run_tokens;
+          if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
+          scores[nb][e] = visible ? scores[nb][e] * params.scale_log2 : kNegInf;
+        }
+        step_max_a = fmaxf(step_max_a, fmaxf(scores[nb][0], scores[nb][1]));
+        step_max_b = fmaxf(step_max_b, fmaxf(scores[nb][2], scores[nb][3]));
+      }
+      step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 1));
+      step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 2));
+      step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 1));
+      step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 2));
+      const float new_max_a = fmaxf(max_a, step_max_a);
+      const float new_max_b = fmaxf(max_b, step_max_b);
+      // A row that has seen nothing yet keeps max -inf; subtract 0 then (exp2(-inf) = 0).
+      const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
+      const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
+      const float alpha_a = exp2f(max_a - base_a);
+      const float alpha_b = exp2f(max_b - base_b);
+      max_a = new_max_a;
+      max_b = new_max_b;
+      float step_sum_a = 0.0f, step_sum_b = 0.0f;
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+        scores[nb][0] = exp2f(scores[nb][0] - base_a);
+        scores[nb][1] = exp2f(scores[nb][1] - base_a);
+        scores[nb][2] = exp2f(scores[nb][2] - base_b);
+        scores[nb][3] = exp2f(scores[nb][3] - base_b);
+        step_sum_a += scores[nb][0] + scores[nb][1];
+        step_sum_b += scores[nb][2] + scores[nb][3];
+      }
+      sum_a = sum_a * alpha_a + step_sum_a;
+      sum_b = sum_b * alpha_b + step_sum_b;
+#pragma unroll
+      for (int nb = 0; nb < kOBlocks; ++nb) {
+        o_acc[nb][0] *= alpha_a;
+        o_acc[nb][1] *= alpha_a;
+        o_acc[nb][2] *= alpha_b;
+        o_acc[nb][3] *= alpha_b;
+      }
+
+      // O += P V, 16 tokens at a time: P's accumulator layout is the A-fragment layout of the
+      // next MMA.
+#pragma unroll
+      for (int pair = 0; pair < kBlocks / 2; ++pair) {
+        const uint32_t p_frag[4] = {Traits::pack(scores[2 * pair][0], scores[2 * pair][1]),
+                                    Traits::pack(scores[2 * pair][2], scores[2 * pair][3]),
+                                    Traits::pack(scores[2 * pair + 1][0], scores[2 * pair + 1][1]),
+                                    Traits::pack(scores[2 * pair + 1][2], scores[2 * pair + 1][3])};
+        const int token = step_token0 + pair * 16 + (matrix & 1) * 8 + matrix_row;
+        const uint32_t row_address =
+            smem_address(v_tile + token * Smem::kRowElems * 2) + (matrix >> 1) * 8 * 2;
+#pragma unroll
+        for (int nb2 = 0; nb2 < kHeadDim / 16; ++nb2) {
+          uint32_t v_frag[4];
+          ldmatrix_x4_trans(v_frag, row_address + nb2 * 16 * 2);
+          Traits::mma(o_acc[2 * nb2], p_frag, v_frag[0], v_frag[1]);
+          Traits::mma(o_acc[2 * nb2 + 1], p_frag, v_frag[2], v_frag[3]);
+        }
+      }
+    };
+
+    auto compute_tile = [&](int tile, int stage) {
+      const unsigned char* k_tile = smem + stage * Smem::kStageBytes;
+      const unsigned char* v_tile = k_tile + Smem::kTileBytes;
+      const uint64_t* mask_tile =
+          reinterpret_cast<const uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
+      const int token0 = tile * kKvTileTokens;
+      if (kv_splits == 1) {
+        // Many rows: the whole 64-token tile in one step (more independent MMAs, one softmax
+        // rescale per tile instead of four).
+        compute_step(std::integral_constant<int, kKvTileTokens / 8>{}, k_tile, v_tile, mask_tile,
+                     token0, 0);
+        return;
+      }
+      // Few rows: the warps share the tile, 16 tokens each per step.
+      for (int step = warp_split; step < kKvTileTokens / kStepTokens; step += kv_splits) {
+        const int step_token0 = step * kStepTokens;
+        if (token0 + step_token0 >= run_tokens) break;
+        compute_step(std::integral_constant<int, kStepTokens / 8>{}, k_tile, v_tile, mask_tile,
+                     token0, step_token0);
+      }
+    };
+
+    // Double-buffered pipeline: the next needed tile's copy overlaps this tile's math.
+    int tile = next_needed_tile(0);
+    int stage = 0;
+    if (tile < num_tiles) load_tile(tile, stage);
+    cp_async_commit();
+    while (tile < num_tiles) {
+      const int next = next_needed_tile(tile + 1);
+      if (next < num_tiles) load_tile(next, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+      compute_tile(tile, stage);
+      __syncthreads();
+      tile = next;
+      stage ^= 1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Merge the warps' states of the same rows (kv_splits > 1) through shared memory.
+    float* merge_o = reinterpret_cast<float*>(smem);
+    float* merge_max = merge_o + kStage1Warps * kMmaRows * kHeadDim;
+    float* merge_sum = merge_max + kStage1Warps * kMmaRows;
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+    {
+      float* warp_o = merge_o + warp * kMmaRows * kHeadDim;
+#pragma unroll
+      for (int nb = 0; nb < kOBlocks; ++nb) {
+        const int col = nb * 8 + 2 * lane_col;
+        *reinterpret_cast<float2*>(warp_o + lane_row * kHeadDim + col) =
+            make_float2(o_acc[nb][0], o_acc[nb][1]);
+        *reinterpret_cast<float2*>(warp_o + (lane_row + 8) * kHeadDim + col) =
+            make_float2(o_acc[nb][2], o_acc[nb][3]);
+      }
+      if (lane_col == 0) {
+        merge_max[warp * kMmaRows + lane_row] = max_a;
+        merge_max[warp * kMmaRows + lane_row + 8] = max_b;
+        merge_sum[warp * kMmaRows + lane_row] = sum_a;
+        merge_sum[warp * kMmaRows + lane_row + 8] = sum_b;
+      }
+    }
+    __syncthreads();
+
+    constexpr int kQuads = kHeadDim / 4;  // float4 columns per row
+    for (int item = threadIdx.x; item < pass_rows * kQuads; item += kStage1Threads) {
+      const int pass_row = item / kQuads;
+      const int col = (item % kQuads) * 4;
+      const int row_block = pass_row / kMmaRows;
+      const int block_row = pass_row % kMmaRows;
+      float row_max = kNegInf;
+      for (int split = 0; split < kv_splits; ++split) {
+        const int w = row_block + split * row_warps;
+        row_max = fmaxf(row_max, merge_max[w * kMmaRows + block_row]);
+      }
+      float row_sum = 0.0f;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (row_max != kNegInf) {
+        for (int split = 0; split < kv_splits; ++split) {
+          const int w = row_block + split * row_warps;
+          const float weight = exp2f(merge_max[w * kMmaRows + block_row] - row_max);
+          row_sum += merge_sum[w * kMmaRows + block_row] * weight;
+          const float4 o = *reinterpret_cast<const float4*>(
+              merge_o + (w * kMmaRows + block_row) * kHeadDim + col);
+          acc.x += weight * o.x;
+          acc.y += weight * o.y;
+          acc.z += weight * o.z;
+          acc.w += weight * o.w;
+        }
+      }
+      // An entry that saw no token (a plan bug) yields zeros and LSE -inf, never NaN.
+      const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+      acc.x *= inv_sum;
+      acc.y *= inv_sum;
+      acc.z *= inv_sum;
+      acc.w *= inv_sum;
+
+      const int row = pass_row0 + pass_row;
+      const int entry = entry_begin + row / group;
+      const int head = kv_head * group + row % group;
+      const int query = plan.entry_query[entry];
+      const bool single_partial =
+          plan.query_entry_begin[query + 1] - plan.query_entry_begin[query] == 1;
+      if (single_partial) {
+        T* out = static_cast<T*>(params.out) + static_cast<int64_t>(query) * q_row_stride +
+                 head * kHeadDim + col;
+        const uint2 packed = make_uint2(Traits::pack(acc.x, acc.y), Traits::pack(acc.z, acc.w));
+        *reinterpret_cast<uint2*>(out) = packed;
+      } else {
+        const int64_t partial_row = static_cast<int64_t>(entry) * params.num_q_heads + head;
+        *reinterpret_cast<float4*>(params.partial_out + partial_row * kHeadDim + col) = acc;
+        if (col == 0) {
+          // Natural-log LSE of the scaled scores: (max + log2(sum)) * ln(2).
+          params.partial_lse[partial_row] =
+              row_sum > 0.0f ? (row_max + log2f(row_sum)) * 0.69314718055994531f : kNegInf;
+        }
+      }
+    }
+    __syncthreads();  // the merge scratch is the next pass's KV ring
+  }
+}
+
+// ---- stage 2 ----------------------------------------------------------------------------------
+
+// One warp per (query, head), kStage2Warps heads per CTA. The partials' weights are computed
+// 32 at a time (a lane each) and broadcast by shuffles, so the O loads of successive partials
+// are independent and many are in flight (a serial chain of LSE loads made this latency-bound).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kStage2Threads)
+    deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
+                                 const float* __restrict__ partial_out,
+                                 const float* __restrict__ partial_lse, T* __restrict__ out,
+                                 int32_t num_q_heads) {
+  constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 consecutive floats per lane
+  static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
+  const int query = blockIdx.x;
+  const int begin = plan.query_entry_begin[query];
+  const int count = plan.query_entry_begin[query + 1] - begin;
+  if (count <= 1) return;  // written by stage 1 directly
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int head = blockIdx.y * kStage2Warps + warp;
+  if (head >= num_q_heads) return;
+
+  float lse_max = kNegInf;
+  for (int i = lane; i < count; i += 32) {
+    const int64_t row = static_cast<int64_t>(plan.query_entries[begin + i]) * num_q_heads + head;
+    lse_max = fmaxf(lse_max, partial_lse[row]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+  }
+  const float base = lse_max == kNegInf ? 0.0f : lse_max;
+
+  float acc[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
+  float denom = 0.0f;
+  for (int chunk = 0; chunk < count; chunk += 32) {
+    int64_t my_row = 0;
+    float my_weight = 0.0f;
+    if (chunk + lane < count) {
+      my_row = static_cast<int64_t>(plan.query_entries[begin + chunk + lane]) * num_q_heads + head;
+      my_weight = expf(partial_lse[my_row] - base);
+    }
+    denom += my_weight;
+    const int chunk_count = min(32, count - chunk);
+#pragma unroll 4
+    for (int j = 0; j < chunk_count; ++j) {
+      const float weight = __shfl_sync(0xffffffffu, my_weight, j);
+      const int64_t row = __shfl_sync(0xffffffffu, my_row, j);
+      const float* o = partial_out + row * kHeadDim + lane * kPerLane;
+      if constexpr (kPerLane == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(o);
+        acc[0] += weight * v.x;
+        acc[1] += weight * v.y;
+        acc[2] += weight * v.z;
+        acc[3] += weight * v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(o);
+        acc[0] += weight * v.x;
+        acc[1] += weight * v.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    denom += __shfl_xor_sync(0xffffffffu, denom, offset);
+  }
+  const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
+  T* out_row = out + (static_cast<int64_t>(query) * num_q_heads + head) * kHeadDim +
+               lane * kPerLane;
+  if constexpr (kPerLane == 4) {
+    *reinterpret_cast<uint2*>(out_row) =
+        make_uint2(ElemTraits<T>::pack(acc[0] * inv_denom, acc[1] * inv_denom),
+                   ElemTraits<T>::pack(acc[2] * inv_denom, acc[3] * inv_denom));
+  } else {
+    *reinterpret_cast<uint32_t*>(out_row) =
+        ElemTraits<T>::pack(acc[0] * inv_denom, acc[1] * inv_denom);
+  }
+}
+
+}  // namespace deft::kernels::detail

@@ -1,0 +1,85 @@
+// Host API of the DeFT tree-attention kernels (GPU). Executes an AttentionPlanView (see
+// kernels/attention_params.h) whose arrays live in device memory:
+//   stage 1: one CTA per (task, KV head [, row slice]) loads the task's KV once and computes
+//            every query head of that KV head's GQA group for every entry of the task;
+//            writes partial O + LSE, or the final output for queries with a single partial;
+//   stage 2: per (query, head) with more than one partial, merges the partials.
+// Launch shapes depend only on the plan's sizes and there is no host synchronisation inside a
+// launch, so a step's launches can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/attention_params.h"
+#include "kernels/device_buffer.h"
+#include "kernels/dtype.h"
+
+namespace deft::kernels {
+
+// A plan copied to the GPU: all arrays packed into ONE device buffer, uploaded with one async
+// copy from a pinned staging buffer. One upload per step serves every layer.
+class DevicePlan {
+ public:
+  DevicePlan();
+  ~DevicePlan();
+  DevicePlan(const DevicePlan&) = delete;
+  DevicePlan& operator=(const DevicePlan&) = delete;
+
+  // Copies `host_plan` (host pointers) to the device on `stream`. Buffers grow as needed and
+  // are reused. Waits (host side) only for this object's previous upload to have left the
+  // staging buffer, never for kernels.
+  void upload(const AttentionPlanView& host_plan, cudaStream_t stream);
+
+  // Device pointers, valid once the copy on `stream` has run.
+  const AttentionPlanView& view() const { return device_view_; }
+  // Largest entry count of any task: sizes stage 1's grid.
+  int32_t max_task_entries() const { return max_task_entries_; }
+
+ private:
+  PinnedHostBuffer staging_;
+  DeviceBuffer device_;
+  cudaEvent_t upload_done_ = nullptr;
+  bool upload_pending_ = false;
+  AttentionPlanView device_view_;
+  int32_t max_task_entries_ = 0;
+};
+
+// Scratch for stage 1's partial results: [num_entries][num_q_heads][head_dim] + LSE, fp32.
+class DeftAttentionBuffers {
+ public:
+  void reserve(int32_t num_entries, const AttentionDims& dims);
+  float* partial_out() const { return partial_out_.as<float>(); }
+  float* partial_lse() const { return partial_lse_.as<float>(); }
+
+ private:
+  DeviceBuffer partial_out_;
+  DeviceBuffer partial_lse_;
+};
+
+// True for the (dtype, head_dim, group size) combinations the kernels are built for:
+// bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested).
+bool deft_attention_supported(const AttentionDims& dims);
+
+// Runs both stages on `stream`. `device_plan` holds device pointers; `max_task_entries` is the
+// largest task_entry_begin[t + 1] - task_entry_begin[t] (DevicePlan::max_task_entries()).
+//   q:        [num_queries][num_q_heads][head_dim]        (dtype)
+//   k_cache:  [num_slots][num_kv_heads][head_dim]         (dtype), v_cache likewise
+//   partial_out / partial_lse: [num_entries][num_q_heads][head_dim] / [num_entries][num_q_heads]
+//   out:      [num_queries][num_q_heads][head_dim]        (dtype)
+// Aborts on unsupported dims (a caller bug: check deft_attention_supported at load time).
+void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
+                           const AttentionDims& dims, DType dtype, const void* q,
+                           const void* k_cache, const void* v_cache, float* partial_out,
+                           float* partial_lse, void* out, cudaStream_t stream);
+
+inline void launch_deft_attention(const DevicePlan& plan, const AttentionDims& dims, DType dtype,
+                                  const void* q, const void* k_cache, const void* v_cache,
+                                  const DeftAttentionBuffers& buffers, void* out,
+                                  cudaStream_t stream) {
+  launch_deft_attention(plan.view(), plan.max_task_entries(), dims, dtype, q, k_cache, v_cache,
+                        buffers.partial_out(), buffers.partial_lse(), out, stream);
+}
+
+}  // namespace deft::kernels
