@@ -5,7 +5,7 @@
 //   deft-cli [--server HOST:PORT] tokenize [--bos] TEXT
 //   deft-cli [--server HOST:PORT] detokenize ID...
 //   deft-cli [--server HOST:PORT] generate [--n N] [--max-tokens M] [--temperature T]
-//            [--top-k K] [--top-p P] [--seed S] [--stop STR]... PROMPT
+//            [--top-k K] [--top-p P] [--seed S] [--stop STR]... [--ignore-eos] PROMPT
 //
 // Exit 0 on success, 1 when the server answers with an error (its code and message printed),
 // 2 on a usage error.
@@ -36,7 +36,7 @@ const char kUsage[] =
     "  tokenize [--bos] TEXT\n"
     "  detokenize ID...\n"
     "  generate [--n N] [--max-tokens M] [--temperature T] [--top-k K] [--top-p P]\n"
-    "           [--seed S] [--stop STR]... PROMPT\n"
+    "           [--seed S] [--stop STR]... [--ignore-eos] PROMPT\n"
     "           n samples from one prompt; each branch's text streams as it is decoded and\n"
     "           is printed whole at the end\n";
 
@@ -157,6 +157,8 @@ int generate(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
       uint64_t value = 0;
       ok = absl::SimpleAtoi(args[++i], &value);
       sampling->set_seed(value);
+    } else if (arg == "--ignore-eos") {
+      sampling->set_ignore_eos(true);
     } else if (arg == "--stop" && has_value) {
       sampling->add_stop(args[++i]);
     } else if (arg.rfind("--", 0) == 0) {

@@ -188,6 +188,7 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::Gener
   job.sampling.top_p = sampling.top_p() == 0.0f ? 1.0f : sampling.top_p();
   job.sampling.seed = sampling.seed();
   job.sampling.top_logprobs = sampling.top_logprobs();
+  job.ignore_eos = sampling.ignore_eos();
   job.sampling.stop_token_ids.assign(sampling.stop_token_ids().begin(),
                                      sampling.stop_token_ids().end());
   if (absl::Status status = engine::validate_sampling_params(job.sampling, model_.vocab_size);

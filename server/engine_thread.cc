@@ -471,7 +471,7 @@ absl::Status EngineThread::add_token(Job& job, int32_t index, const engine::Samp
   branch.text += piece;
   const std::vector<std::string>& stop = job.request.stop;
   FinishReason finish = FinishReason::kNone;
-  if (tokenizer_.is_eos(sampled.token)) {
+  if (!job.request.ignore_eos && tokenizer_.is_eos(sampled.token)) {
     finish = FinishReason::kEos;
   } else if (sampled.stop) {
     finish = FinishReason::kStop;

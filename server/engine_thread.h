@@ -82,6 +82,7 @@ struct GenerateJobRequest {
   int32_t max_tokens = 1;               // per branch
   engine::SamplingParams sampling;      // its stop_token_ids end a branch (reason kStop)
   std::vector<std::string> stop;        // stop strings (the text is cut before them)
+  bool ignore_eos = false;              // EOS tokens do not end a branch
 };
 
 struct EngineOptions {

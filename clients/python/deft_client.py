@@ -132,6 +132,7 @@ class DeftClient:
         top_logprobs: int = 0,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ):
         """The raw response stream (iterate it; call .cancel() on it to stop early)."""
         sampling = deft_pb2.SamplingParams(
@@ -143,6 +144,7 @@ class DeftClient:
             max_tokens=max_tokens,
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),
+            ignore_eos=ignore_eos,
         )
         request = deft_pb2.GenerateRequest(prompt=_prompt(prompt), n=n, sampling=sampling)
         return self.stub.Generate(request, timeout=self.timeout)

@@ -199,7 +199,7 @@ class PythonClientTest(unittest.TestCase):
                             deft_pb2.RunTreeRequest())
 
     def test_cancel_mid_stream_frees_kv(self):
-        stream = client.generate_stream([1, 5, 6, 7], n=2, max_tokens=3000)
+        stream = client.generate_stream([1, 5, 6, 7], n=2, max_tokens=3000, ignore_eos=True)
         for _, response in zip(range(6), stream):
             pass
         self.assertEqual(server.metrics()["deft_live_jobs"], 1)
@@ -210,7 +210,8 @@ class PythonClientTest(unittest.TestCase):
 
     def test_closing_the_channel_mid_stream_frees_kv(self):
         other = DeftClient(server.address)
-        stream = other.generate_stream("Once upon a time", n=2, max_tokens=3000)
+        stream = other.generate_stream("Once upon a time", n=2, max_tokens=3000,
+                                       ignore_eos=True)
         next(iter(stream))
         self.assertEqual(server.metrics()["deft_live_jobs"], 1)
         other.close()  # the client goes away without cancelling

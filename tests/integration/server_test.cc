@@ -75,6 +75,8 @@ GenerateResult generate(v1::Deft::Stub& stub, const v1::GenerateRequest& request
 
 v1::GenerateRequest token_request(std::vector<int32_t> prompt, int n, int max_tokens) {
   v1::GenerateRequest request;
+  // The default model is trained and often ends early; long jobs must not.
+  request.mutable_sampling()->set_ignore_eos(max_tokens >= 200);
   request.mutable_prompt()->mutable_tokens()->mutable_ids()->Add(prompt.begin(), prompt.end());
   request.set_n(n);
   request.mutable_sampling()->set_max_tokens(max_tokens);
@@ -301,6 +303,19 @@ TEST_F(ServerTest, GenerateStopTokenEndsABranch) {
   EXPECT_LE(branch.ids.size(), 3u);
 }
 
+TEST_F(ServerTest, IgnoreEosRunsEveryBranchToMaxTokens) {
+  auto stub = server_->stub();
+  v1::GenerateRequest request = token_request({1, 11, 12}, 2, 120);
+  request.mutable_sampling()->set_ignore_eos(true);
+  request.mutable_sampling()->set_temperature(1.0f);
+  const GenerateResult result = generate(*stub, request);
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  for (const auto& [index, branch] : result.branches) {
+    EXPECT_EQ(branch.finish, v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(branch.ids.size(), 120u);
+  }
+}
+
 TEST_F(ServerTest, GenerateBadInputsGetInvalidArgument) {
   auto stub = server_->stub();
   struct Case {
@@ -470,6 +485,31 @@ TEST_F(ServerTest, SixteenConcurrentJobsEqualEachAlone) {
       EXPECT_EQ(branch.ids, together[j].branches.at(index).ids);
     }
   }
+}
+
+TEST_F(ServerTest, DeftCliCommands) {
+  const std::string address = server_->address();
+  const ProgramResult health = run_program({DEFT_CLI_BINARY, "--server", address, "health"});
+  EXPECT_EQ(health.exit_code, 0) << health.output;
+  EXPECT_NE(health.output.find("SERVING"), std::string::npos) << health.output;
+  const ProgramResult info = run_program({DEFT_CLI_BINARY, "--server", address, "info"});
+  EXPECT_EQ(info.exit_code, 0) << info.output;
+  EXPECT_NE(info.output.find("vocab_size: 512"), std::string::npos) << info.output;
+  const ProgramResult tokens =
+      run_program({DEFT_CLI_BINARY, "--server", address, "tokenize", "--bos", "a tree"});
+  EXPECT_EQ(tokens.exit_code, 0) << tokens.output;
+  EXPECT_EQ(tokens.output.rfind("1 ", 0), 0u) << tokens.output;
+  const ProgramResult generated = run_program(
+      {DEFT_CLI_BINARY, "--server", address, "generate", "--n", "2", "--max-tokens", "5", "Once"});
+  EXPECT_EQ(generated.exit_code, 0) << generated.output;
+  EXPECT_NE(generated.output.find("[branch 1, "), std::string::npos) << generated.output;
+  // A refused request: exit 1 with the server's code and message.
+  const ProgramResult refused =
+      run_program({DEFT_CLI_BINARY, "--server", address, "detokenize", "7", "100000"});
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("ids[1] = 100000"), std::string::npos) << refused.output;
+  const ProgramResult usage = run_program({DEFT_CLI_BINARY, "frobnicate"});
+  EXPECT_EQ(usage.exit_code, 2) << usage.output;
 }
 
 // ---- Separate servers: admission queue, shutdown, configuration ---------------------------
