@@ -8,6 +8,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -192,21 +193,25 @@ int main(int argc, char** argv) {
       "second signal cancels them)",
       signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
   health->SetServingStatus(false);
-  // A second signal cuts the grace short.
-  std::thread second_signal([&signals, engine = engine->get()] {
+  // A second signal cuts the grace short. The watcher is woken by a signal of our own once
+  // the shutdown is over, so it never outlives the engine.
+  std::atomic<bool> shut_down{false};
+  std::thread second_signal([&signals, &shut_down, engine = engine->get()] {
     int again = 0;
-    if (sigwait(&signals, &again) == 0) {
+    if (sigwait(&signals, &again) == 0 && !shut_down.load()) {
       spdlog::warn("second signal: cancelling live jobs now");
       engine->begin_shutdown(std::chrono::milliseconds(0));
     }
   });
-  second_signal.detach();
   // The engine first: it refuses new jobs, lets live ones run for the grace, then cancels them,
   // which ends their streaming handlers within a poll interval. Then gRPC, with a short
   // backstop for calls still in flight (the unary ones take milliseconds).
   (*engine)->shutdown(grace);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   server->Wait();
+  shut_down.store(true);
+  pthread_kill(second_signal.native_handle(), SIGTERM);
+  second_signal.join();
   spdlog::info("deft-server: stopped");
   return 0;
 }

@@ -207,6 +207,10 @@ bool ServerProcess::serving(const std::string& service) const {
          response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 
+void ServerProcess::signal(int signal) const {
+  if (pid_ > 0) kill(pid_, signal);
+}
+
 std::optional<int> ServerProcess::stop(int signal, std::chrono::milliseconds timeout) {
   if (pid_ <= 0) return -1;
   kill(pid_, signal);

@@ -67,6 +67,8 @@ class ServerProcess {
   // True when the health service answers SERVING for `service`.
   bool serving(const std::string& service = "") const;
 
+  // Sends `signal` without waiting.
+  void signal(int signal) const;
   // Sends `signal` and waits for the exit; the exit code (-1 killed, nullopt timeout).
   std::optional<int> stop(int signal = SIGTERM,
                           std::chrono::milliseconds timeout = std::chrono::seconds(30));

@@ -575,6 +575,27 @@ TEST(ServerShutdown, SigtermCancelsLiveJobsAfterTheGraceAndExitsZero) {
   EXPECT_NE(server.log().find("SIGTERM received"), std::string::npos) << server.log();
 }
 
+TEST(ServerShutdown, ASecondSignalCancelsAtOnce) {
+  ServerProcess server({"--shutdown-grace-seconds", "60"});
+  ASSERT_TRUE(server.running());
+  auto stub = server.stub();
+  grpc::ClientContext context;
+  auto reader = stub->Generate(&context, token_request({1, 3, 4}, 1, 4000));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(reader->Read(&response));
+  server.signal(SIGTERM);
+  // Draining: new work is refused while the live job may still finish.
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_FALSE(server.serving());
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(server.stop(SIGTERM, seconds(20)), 0) << server.log();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(10));
+  while (reader->Read(&response)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(server.log().find("second signal"), std::string::npos) << server.log();
+}
+
 TEST(ServerShutdown, SigintOnAnIdleServerExitsZero) {
   ServerProcess server;
   ASSERT_TRUE(server.running());
