@@ -303,6 +303,26 @@ TEST_F(ServerTest, GenerateStopTokenEndsABranch) {
   EXPECT_LE(branch.ids.size(), 3u);
 }
 
+TEST_F(ServerTest, GenerateStopStringCutsTheText) {
+  auto stub = server_->stub();
+  v1::GenerateRequest request;
+  request.mutable_prompt()->set_text("Once upon a time");
+  request.mutable_sampling()->set_max_tokens(40);
+  request.mutable_sampling()->set_ignore_eos(true);
+  const GenerateResult free_run = generate(*stub, request);
+  ASSERT_TRUE(free_run.status.ok());
+  const std::string text = free_run.branches.at(0).text;
+  ASSERT_GE(text.size(), 12u) << text;
+  // A stop string taken from the middle of the free run's text: the stopped run streams exactly
+  // the text before its first occurrence, never a held-back prefix of it.
+  const std::string stop = text.substr(text.size() / 2, 4);
+  request.mutable_sampling()->add_stop(stop);
+  const GenerateResult stopped = generate(*stub, request);
+  ASSERT_TRUE(stopped.status.ok());
+  EXPECT_EQ(stopped.branches.at(0).finish, v1::FINISH_REASON_STOP);
+  EXPECT_EQ(stopped.branches.at(0).text, text.substr(0, text.find(stop)));
+}
+
 TEST_F(ServerTest, IgnoreEosRunsEveryBranchToMaxTokens) {
   auto stub = server_->stub();
   v1::GenerateRequest request = token_request({1, 11, 12}, 2, 120);
