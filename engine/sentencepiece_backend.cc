@@ -1,22 +1,94 @@
-// Must not include any Abseil header: see sentencepiece_backend.h.
+// Calls libsentencepiece through the plugin module (see sentencepiece_plugin.h for why).
 #include "engine/sentencepiece_backend.h"
 
-#include <sentencepiece_processor.h>
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <mutex>
+
+#include "engine/sentencepiece_plugin.h"
+
+#ifndef DEFT_SENTENCEPIECE_PLUGIN_PATH
+#define DEFT_SENTENCEPIECE_PLUGIN_PATH "libdeft_sentencepiece.so"
+#endif
+
+#if defined(__SANITIZE_ADDRESS__)
+#define DEFT_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DEFT_SANITIZED 1
+#endif
+#endif
 
 namespace deft::engine {
+namespace {
+
+struct Plugin {
+  const SentencePiecePluginApi* api = nullptr;
+  std::string error;
+};
+
+// Loads the plugin once per process: $DEFT_SENTENCEPIECE_PLUGIN, the build tree's copy, one
+// beside the executable, then the loader's search path.
+const Plugin& plugin() {
+  static const Plugin loaded = [] {
+    Plugin result;
+    // RTLD_DEEPBIND keeps libsentencepiece's bundled protobuf private to it. The sanitizer
+    // runtimes refuse RTLD_DEEPBIND; sanitized builds are CPU-only and hold no libprotobuf.
+    int flags = RTLD_NOW | RTLD_LOCAL;
+#ifndef DEFT_SANITIZED
+    flags |= RTLD_DEEPBIND;
+#endif
+    std::vector<std::string> candidates;
+    if (const char* path = std::getenv("DEFT_SENTENCEPIECE_PLUGIN")) candidates.push_back(path);
+    candidates.push_back(DEFT_SENTENCEPIECE_PLUGIN_PATH);
+    std::error_code error;
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+    if (!error) candidates.push_back((self.parent_path() / "libdeft_sentencepiece.so").string());
+    candidates.push_back("libdeft_sentencepiece.so");
+    for (const std::string& candidate : candidates) {
+      void* handle = dlopen(candidate.c_str(), flags);
+      if (handle == nullptr) {
+        result.error += std::string(result.error.empty() ? "" : "; ") + dlerror();
+        continue;
+      }
+      using Entry = const SentencePiecePluginApi* (*)();
+      auto entry = reinterpret_cast<Entry>(dlsym(handle, "deft_sentencepiece_plugin_api"));
+      if (entry == nullptr || entry()->abi_version != kSentencePiecePluginAbi) {
+        result.error += "; " + candidate + ": not a matching deft sentencepiece plugin";
+        continue;
+      }
+      result.api = entry();  // the handle stays open for the life of the process
+      result.error.clear();
+      break;
+    }
+    return result;
+  }();
+  return loaded;
+}
+
+}  // namespace
 
 struct SentencePieceBackend::Impl {
-  sentencepiece::SentencePieceProcessor processor;
+  const SentencePiecePluginApi* api = nullptr;
+  void* processor = nullptr;
+  ~Impl() {
+    if (processor != nullptr) api->destroy(processor);
+  }
 };
 
 std::unique_ptr<SentencePieceBackend> SentencePieceBackend::load(const std::string& path,
                                                                  std::string* error) {
-  auto impl = std::make_unique<Impl>();
-  const sentencepiece::util::Status status = impl->processor.Load(path);
-  if (!status.ok()) {
-    *error = status.ToString();
+  const Plugin& loaded = plugin();
+  if (loaded.api == nullptr) {
+    *error = "cannot load the sentencepiece plugin libdeft_sentencepiece.so: " + loaded.error;
     return nullptr;
   }
+  auto impl = std::make_unique<Impl>();
+  impl->api = loaded.api;
+  impl->processor = loaded.api->load(path.c_str(), error);
+  if (impl->processor == nullptr) return nullptr;
   return std::unique_ptr<SentencePieceBackend>(new SentencePieceBackend(std::move(impl)));
 }
 
@@ -24,23 +96,33 @@ SentencePieceBackend::SentencePieceBackend(std::unique_ptr<Impl> impl) : impl_(s
 SentencePieceBackend::~SentencePieceBackend() = default;
 
 std::vector<int> SentencePieceBackend::encode(std::string_view text) const {
-  return impl_->processor.EncodeAsIds(text);
+  std::vector<int> ids;
+  impl_->api->encode(impl_->processor, text.data(), text.size(), &ids);
+  return ids;
 }
 std::string SentencePieceBackend::decode(const std::vector<int>& ids) const {
-  return impl_->processor.DecodeIds(ids);
+  std::string text;
+  impl_->api->decode(impl_->processor, ids.data(), ids.size(), &text);
+  return text;
 }
-int SentencePieceBackend::piece_size() const { return impl_->processor.GetPieceSize(); }
+int SentencePieceBackend::piece_size() const { return impl_->api->piece_size(impl_->processor); }
 const std::string& SentencePieceBackend::id_to_piece(int id) const {
-  return impl_->processor.IdToPiece(id);
+  return *impl_->api->id_to_piece(impl_->processor, id);
 }
 int SentencePieceBackend::piece_to_id(std::string_view piece) const {
-  return impl_->processor.PieceToId(piece);
+  return impl_->api->piece_to_id(impl_->processor, piece.data(), piece.size());
 }
-bool SentencePieceBackend::is_control(int id) const { return impl_->processor.IsControl(id); }
-bool SentencePieceBackend::is_byte(int id) const { return impl_->processor.IsByte(id); }
-bool SentencePieceBackend::is_unknown(int id) const { return impl_->processor.IsUnknown(id); }
-int SentencePieceBackend::bos_id() const { return impl_->processor.bos_id(); }
-int SentencePieceBackend::eos_id() const { return impl_->processor.eos_id(); }
-int SentencePieceBackend::unk_id() const { return impl_->processor.unk_id(); }
+bool SentencePieceBackend::is_control(int id) const {
+  return impl_->api->is_control(impl_->processor, id);
+}
+bool SentencePieceBackend::is_byte(int id) const {
+  return impl_->api->is_byte(impl_->processor, id);
+}
+bool SentencePieceBackend::is_unknown(int id) const {
+  return impl_->api->is_unknown(impl_->processor, id);
+}
+int SentencePieceBackend::bos_id() const { return impl_->api->bos_id(impl_->processor); }
+int SentencePieceBackend::eos_id() const { return impl_->api->eos_id(impl_->processor); }
+int SentencePieceBackend::unk_id() const { return impl_->api->unk_id(impl_->processor); }
 
 }  // namespace deft::engine

@@ -9,7 +9,7 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  python3-grpcio python3-protobuf
+  python3-grpcio python3-protobuf python3-grpc-tools prometheus-cpp-dev
   libsentencepiece-dev sentencepiece libpcre2-dev
 )
 

@@ -1,0 +1,71 @@
+// The deft.v1.Deft gRPC service (synchronous API: one handler thread per call; streaming
+// handlers wait on their job's GenerateStream). Validates every request before it reaches the
+// engine, with a status code and a message that names the bad field and value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "deft/v1/deft.grpc.pb.h"
+#include "engine/tokenizer.h"
+#include "server/engine_thread.h"
+#include "server/server_config.h"
+
+namespace deft::server {
+
+class ServerMetrics;
+
+// Static facts about the loaded model for ModelInfo.
+struct ModelFacts {
+  std::string name;
+  std::string architecture;
+  int32_t vocab_size = 0;
+  int64_t max_context = 0;
+  int32_t num_layers = 0;
+  int32_t hidden_size = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  std::string dtype;
+  std::string backend;
+};
+
+class DeftService final : public deft::v1::Deft::Service {
+ public:
+  // All references must outlive the service; `metrics` may be null.
+  DeftService(const ServerConfig& config, ModelFacts model, const engine::Tokenizer& tokenizer,
+              EngineThread& engine, ServerMetrics* metrics);
+
+  grpc::Status Generate(grpc::ServerContext* context, const deft::v1::GenerateRequest* request,
+                        grpc::ServerWriter<deft::v1::GenerateResponse>* writer) override;
+  grpc::Status RunTree(grpc::ServerContext* context, const deft::v1::RunTreeRequest* request,
+                       grpc::ServerWriter<deft::v1::TreeEvent>* writer) override;
+  grpc::Status TreeSession(grpc::ServerContext* context,
+                           grpc::ServerReaderWriter<deft::v1::SessionResponse,
+                                                    deft::v1::SessionRequest>* stream) override;
+  grpc::Status Verify(grpc::ServerContext* context, const deft::v1::VerifyRequest* request,
+                      deft::v1::VerifyResponse* response) override;
+  grpc::Status Tokenize(grpc::ServerContext* context, const deft::v1::TokenizeRequest* request,
+                        deft::v1::TokenizeResponse* response) override;
+  grpc::Status Detokenize(grpc::ServerContext* context, const deft::v1::DetokenizeRequest* request,
+                          deft::v1::DetokenizeResponse* response) override;
+  grpc::Status ModelInfo(grpc::ServerContext* context, const deft::v1::ModelInfoRequest* request,
+                         deft::v1::ModelInfoResponse* response) override;
+
+ private:
+  grpc::Status generate(grpc::ServerContext* context, const deft::v1::GenerateRequest& request,
+                        grpc::ServerWriter<deft::v1::GenerateResponse>* writer);
+  // Token ids of a prompt (text: tokenized with BOS; ids: checked against the vocabulary).
+  absl::StatusOr<std::vector<engine::TokenId>> prompt_tokens(const deft::v1::Prompt& prompt,
+                                                             const std::string& field) const;
+  // Records the RPC's outcome (metrics, debug log) and returns it.
+  grpc::Status done(const char* rpc, grpc::Status status) const;
+
+  const ServerConfig& config_;
+  ModelFacts model_;
+  const engine::Tokenizer& tokenizer_;
+  EngineThread& engine_;
+  ServerMetrics* metrics_;
+};
+
+}  // namespace deft::server

@@ -1,0 +1,217 @@
+// deft-server: loads the configuration and the model, starts the engine thread, the gRPC
+// service (with the grpc.health.v1 health service and server reflection) and the Prometheus
+// exposer, and runs until SIGTERM or SIGINT: then it stops admitting, lets live jobs finish for
+// shutdown_grace_seconds, cancels the rest, and exits 0. Exit 2: bad configuration; exit 1: the
+// model or a listening address could not be set up.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/tokenizer.h"
+#include "models/dtype.h"
+#include "models/llama_cpu.h"
+#include "models/model_config.h"
+#include "server/deft_service.h"
+#include "server/engine_thread.h"
+#include "server/metrics.h"
+#include "server/server_config.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+#ifndef DEFT_DEFAULT_MODEL_DIR
+#define DEFT_DEFAULT_MODEL_DIR "models/default"
+#endif
+
+namespace {
+
+using deft::server::ServerConfig;
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::filesystem::path model_dir(const ServerConfig& config) {
+  if (!config.model.empty()) return config.model;
+  // The embedded default model: the source tree's copy, else one beside the working directory.
+  for (const std::filesystem::path& candidate :
+       {std::filesystem::path(DEFT_DEFAULT_MODEL_DIR), std::filesystem::path("models/default")}) {
+    if (std::filesystem::exists(candidate / "config.json")) return candidate;
+  }
+  return DEFT_DEFAULT_MODEL_DIR;
+}
+
+// Writes the bound ports for a supervisor or a test, atomically (write, then rename).
+bool write_port_file(const std::string& path, int grpc_port, int metrics_port) {
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream file(temporary);
+    file << "grpc=" << grpc_port << "\nmetrics=" << metrics_port << "\n";
+    if (!file) return false;
+  }
+  std::error_code error;
+  std::filesystem::rename(temporary, path, error);
+  return !error;
+}
+
+int fail(int code, const std::string& message) {
+  spdlog::critical("{}", message);
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  absl::StatusOr<deft::server::CommandLine> command_line = deft::server::parse_command_line(args);
+  if (!command_line.ok()) {
+    std::fprintf(stderr, "deft-server: %s\n", std::string(command_line.status().message()).c_str());
+    return 2;
+  }
+  if (command_line->help) {
+    std::fputs(deft::server::usage_text().c_str(), stdout);
+    return 0;
+  }
+  const ServerConfig config = command_line->config;
+  if (absl::Status status = deft::server::validate_config(config); !status.ok()) {
+    std::fprintf(stderr, "deft-server: %s\n", std::string(status.message()).c_str());
+    return 2;
+  }
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("deft"));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  spdlog::info("deft-server: config {}", deft::server::describe_config(config));
+
+  // Signals are taken by sigwait() below; block them before any thread starts so every thread
+  // inherits the mask and none is interrupted.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // ---- Model, tokenizer, engine ----
+  const std::filesystem::path dir = model_dir(config);
+  const auto load_start = std::chrono::steady_clock::now();
+  absl::StatusOr<deft::models::ModelConfig> model_config = deft::models::load_model_config(dir);
+  if (!model_config.ok()) return fail(1, absl::StrCat("model: ", model_config.status().message()));
+  absl::StatusOr<std::unique_ptr<deft::engine::Tokenizer>> tokenizer =
+      deft::engine::load_tokenizer(dir.string());
+  if (!tokenizer.ok()) return fail(1, absl::StrCat("tokenizer: ", tokenizer.status().message()));
+  if ((*tokenizer)->eos_ids().empty()) (*tokenizer)->set_eos_ids(model_config->eos_token_ids);
+  const int64_t kv_slots = int64_t{config.kv_pages} * config.page_tokens;
+  absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> runner =
+      deft::models::LlamaCpuRunner::load(dir, kv_slots);
+  if (!runner.ok()) return fail(1, absl::StrCat("model: ", runner.status().message()));
+  spdlog::info(
+      "model: {} ({}, {} layers, vocab {}, {} KV slots, {:.1f} MB weights) on the CPU "
+      "backend, loaded in {:.2f} s",
+      dir.string(), model_config->architecture, model_config->num_hidden_layers,
+      model_config->vocab_size, kv_slots, (*runner)->weight_bytes() / 1e6,
+      seconds_since(load_start));
+
+  deft::server::ModelFacts facts{
+      .name = dir.filename().string() == "default" ? "default (embedded)" : dir.filename().string(),
+      .architecture = model_config->architecture,
+      .vocab_size = model_config->vocab_size,
+      .max_context = model_config->max_position_embeddings,
+      .num_layers = model_config->num_hidden_layers,
+      .hidden_size = model_config->hidden_size,
+      .num_q_heads = model_config->num_attention_heads,
+      .num_kv_heads = model_config->num_key_value_heads,
+      .dtype = std::string(deft::models::dtype_name(model_config->torch_dtype)),
+      .backend = "cpu",
+  };
+
+  // Declared before the engine: the engine reports to it until it stops.
+  deft::server::ServerMetrics metrics;
+  int metrics_port = 0;
+  if (!config.metrics_listen.empty()) {
+    std::string error;
+    metrics_port = metrics.listen(config.metrics_listen, &error);
+    if (metrics_port < 0) return fail(1, error);
+    spdlog::info("metrics: http://{}/metrics (port {})", config.metrics_listen, metrics_port);
+  }
+
+  deft::server::EngineOptions engine_options{
+      .page_tokens = config.page_tokens,
+      .kv_pages = config.kv_pages,
+      .max_queued_jobs = config.max_queued_jobs,
+      .max_step_tokens = config.max_step_tokens,
+  };
+  engine_options.planner.chunk_tokens = config.chunk_tokens;
+  if (absl::Status status =
+          deft::engine::parse_plan_kind(config.plan, &engine_options.planner.kind);
+      !status.ok()) {
+    return fail(2, std::string(status.message()));
+  }
+  absl::StatusOr<std::unique_ptr<deft::server::EngineThread>> engine =
+      deft::server::EngineThread::start(engine_options, std::move(*runner), **tokenizer, &metrics);
+  if (!engine.ok()) return fail(1, std::string(engine.status().message()));
+
+  // ---- gRPC ----
+  deft::server::DeftService service(config, facts, **tokenizer, **engine, &metrics);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int grpc_port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &grpc_port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || grpc_port == 0) {
+    (*engine)->shutdown(std::chrono::milliseconds(0));
+    return fail(1, absl::StrCat("gRPC: cannot listen on ", config.listen));
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus("deft.v1.Deft", true);
+  if (!config.port_file.empty() && !write_port_file(config.port_file, grpc_port, metrics_port)) {
+    spdlog::error("cannot write the port file {}", config.port_file);
+  }
+  spdlog::info("gRPC: deft.v1.Deft, grpc.health.v1.Health and reflection on {} (port {})",
+               config.listen, grpc_port);
+
+  // ---- Run until a signal ----
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  const auto grace =
+      std::chrono::milliseconds(static_cast<int64_t>(config.shutdown_grace_seconds * 1000.0));
+  spdlog::info(
+      "{} received: shutting down (no new jobs; live jobs have {:.1f} s to finish; a "
+      "second signal cancels them)",
+      signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
+  health->SetServingStatus(false);
+  // A second signal cuts the grace short. The watcher is woken by a signal of our own once
+  // the shutdown is over, so it never outlives the engine.
+  std::atomic<bool> shut_down{false};
+  std::thread second_signal([&signals, &shut_down, engine = engine->get()] {
+    int again = 0;
+    if (sigwait(&signals, &again) == 0 && !shut_down.load()) {
+      spdlog::warn("second signal: cancelling live jobs now");
+      engine->begin_shutdown(std::chrono::milliseconds(0));
+    }
+  });
+  // The engine first: it refuses new jobs, lets live ones run for the grace, then cancels them,
+  // which ends their streaming handlers within a poll interval. Then gRPC, with a short
+  // backstop for calls still in flight (the unary ones take milliseconds).
+  (*engine)->shutdown(grace);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  server->Wait();
+  shut_down.store(true);
+  pthread_kill(second_signal.native_handle(), SIGTERM);
+  second_signal.join();
+  spdlog::info("deft-server: stopped");
+  return 0;
+}

@@ -1,0 +1,119 @@
+#include "server/metrics.h"
+
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace deft::server {
+namespace {
+
+// Window of the rate gauges.
+constexpr std::chrono::seconds kRateWindow{5};
+
+prometheus::Counter& counter(prometheus::Registry& registry, const std::string& name,
+                             const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+}
+
+prometheus::Gauge& gauge(prometheus::Registry& registry, const std::string& name,
+                         const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  prometheus::Registry& r = *registry_;
+  requests_ = &prometheus::BuildCounter()
+                   .Name("deft_requests_total")
+                   .Help("Finished RPCs by method and status code")
+                   .Register(r);
+  steps_ = &counter(r, "deft_engine_steps_total", "Engine steps (forward passes)");
+  generated_tokens_ = &counter(r, "deft_generated_tokens_total", "Tokens sampled");
+  prompt_tokens_ = &counter(r, "deft_prompt_tokens_total", "Prompt tokens prefilled");
+  kv_tokens_read_ = &counter(r, "deft_attention_kv_tokens_read_total",
+                             "KV tokens read by attention plans (per layer and KV head)");
+  tokens_per_second_ = &gauge(r, "deft_tokens_per_second", "Tokens sampled per second (last 5 s)");
+  steps_per_second_ = &gauge(r, "deft_steps_per_second", "Engine steps per second (last 5 s)");
+  queue_depth_ = &gauge(r, "deft_queue_depth", "Jobs waiting for admission");
+  live_jobs_ = &gauge(r, "deft_live_jobs", "Jobs being decoded");
+  kv_pages_used_ = &gauge(r, "deft_kv_pages_used", "KV cache pages in use");
+  kv_pages_free_ = &gauge(r, "deft_kv_pages_free", "KV cache pages free");
+  forward_share_ = &gauge(r, "deft_step_forward_share",
+                          "Share of the last step spent in the model forward pass (attention "
+                          "included; the runners do not time attention separately yet)");
+  plan_share_ = &gauge(r, "deft_step_plan_share",
+                       "Share of the last step spent planning attention (QKV preparation)");
+  step_latency_ =
+      &prometheus::BuildHistogram()
+           .Name("deft_step_latency_seconds")
+           .Help("Engine step latency")
+           .Register(r)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.0005, 0.001, 0.002, 0.005, 0.01, 0.02,
+                                                            0.05, 0.1, 0.2, 0.5, 1, 2, 5});
+}
+
+ServerMetrics::~ServerMetrics() = default;
+
+int ServerMetrics::listen(const std::string& address, std::string* error) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    *error = absl::StrCat("cannot serve metrics on ", address, ": ", e.what());
+    return -1;
+  }
+  exposer_->RegisterCollectable(registry_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  if (ports.empty()) {
+    *error = absl::StrCat("metrics server on ", address, " has no listening port");
+    return -1;
+  }
+  return ports.front();
+}
+
+void ServerMetrics::record_step(const StepRecord& step) {
+  steps_->Increment();
+  generated_tokens_->Increment(static_cast<double>(step.generated_tokens));
+  prompt_tokens_->Increment(static_cast<double>(step.prompt_tokens));
+  kv_tokens_read_->Increment(static_cast<double>(step.kv_tokens_read));
+  step_latency_->Observe(step.step_seconds);
+  if (step.step_seconds > 0) {
+    forward_share_->Set(step.forward_seconds / step.step_seconds);
+    plan_share_->Set(step.plan_seconds / step.step_seconds);
+  }
+  {
+    std::lock_guard lock(window_mutex_);
+    window_.push_back({std::chrono::steady_clock::now(), step.generated_tokens});
+  }
+  refresh_rates();
+}
+
+void ServerMetrics::refresh_rates() {
+  std::lock_guard lock(window_mutex_);
+  const auto now = std::chrono::steady_clock::now();
+  while (!window_.empty() && now - window_.front().at > kRateWindow) window_.pop_front();
+  int64_t tokens = 0;
+  for (const Sample& sample : window_) tokens += sample.tokens;
+  const double seconds = std::chrono::duration<double>(kRateWindow).count();
+  tokens_per_second_->Set(static_cast<double>(tokens) / seconds);
+  steps_per_second_->Set(static_cast<double>(window_.size()) / seconds);
+}
+
+void ServerMetrics::set_engine_state(int32_t queued_jobs, int32_t live_jobs, int32_t kv_pages_used,
+                                     int32_t kv_pages_free) {
+  queue_depth_->Set(queued_jobs);
+  live_jobs_->Set(live_jobs);
+  kv_pages_used_->Set(kv_pages_used);
+  kv_pages_free_->Set(kv_pages_free);
+}
+
+void ServerMetrics::record_request(const std::string& rpc, const std::string& code) {
+  requests_->Add({{"rpc", rpc}, {"code", code}}).Increment();
+}
+
+}  // namespace deft::server

@@ -1,0 +1,78 @@
+// Prometheus metrics of the server (prometheus-cpp), served on /metrics of metrics_listen.
+// Rates (tokens/s, steps/s) are exported both as counters (use rate() in Prometheus) and as
+// gauges over the last few seconds, for a quick look with curl.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace prometheus {
+class Counter;
+class Exposer;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace deft::server {
+
+struct StepRecord {
+  double step_seconds = 0;     // the whole step: planning, forward, sampling, streaming
+  double plan_seconds = 0;     // attention planning (host)
+  double forward_seconds = 0;  // ModelRunner::forward
+  int64_t prompt_tokens = 0;   // prefilled this step
+  int64_t generated_tokens = 0;
+  int64_t kv_tokens_read = 0;  // the plan's KV IO (per layer and KV head)
+};
+
+class ServerMetrics {
+ public:
+  ServerMetrics();
+  ~ServerMetrics();
+
+  // Serves /metrics on `address` (host:port; port 0 picks one). Returns the bound port, or -1
+  // with `error` set.
+  int listen(const std::string& address, std::string* error);
+
+  void record_step(const StepRecord& step);
+  void set_engine_state(int32_t queued_jobs, int32_t live_jobs, int32_t kv_pages_used,
+                        int32_t kv_pages_free);
+  // Refreshes the windowed rate gauges (call now and then, also while idle).
+  void refresh_rates();
+  // One finished RPC; `code` is the gRPC status code's name ("OK", "INVALID_ARGUMENT", ...).
+  void record_request(const std::string& rpc, const std::string& code);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Counter* steps_ = nullptr;
+  prometheus::Counter* generated_tokens_ = nullptr;
+  prometheus::Counter* prompt_tokens_ = nullptr;
+  prometheus::Counter* kv_tokens_read_ = nullptr;
+  prometheus::Gauge* tokens_per_second_ = nullptr;
+  prometheus::Gauge* steps_per_second_ = nullptr;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* live_jobs_ = nullptr;
+  prometheus::Gauge* kv_pages_used_ = nullptr;
+  prometheus::Gauge* kv_pages_free_ = nullptr;
+  prometheus::Gauge* forward_share_ = nullptr;
+  prometheus::Gauge* plan_share_ = nullptr;
+  prometheus::Histogram* step_latency_ = nullptr;
+
+  // Steps of the last few seconds, for the rate gauges.
+  struct Sample {
+    std::chrono::steady_clock::time_point at;
+    int64_t tokens;
+  };
+  std::mutex window_mutex_;
+  std::deque<Sample> window_;
+};
+
+}  // namespace deft::server

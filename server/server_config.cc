@@ -1,0 +1,275 @@
+#include "server/server_config.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <variant>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "engine/attention_planner.h"
+#include "nlohmann/json.hpp"
+
+namespace deft::server {
+namespace {
+
+using Member =
+    std::variant<std::string ServerConfig::*, int32_t ServerConfig::*, double ServerConfig::*>;
+
+// One configurable field: its JSON key; its option is the key with '-' for '_'.
+struct Field {
+  const char* key;
+  Member member;
+  const char* help;
+};
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> table = {
+      {"model", &ServerConfig::model,
+       "Hugging Face model dir (config.json, *.safetensors, tokenizer); empty: the embedded "
+       "default model"},
+      {"listen", &ServerConfig::listen, "gRPC address host:port (port 0: any free port)"},
+      {"metrics_listen", &ServerConfig::metrics_listen,
+       "Prometheus /metrics address host:port (port 0: any free port); empty: no metrics"},
+      {"kv_pages", &ServerConfig::kv_pages, "KV cache pool size in pages"},
+      {"page_tokens", &ServerConfig::page_tokens, "tokens per KV page"},
+      {"max_queued_jobs", &ServerConfig::max_queued_jobs,
+       "jobs waiting for admission before RESOURCE_EXHAUSTED"},
+      {"max_tree_tokens", &ServerConfig::max_tree_tokens,
+       "most tokens of one job: prompt + every branch"},
+      {"max_prompt_tokens", &ServerConfig::max_prompt_tokens, "most tokens of one prompt"},
+      {"max_branches", &ServerConfig::max_branches, "most branches (n) of one request"},
+      {"default_max_tokens", &ServerConfig::default_max_tokens,
+       "tokens per branch when a request's max_tokens is 0"},
+      {"max_step_tokens", &ServerConfig::max_step_tokens,
+       "token budget of one engine step (prefill + decode rows)"},
+      {"max_text_bytes", &ServerConfig::max_text_bytes,
+       "most bytes of text in one request (prompt, Tokenize text, stop strings)"},
+      {"plan", &ServerConfig::plan,
+       "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
+      {"chunk_tokens", &ServerConfig::chunk_tokens, "attention planner chunk size B"},
+      {"shutdown_grace_seconds", &ServerConfig::shutdown_grace_seconds,
+       "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
+      {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
+      {"port_file", &ServerConfig::port_file,
+       "write 'grpc=PORT' and 'metrics=PORT' lines here once listening (for tests)"},
+  };
+  return table;
+}
+
+std::string option_name(const Field& field) {
+  return absl::StrCat("--", absl::StrReplaceAll(field.key, {{"_", "-"}}));
+}
+
+std::string value_text(const ServerConfig& config, const Field& field) {
+  return std::visit(
+      [&](auto member) -> std::string {
+        const auto& value = config.*member;
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::string>) {
+          return absl::StrCat("\"", value, "\"");
+        } else {
+          return absl::StrCat(value);
+        }
+      },
+      field.member);
+}
+
+// Sets `field` from command-line text.
+absl::Status set_from_text(ServerConfig& config, const Field& field, const std::string& text) {
+  const std::string name = option_name(field);
+  if (auto* member = std::get_if<std::string ServerConfig::*>(&field.member)) {
+    config.** member = text;
+  } else if (auto* member = std::get_if<int32_t ServerConfig::*>(&field.member)) {
+    if (!absl::SimpleAtoi(text, &(config.**member))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option ", name, ": '", text, "' is not a 32-bit integer"));
+    }
+  } else {
+    const auto real = std::get<double ServerConfig::*>(field.member);
+    if (!absl::SimpleAtod(text, &(config.*real)) || !std::isfinite(config.*real)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option ", name, ": '", text, "' is not a finite number"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status set_from_json(ServerConfig& config, const Field& field, const nlohmann::json& value,
+                           const std::string& source) {
+  const auto bad = [&](const char* wanted) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": field \"", field.key, "\" is ", value.dump(), ", not ", wanted));
+  };
+  if (auto* member = std::get_if<std::string ServerConfig::*>(&field.member)) {
+    if (!value.is_string()) return bad("a string");
+    config.** member = value.get<std::string>();
+  } else if (auto* member = std::get_if<int32_t ServerConfig::*>(&field.member)) {
+    if (!value.is_number_integer()) return bad("an integer");
+    const int64_t number = value.get<int64_t>();
+    if (number < INT32_MIN || number > INT32_MAX) return bad("a 32-bit integer");
+    config.** member = static_cast<int32_t>(number);
+  } else {
+    if (!value.is_number()) return bad("a number");
+    config.*std::get<double ServerConfig::*>(field.member) = value.get<double>();
+  }
+  return absl::OkStatus();
+}
+
+const Field* find_field_by_key(const std::string& key) {
+  for (const Field& field : fields()) {
+    if (key == field.key) return &field;
+  }
+  return nullptr;
+}
+
+const Field* find_field_by_option(const std::string& option) {
+  for (const Field& field : fields()) {
+    if (option == option_name(field)) return &field;
+  }
+  return nullptr;
+}
+
+absl::Status load_config_file(const std::string& path, ServerConfig& config) {
+  std::ifstream file(path);
+  if (!file) return absl::InvalidArgumentError(absl::StrCat("--config: cannot read ", path));
+  std::stringstream text;
+  text << file.rdbuf();
+  return apply_config_json(text.str(), path, config);
+}
+
+}  // namespace
+
+absl::Status apply_config_json(const std::string& json_text, const std::string& source,
+                               ServerConfig& config) {
+  nlohmann::json root = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false,
+                                              /*ignore_comments=*/true);
+  if (root.is_discarded()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON"));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": the top level must be an object"));
+  }
+  for (const auto& [key, value] : root.items()) {
+    const Field* field = find_field_by_key(key);
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": unknown field \"", key, "\""));
+    }
+    if (absl::Status status = set_from_json(config, *field, value, source); !status.ok()) {
+      return status;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& args) {
+  CommandLine result;
+  // The --config file first, so the other options override it wherever they stand.
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string arg = args[i];
+    if (arg.rfind("--config=", 0) == 0) {
+      if (absl::Status s = load_config_file(arg.substr(9), result.config); !s.ok()) return s;
+    } else if (arg == "--config") {
+      if (i + 1 >= args.size()) return absl::InvalidArgumentError("option --config needs a value");
+      if (absl::Status s = load_config_file(args[i + 1], result.config); !s.ok()) return s;
+    }
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string arg = args[i];
+    if (arg == "--help" || arg == "-h") {
+      result.help = true;
+      continue;
+    }
+    std::string value;
+    bool has_value = false;
+    if (const size_t eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    if (arg == "--config") {
+      if (!has_value) ++i;
+      continue;
+    }
+    const Field* field = find_field_by_option(arg);
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option '", args[i], "' (see --help)"));
+    }
+    if (!has_value) {
+      if (i + 1 >= args.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("option ", arg, " needs a value"));
+      }
+      value = args[++i];
+    }
+    if (absl::Status s = set_from_text(result.config, *field, value); !s.ok()) return s;
+  }
+  return result;
+}
+
+absl::Status validate_config(const ServerConfig& config) {
+  const auto at_least = [](const char* key, int64_t value, int64_t minimum) {
+    return value >= minimum ? absl::OkStatus()
+                            : absl::InvalidArgumentError(absl::StrCat("config: ", key, " = ", value,
+                                                                      " must be >= ", minimum));
+  };
+  for (const absl::Status& status : {
+           at_least("kv_pages", config.kv_pages, 1),
+           at_least("page_tokens", config.page_tokens, 1),
+           at_least("max_queued_jobs", config.max_queued_jobs, 0),
+           at_least("max_tree_tokens", config.max_tree_tokens, 2),
+           at_least("max_prompt_tokens", config.max_prompt_tokens, 1),
+           at_least("max_branches", config.max_branches, 1),
+           at_least("default_max_tokens", config.default_max_tokens, 1),
+           at_least("max_step_tokens", config.max_step_tokens, 1),
+           at_least("max_text_bytes", config.max_text_bytes, 1),
+           at_least("chunk_tokens", config.chunk_tokens, 1),
+       }) {
+    if (!status.ok()) return status;
+  }
+  if (config.listen.empty()) return absl::InvalidArgumentError("config: listen is empty");
+  if (!(config.shutdown_grace_seconds >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: shutdown_grace_seconds = ", config.shutdown_grace_seconds, " must be >= 0"));
+  }
+  engine::PlanKind kind;
+  if (absl::Status status = engine::parse_plan_kind(config.plan, &kind); !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("config: plan: ", status.message()));
+  }
+  static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
+  bool known_level = false;
+  for (const char* level : kLevels) known_level |= config.log_level == level;
+  if (!known_level) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: log_level \"", config.log_level,
+                     "\" is not one of trace, debug, info, warn, error, off"));
+  }
+  return absl::OkStatus();
+}
+
+std::string usage_text() {
+  const ServerConfig defaults;
+  std::string text =
+      "usage: deft-server [--config FILE.json] [options]\n"
+      "DeFT Server: tree-structured LLM decoding over gRPC (deft.v1.Deft), with the\n"
+      "grpc.health.v1 health service, server reflection and Prometheus metrics.\n"
+      "Options override the config file's fields of the same name (option --kv-pages is\n"
+      "field \"kv_pages\"); both default as below.\n\n"
+      "  --config FILE               JSON config file (see configs/default.json)\n";
+  for (const Field& field : fields()) {
+    absl::StrAppend(&text, "  ", option_name(field), " VALUE\n      ", field.help, " (default ",
+                    value_text(defaults, field), ")\n");
+  }
+  absl::StrAppend(&text, "  --help                      this text\n");
+  return text;
+}
+
+std::string describe_config(const ServerConfig& config) {
+  std::string text;
+  for (const Field& field : fields()) {
+    absl::StrAppend(&text, text.empty() ? "" : " ", field.key, "=", value_text(config, field));
+  }
+  return text;
+}
+
+}  // namespace deft::server

@@ -1,0 +1,58 @@
+// The server's configuration: a JSON file (configs/default.json) with command-line overrides.
+// Every field has a default, so an empty file (or none) is a valid configuration; an unknown
+// or malformed field or option is an error that names it (deft-server then exits with 2).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace deft::server {
+
+struct ServerConfig {
+  std::string model;  // Hugging Face model dir; empty: the embedded default
+  std::string listen = "127.0.0.1:50051";
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: off
+  int32_t kv_pages = 2048;                        // KV pool size in pages
+  int32_t page_tokens = 16;                       // tokens per KV page (DESIGN.md §4)
+  int32_t max_queued_jobs = 64;    // jobs waiting for admission; more: RESOURCE_EXHAUSTED
+  int32_t max_tree_tokens = 8192;  // prompt + every branch's tokens of one job
+  int32_t max_prompt_tokens = 2048;
+  int32_t max_branches = 64;           // n of Generate
+  int32_t default_max_tokens = 64;     // per branch when a request leaves max_tokens at 0
+  int32_t max_step_tokens = 2048;      // token budget of one engine step (prefills + decodes)
+  int32_t max_text_bytes = 1 << 20;    // Tokenize text, prompt text, stop strings together
+  std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
+  int32_t chunk_tokens = 128;          // planner chunk size B
+  double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
+  std::string log_level = "info";      // trace | debug | info | warn | error | off
+  std::string port_file;               // when set: the bound ports are written there
+};
+
+// What parse_command_line() asks main to do.
+struct CommandLine {
+  ServerConfig config;
+  bool help = false;
+};
+
+// Parses a config file's JSON text into `config` (fields not in the text keep their values).
+// INVALID_ARGUMENT names the unknown field or the field with a wrong type or value.
+absl::Status apply_config_json(const std::string& json_text, const std::string& source,
+                               ServerConfig& config);
+
+// Defaults, then the --config file (when given), then the other options in order.
+// INVALID_ARGUMENT names the unknown or malformed option.
+absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& args);
+
+// Range checks across fields (positive sizes, a known plan kind, a known log level, ...).
+absl::Status validate_config(const ServerConfig& config);
+
+// The --help text: every option with its default.
+std::string usage_text();
+
+// One line: the effective configuration, for the startup log.
+std::string describe_config(const ServerConfig& config);
+
+}  // namespace deft::server
