@@ -48,7 +48,8 @@ const std::vector<Field>& fields() {
        "most bytes of text in one request (prompt, Tokenize text, stop strings)"},
       {"plan", &ServerConfig::plan,
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
-      {"chunk_tokens", &ServerConfig::chunk_tokens, "attention planner chunk size B"},
+      {"chunk_tokens", &ServerConfig::chunk_tokens,
+       "attention planner chunk size B; 0: chosen per tree (engine/attention_planner.h)"},
       {"shutdown_grace_seconds", &ServerConfig::shutdown_grace_seconds,
        "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
@@ -223,7 +224,7 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("default_max_tokens", config.default_max_tokens, 1),
            at_least("max_step_tokens", config.max_step_tokens, 1),
            at_least("max_text_bytes", config.max_text_bytes, 1),
-           at_least("chunk_tokens", config.chunk_tokens, 1),
+           at_least("chunk_tokens", config.chunk_tokens, 0),
        }) {
     if (!status.ok()) return status;
   }

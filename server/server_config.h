@@ -25,7 +25,7 @@ struct ServerConfig {
   int32_t max_step_tokens = 2048;      // token budget of one engine step (prefills + decodes)
   int32_t max_text_bytes = 1 << 20;    // Tokenize text, prompt text, stop strings together
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
-  int32_t chunk_tokens = 128;          // planner chunk size B
+  int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
   std::string log_level = "info";      // trace | debug | info | warn | error | off
   std::string port_file;               // when set: the bound ports are written there
