@@ -207,6 +207,64 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     const uint64_t pass_bits =
         masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
 
+    // First tile at or after `tile` that some row of this pass sees (block-uniform).
+    auto next_needed_tile = [&](int tile) {
+      if (!masked) return tile;
+      for (; tile < num_tiles; ++tile) {
+        bool seen = false;
+        if (threadIdx.x < kKvTileTokens) {
+          const int token = tile * kKvTileTokens + threadIdx.x;
+          if (token < run_tokens) seen = (plan.mask_words[mask_begin + token] & pass_bits) != 0;
+        }
+        if (__syncthreads_or(seen)) return tile;
+      }
+      return num_tiles;
+    };
+
+    // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile. The slots are
+    // loaded first, all at once: loading each next to its cp.async (whose "memory" clobber keeps
+    // the loads in program order) made every tile wait for 8 serial L2 round trips.
+    constexpr int kTokenStride = kStage1Threads / kChunksPerRow;  // tokens between a thread's rows
+    constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
+    static_assert(kKvTileTokens % kTokenStride == 0, "tile rows per thread");
+    auto load_tile = [&](int tile, int stage) {
+      unsigned char* k_tile = smem + stage * Smem::kStageBytes;
+      unsigned char* v_tile = k_tile + Smem::kTileBytes;
+      const int token0 = tile * kKvTileTokens;
+      const int part = threadIdx.x % kChunksPerRow;
+      const int first_token = threadIdx.x / kChunksPerRow;
+      int slots[kSlotsPerThread];
+#pragma unroll
+      for (int i = 0; i < kSlotsPerThread; ++i) {
+        const int token = token0 + first_token + i * kTokenStride;
+        slots[i] = token < run_tokens ? __ldg(plan.kv_slots + kv_begin + token) : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < kSlotsPerThread; ++i) {
+        const int token = first_token + i * kTokenStride;
+        const bool valid = token0 + token < run_tokens;
+        const int64_t offset =
+            (static_cast<int64_t>(slots[i]) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
+        const int smem_offset = (token * Smem::kRowElems + part * 8) * 2;
+        cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
+        cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
+      }
+      if (masked && threadIdx.x < kKvTileTokens) {
+        const int token = token0 + threadIdx.x;
+        const bool valid = token < run_tokens;
+        uint64_t* mask_tile =
+            reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
+        cp_async_8(smem_address(mask_tile + threadIdx.x),
+                   plan.mask_words + mask_begin + (valid ? token : 0), valid);
+      }
+    };
+
+    // The pass's first tile is in flight while the rows' destinations and Q fragments load.
+    int tile = next_needed_tile(0);
+    int stage = 0;
+    if (tile < num_tiles) load_tile(tile, stage);
+    cp_async_commit();
+
     // Resolve each row's destination once per pass (not per output element in the epilogue:
     // those dependent plan loads made short CTAs latency-bound).
     int32_t* row_target = reinterpret_cast<int32_t*>(smem + Smem::kRowTargetOffset);
@@ -260,46 +318,6 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     }
     float max_a = kNegInf, max_b = kNegInf;  // running max of scaled scores (base 2)
     float sum_a = 0.0f, sum_b = 0.0f;        // this thread's share of the running denominators
-
-    // First tile at or after `tile` that some row of this pass sees (block-uniform).
-    auto next_needed_tile = [&](int tile) {
-      if (!masked) return tile;
-      for (; tile < num_tiles; ++tile) {
-        bool seen = false;
-        if (threadIdx.x < kKvTileTokens) {
-          const int token = tile * kKvTileTokens + threadIdx.x;
-          if (token < run_tokens) seen = (plan.mask_words[mask_begin + token] & pass_bits) != 0;
-        }
-        if (__syncthreads_or(seen)) return tile;
-      }
-      return num_tiles;
-    };
-
-    auto load_tile = [&](int tile, int stage) {
-      unsigned char* k_tile = smem + stage * Smem::kStageBytes;
-      unsigned char* v_tile = k_tile + Smem::kTileBytes;
-      const int token0 = tile * kKvTileTokens;
-      for (int chunk = threadIdx.x; chunk < kKvTileTokens * kChunksPerRow;
-           chunk += kStage1Threads) {
-        const int token = chunk / kChunksPerRow;
-        const int part = chunk % kChunksPerRow;
-        const bool valid = token0 + token < run_tokens;
-        const int slot = valid ? plan.kv_slots[kv_begin + token0 + token] : 0;
-        const int64_t offset =
-            (static_cast<int64_t>(slot) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
-        const int smem_offset = (token * Smem::kRowElems + part * 8) * 2;
-        cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
-        cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
-      }
-      if (masked && threadIdx.x < kKvTileTokens) {
-        const int token = token0 + threadIdx.x;
-        const bool valid = token < run_tokens;
-        uint64_t* mask_tile =
-            reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
-        cp_async_8(smem_address(mask_tile + threadIdx.x),
-                   plan.mask_words + mask_begin + (valid ? token : 0), valid);
-      }
-    };
 
     // One warp step: 16 rows x (8 * kBlocks) tokens starting at tile token `step_token0`:
     // S = Q K^T, mask, online softmax update, O += P V.
@@ -421,10 +439,6 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     };
 
     // Double-buffered pipeline: the next needed tile's copy overlaps this tile's math.
-    int tile = next_needed_tile(0);
-    int stage = 0;
-    if (tile < num_tiles) load_tile(tile, stage);
-    cp_async_commit();
     while (tile < num_tiles) {
       const int next = next_needed_tile(tile + 1);
       if (next < num_tiles) load_tile(next, stage ^ 1);
