@@ -75,8 +75,22 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
     const dim3 grid2(static_cast<unsigned>(plan.num_queries),
                      static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
                                            detail::kStage2Warps));
-    detail::deft_attention_stage2_kernel<T, kHeadDim><<<grid2, detail::kStage2Threads, 0, stream>>>(
-        plan, partial_out, partial_lse, static_cast<T*>(out), dims.num_q_heads);
+    // Programmatic dependent launch: stage 2's CTAs start (and read the plan) while stage 1's
+    // last CTAs finish; they wait for stage 1's results in the kernel (griddepcontrol.wait).
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid2;
+    config.blockDim = dim3(detail::kStage2Threads);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, &detail::deft_attention_stage2_kernel<T, kHeadDim>,
+                                       plan, static_cast<const float*>(partial_out),
+                                       static_cast<const float*>(partial_lse), static_cast<T*>(out),
+                                       dims.num_q_heads));
     DEFT_CUDA_CHECK_LAUNCH();
   }
 }

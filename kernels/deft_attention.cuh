@@ -156,6 +156,21 @@ __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
   return ones << lo;
 }
 
+// Programmatic dependent launch (sm_90): stage 1 lets stage 2 be scheduled as soon as all its
+// CTAs run; stage 2 reads the plan (written before stage 1) first and waits for stage 1's
+// results only before touching the partials. No-ops where unsupported.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- stage 1 ----------------------------------------------------------------------------------
 
 template <typename T, int kHeadDim>
@@ -168,6 +183,9 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
 
   extern __shared__ __align__(16) unsigned char smem[];
+
+  // Stage 2 may be scheduled once every stage-1 CTA runs (it waits for our results itself).
+  allow_dependent_launch();
 
   const AttentionPlanView& plan = params.plan;
   const int task = blockIdx.x;
@@ -188,12 +206,14 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const int num_tiles = (run_tokens + kKvTileTokens - 1) / kKvTileTokens;
 
   // Few rows: spread every tile's tokens over the warps instead of leaving warps idle.
-  const int row_warps = num_rows <= kMmaRows ? 1 : (num_rows <= 2 * kMmaRows ? 2 : 4);
-  const int kv_splits = kStage1Warps / row_warps;
-  const int rows_per_pass = row_warps * kMmaRows;
+  // A pass holds up to 64 rows; each pass picks its own warp layout, so a short last pass (e.g.
+  // 16 of 80 rows) splits its tiles' tokens over the warps instead of leaving 3 warps computing
+  // padding rows (the 64-row step is bound by the SM's exp, MMA and shared-memory pipes, so
+  // wasted rows cost every CTA on the SM).
+  const int rows_per_pass = num_rows <= kMmaRows ? kMmaRows
+                                                 : (num_rows <= 2 * kMmaRows ? 2 * kMmaRows
+                                                                             : kStage1Warps * kMmaRows);
   const int num_passes = (num_rows + rows_per_pass - 1) / rows_per_pass;
-  const int warp_row_block = warp % row_warps;
-  const int warp_split = warp / row_warps;
 
   const T* q = static_cast<const T*>(params.q);
   const T* k_cache = static_cast<const T*>(params.k_cache);
@@ -203,6 +223,12 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   for (int pass = blockIdx.z; pass < num_passes; pass += gridDim.z) {
     const int pass_row0 = pass * rows_per_pass;
     const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
+    const int row_warps = pass_rows <= kMmaRows ? 1 : (pass_rows <= 2 * kMmaRows ? 2 : 4);
+    const int kv_splits = kStage1Warps / row_warps;
+    const int warp_row_block = warp % row_warps;
+    const int warp_split = warp / row_warps;
+    // With 4 row warps and 33-48 rows, the fourth warp has no row: it skips the math.
+    const bool warp_has_rows = warp_row_block * kMmaRows < pass_rows;
     // Entries (mask bits) this pass covers: a tile none of them sees is skipped.
     const uint64_t pass_bits =
         masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
@@ -445,7 +471,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       cp_async_commit();
       cp_async_wait<1>();
       __syncthreads();
-      compute_tile(tile, stage);
+      if (warp_has_rows) compute_tile(tile, stage);
       __syncthreads();
       tile = next;
       stage ^= 1;
@@ -541,6 +567,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 // One warp per (query, head), kStage2Warps heads per CTA. The partials' weights are computed
 // 32 at a time (a lane each) and broadcast by shuffles, so the O loads of successive partials
 // are independent and many are in flight (a serial chain of LSE loads made this latency-bound).
+// The first 32 partials' rows and LSEs stay in registers between the max and the sum passes.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kStage2Threads)
     deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
@@ -558,11 +585,16 @@ __global__ void __launch_bounds__(kStage2Threads)
   const int head = blockIdx.y * kStage2Warps + warp;
   if (head >= num_q_heads) return;
 
-  float lse_max = kNegInf;
-  for (int i = lane; i < count; i += 32) {
-    const int64_t row = static_cast<int64_t>(plan.query_entries[begin + i]) * num_q_heads + head;
-    lse_max = fmaxf(lse_max, partial_lse[row]);
-  }
+  const auto partial_row = [&](int i) {
+    return static_cast<int64_t>(plan.query_entries[begin + i]) * num_q_heads + head;
+  };
+  const int64_t first_row = lane < count ? partial_row(lane) : 0;
+
+  wait_for_prerequisite_grid();  // stage 1's partials are visible from here on
+
+  const float first_lse = lane < count ? partial_lse[first_row] : kNegInf;
+  float lse_max = first_lse;
+  for (int i = lane + 32; i < count; i += 32) lse_max = fmaxf(lse_max, partial_lse[partial_row(i)]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
@@ -574,15 +606,17 @@ __global__ void __launch_bounds__(kStage2Threads)
   for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
   float denom = 0.0f;
   for (int chunk = 0; chunk < count; chunk += 32) {
-    int64_t my_row = 0;
+    int64_t my_row = first_row;
     float my_weight = 0.0f;
-    if (chunk + lane < count) {
-      my_row = static_cast<int64_t>(plan.query_entries[begin + chunk + lane]) * num_q_heads + head;
+    if (chunk == 0) {
+      if (lane < count) my_weight = expf(first_lse - base);
+    } else if (chunk + lane < count) {
+      my_row = partial_row(chunk + lane);
       my_weight = expf(partial_lse[my_row] - base);
     }
     denom += my_weight;
     const int chunk_count = min(32, count - chunk);
-#pragma unroll 4
+#pragma unroll 8
     for (int j = 0; j < chunk_count; ++j) {
       const float weight = __shfl_sync(0xffffffffu, my_weight, j);
       const int64_t row = __shfl_sync(0xffffffffu, my_row, j);
