@@ -180,7 +180,9 @@ void DeftAttentionBuffers::reserve(int32_t num_entries, const AttentionDims& dim
 // ---- launch ------------------------------------------------------------------------------------
 
 bool deft_attention_supported(const AttentionDims& dims) {
-  return (dims.head_dim == 64 || dims.head_dim == 128) && dims.num_kv_heads > 0 &&
+  // softmax_scale > 0: stage 1 takes score maxima before scaling.
+  return (dims.head_dim == 64 || dims.head_dim == 128) && dims.softmax_scale > 0.0f &&
+         dims.num_kv_heads > 0 &&
          dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
 }
 
@@ -188,7 +190,7 @@ void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_tas
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream) {
-  if (!deft_attention_supported(dims)) fail("unsupported head_dim or head counts", dims.head_dim);
+  if (!deft_attention_supported(dims)) fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
   if (max_task_entries > 0 && max_task_entries * dims.group_size() > (1 << 24)) {
     fail("task too large", max_task_entries);
   }

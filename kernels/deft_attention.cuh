@@ -149,6 +149,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(address));
 }
 
+// 2^x on the SFU with denormal results flushed to zero (exp2f adds range fix-ups around it).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Bits [lo, hi] of a mask word (0 <= lo <= hi < 64).
 __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
   const int count = hi - lo + 1;
@@ -373,18 +380,28 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         }
       }
 
-      // Scale, mask (tail tokens, mask bits), online softmax update.
+      // Mask (tail tokens, mask bits), online softmax update. Scores stay unscaled until the
+      // exponent: the maxima are taken on raw scores (softmax_scale > 0, see
+      // deft_attention_supported, so the order is the same) and exp2(s * scale - max) is one FFMA
+      // and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should here). Steps every row
+      // sees entirely (no mask, no tail) skip the per-element visibility tests.
+      const bool step_full = !masked && token0 + step_token0 + 8 * kBlocks <= run_tokens;
+      if (!step_full) {
+#pragma unroll
+        for (int nb = 0; nb < kBlocks; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
+            const int bit = e < 2 ? bit_a : bit_b;
+            bool visible = token0 + token < run_tokens;
+            if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
+            if (!visible) scores[nb][e] = kNegInf;
+          }
+        }
+      }
       float step_max_a = kNegInf, step_max_b = kNegInf;
 #pragma unroll
       for (int nb = 0; nb < kBlocks; ++nb) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
-          const int bit = e < 2 ? bit_a : bit_b;
-          bool visible = token0 + token < run_tokens;
-          if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
-          scores[nb][e] = visible ? scores[nb][e] * params.scale_log2 : kNegInf;
-        }
         step_max_a = fmaxf(step_max_a, fmaxf(scores[nb][0], scores[nb][1]));
         step_max_b = fmaxf(step_max_b, fmaxf(scores[nb][2], scores[nb][3]));
       }
@@ -392,33 +409,38 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 2));
       step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 1));
       step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 2));
-      const float new_max_a = fmaxf(max_a, step_max_a);
-      const float new_max_b = fmaxf(max_b, step_max_b);
+      const float scale = params.scale_log2;
+      const float new_max_a = fmaxf(max_a, step_max_a * scale);  // -inf * scale = -inf
+      const float new_max_b = fmaxf(max_b, step_max_b * scale);
       // A row that has seen nothing yet keeps max -inf; subtract 0 then (exp2(-inf) = 0).
       const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
       const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
-      const float alpha_a = exp2f(max_a - base_a);
-      const float alpha_b = exp2f(max_b - base_b);
+      const float alpha_a = fast_exp2(max_a - base_a);
+      const float alpha_b = fast_exp2(max_b - base_b);
       max_a = new_max_a;
       max_b = new_max_b;
       float step_sum_a = 0.0f, step_sum_b = 0.0f;
 #pragma unroll
       for (int nb = 0; nb < kBlocks; ++nb) {
-        scores[nb][0] = exp2f(scores[nb][0] - base_a);
-        scores[nb][1] = exp2f(scores[nb][1] - base_a);
-        scores[nb][2] = exp2f(scores[nb][2] - base_b);
-        scores[nb][3] = exp2f(scores[nb][3] - base_b);
+        scores[nb][0] = fast_exp2(fmaf(scores[nb][0], scale, -base_a));
+        scores[nb][1] = fast_exp2(fmaf(scores[nb][1], scale, -base_a));
+        scores[nb][2] = fast_exp2(fmaf(scores[nb][2], scale, -base_b));
+        scores[nb][3] = fast_exp2(fmaf(scores[nb][3], scale, -base_b));
         step_sum_a += scores[nb][0] + scores[nb][1];
         step_sum_b += scores[nb][2] + scores[nb][3];
       }
       sum_a = sum_a * alpha_a + step_sum_a;
       sum_b = sum_b * alpha_b + step_sum_b;
+      // Rescale O only when some row's maximum moved (rare once the maxima settle): 2 x kOBlocks
+      // multiplies saved per step. Warp-uniform branch.
+      if (__any_sync(0xffffffffu, alpha_a != 1.0f || alpha_b != 1.0f)) {
 #pragma unroll
-      for (int nb = 0; nb < kOBlocks; ++nb) {
-        o_acc[nb][0] *= alpha_a;
-        o_acc[nb][1] *= alpha_a;
-        o_acc[nb][2] *= alpha_b;
-        o_acc[nb][3] *= alpha_b;
+        for (int nb = 0; nb < kOBlocks; ++nb) {
+          o_acc[nb][0] *= alpha_a;
+          o_acc[nb][1] *= alpha_a;
+          o_acc[nb][2] *= alpha_b;
+          o_acc[nb][3] *= alpha_b;
+        }
       }
 
       // O += P V, 16 tokens at a time: P's accumulator layout is the A-fragment layout of the
