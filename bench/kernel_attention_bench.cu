@@ -199,8 +199,10 @@ int main(int argc, char** argv) {
     std::string name;
   };
   const std::vector<Method> methods = {
-      {PlanKind::kDeftFlatten, 128, "deft_flatten"},
+      // Headline row: the planner's default, B picked per tree by adaptive_chunk_tokens().
+      {PlanKind::kDeftFlatten, 0, "deft_flatten"},
       {PlanKind::kDeftFlatten, 64, "deft_flatten_b64"},
+      {PlanKind::kDeftFlatten, 128, "deft_flatten_b128"},
       {PlanKind::kDeftFlatten, 256, "deft_flatten_b256"},
       {PlanKind::kDeftFlatten, 512, "deft_flatten_b512"},
       {PlanKind::kDeftNode, 128, "deft_node"},
@@ -359,7 +361,13 @@ int main(int argc, char** argv) {
       row.floor_us = floor_us;
       row.extra = {{"tree_kv_tokens", tree_tokens},
                    {"queries", num_queries},
-                   {"chunk_tokens", m.chunk_tokens},
+                   // The B the plan used: the adaptive rule's pick where m.chunk_tokens = 0
+                   // (the planner passes the tree's flattened token count, which is the whole
+                   // tree here: every token of these snapshots is on some query's path).
+                   {"chunk_tokens", m.chunk_tokens > 0 ? m.chunk_tokens
+                                                       : engine::adaptive_chunk_tokens(
+                                                             num_queries, tree_tokens)},
+                   {"chunk_policy", std::string(m.chunk_tokens > 0 ? "fixed" : "adaptive")},
                    {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
                    {"tasks", plan.io.tasks},
                    {"entries", plan.io.query_chunk_pairs},

@@ -75,8 +75,22 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
     const dim3 grid2(static_cast<unsigned>(plan.num_queries),
                      static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
                                            detail::kStage2Warps));
-    detail::deft_attention_stage2_kernel<T, kHeadDim><<<grid2, detail::kStage2Threads, 0, stream>>>(
-        plan, partial_out, partial_lse, static_cast<T*>(out), dims.num_q_heads);
+    // Programmatic dependent launch: stage 2's CTAs start (and read the plan) while stage 1's
+    // last CTAs finish; they wait for stage 1's results in the kernel (griddepcontrol.wait).
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid2;
+    config.blockDim = dim3(detail::kStage2Threads);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, &detail::deft_attention_stage2_kernel<T, kHeadDim>,
+                                       plan, static_cast<const float*>(partial_out),
+                                       static_cast<const float*>(partial_lse), static_cast<T*>(out),
+                                       dims.num_q_heads));
     DEFT_CUDA_CHECK_LAUNCH();
   }
 }
@@ -166,7 +180,9 @@ void DeftAttentionBuffers::reserve(int32_t num_entries, const AttentionDims& dim
 // ---- launch ------------------------------------------------------------------------------------
 
 bool deft_attention_supported(const AttentionDims& dims) {
-  return (dims.head_dim == 64 || dims.head_dim == 128) && dims.num_kv_heads > 0 &&
+  // softmax_scale > 0: stage 1 takes score maxima before scaling.
+  return (dims.head_dim == 64 || dims.head_dim == 128) && dims.softmax_scale > 0.0f &&
+         dims.num_kv_heads > 0 &&
          dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
 }
 
@@ -174,7 +190,7 @@ void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_tas
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream) {
-  if (!deft_attention_supported(dims)) fail("unsupported head_dim or head counts", dims.head_dim);
+  if (!deft_attention_supported(dims)) fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
   if (max_task_entries > 0 && max_task_entries * dims.group_size() > (1 << 24)) {
     fail("task too large", max_task_entries);
   }

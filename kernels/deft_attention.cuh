@@ -149,11 +149,33 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(address));
 }
 
+// 2^x on the SFU with denormal results flushed to zero (exp2f adds range fix-ups around it).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Bits [lo, hi] of a mask word (0 <= lo <= hi < 64).
 __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
   const int count = hi - lo + 1;
   const uint64_t ones = count >= 64 ? ~uint64_t{0} : ((uint64_t{1} << count) - 1);
   return ones << lo;
+}
+
+// Programmatic dependent launch (sm_90): stage 1 lets stage 2 be scheduled as soon as all its
+// CTAs run; stage 2 reads the plan (written before stage 1) first and waits for stage 1's
+// results only before touching the partials. No-ops where unsupported.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // ---- stage 1 ----------------------------------------------------------------------------------
@@ -168,6 +190,9 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
 
   extern __shared__ __align__(16) unsigned char smem[];
+
+  // Stage 2 may be scheduled once every stage-1 CTA runs (it waits for our results itself).
+  allow_dependent_launch();
 
   const AttentionPlanView& plan = params.plan;
   const int task = blockIdx.x;
@@ -188,12 +213,14 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const int num_tiles = (run_tokens + kKvTileTokens - 1) / kKvTileTokens;
 
   // Few rows: spread every tile's tokens over the warps instead of leaving warps idle.
-  const int row_warps = num_rows <= kMmaRows ? 1 : (num_rows <= 2 * kMmaRows ? 2 : 4);
-  const int kv_splits = kStage1Warps / row_warps;
-  const int rows_per_pass = row_warps * kMmaRows;
+  // A pass holds up to 64 rows; each pass picks its own warp layout, so a short last pass (e.g.
+  // 16 of 80 rows) splits its tiles' tokens over the warps instead of leaving 3 warps computing
+  // padding rows (the 64-row step is bound by the SM's exp, MMA and shared-memory pipes, so
+  // wasted rows cost every CTA on the SM).
+  const int rows_per_pass = num_rows <= kMmaRows ? kMmaRows
+                                                 : (num_rows <= 2 * kMmaRows ? 2 * kMmaRows
+                                                                             : kStage1Warps * kMmaRows);
   const int num_passes = (num_rows + rows_per_pass - 1) / rows_per_pass;
-  const int warp_row_block = warp % row_warps;
-  const int warp_split = warp / row_warps;
 
   const T* q = static_cast<const T*>(params.q);
   const T* k_cache = static_cast<const T*>(params.k_cache);
@@ -203,9 +230,73 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   for (int pass = blockIdx.z; pass < num_passes; pass += gridDim.z) {
     const int pass_row0 = pass * rows_per_pass;
     const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
+    const int row_warps = pass_rows <= kMmaRows ? 1 : (pass_rows <= 2 * kMmaRows ? 2 : 4);
+    const int kv_splits = kStage1Warps / row_warps;
+    const int warp_row_block = warp % row_warps;
+    const int warp_split = warp / row_warps;
+    // With 4 row warps and 33-48 rows, the fourth warp has no row: it skips the math.
+    const bool warp_has_rows = warp_row_block * kMmaRows < pass_rows;
     // Entries (mask bits) this pass covers: a tile none of them sees is skipped.
     const uint64_t pass_bits =
         masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
+
+    // First tile at or after `tile` that some row of this pass sees (block-uniform).
+    auto next_needed_tile = [&](int tile) {
+      if (!masked) return tile;
+      for (; tile < num_tiles; ++tile) {
+        bool seen = false;
+        if (threadIdx.x < kKvTileTokens) {
+          const int token = tile * kKvTileTokens + threadIdx.x;
+          if (token < run_tokens) seen = (plan.mask_words[mask_begin + token] & pass_bits) != 0;
+        }
+        if (__syncthreads_or(seen)) return tile;
+      }
+      return num_tiles;
+    };
+
+    // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile. The slots are
+    // loaded first, all at once: loading each next to its cp.async (whose "memory" clobber keeps
+    // the loads in program order) made every tile wait for 8 serial L2 round trips.
+    constexpr int kTokenStride = kStage1Threads / kChunksPerRow;  // tokens between a thread's rows
+    constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
+    static_assert(kKvTileTokens % kTokenStride == 0, "tile rows per thread");
+    auto load_tile = [&](int tile, int stage) {
+      unsigned char* k_tile = smem + stage * Smem::kStageBytes;
+      unsigned char* v_tile = k_tile + Smem::kTileBytes;
+      const int token0 = tile * kKvTileTokens;
+      const int part = threadIdx.x % kChunksPerRow;
+      const int first_token = threadIdx.x / kChunksPerRow;
+      int slots[kSlotsPerThread];
+#pragma unroll
+      for (int i = 0; i < kSlotsPerThread; ++i) {
+        const int token = token0 + first_token + i * kTokenStride;
+        slots[i] = token < run_tokens ? __ldg(plan.kv_slots + kv_begin + token) : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < kSlotsPerThread; ++i) {
+        const int token = first_token + i * kTokenStride;
+        const bool valid = token0 + token < run_tokens;
+        const int64_t offset =
+            (static_cast<int64_t>(slots[i]) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
+        const int smem_offset = (token * Smem::kRowElems + part * 8) * 2;
+        cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
+        cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
+      }
+      if (masked && threadIdx.x < kKvTileTokens) {
+        const int token = token0 + threadIdx.x;
+        const bool valid = token < run_tokens;
+        uint64_t* mask_tile =
+            reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
+        cp_async_8(smem_address(mask_tile + threadIdx.x),
+                   plan.mask_words + mask_begin + (valid ? token : 0), valid);
+      }
+    };
+
+    // The pass's first tile is in flight while the rows' destinations and Q fragments load.
+    int tile = next_needed_tile(0);
+    int stage = 0;
+    if (tile < num_tiles) load_tile(tile, stage);
+    cp_async_commit();
 
     // Resolve each row's destination once per pass (not per output element in the epilogue:
     // those dependent plan loads made short CTAs latency-bound).
@@ -261,46 +352,6 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     float max_a = kNegInf, max_b = kNegInf;  // running max of scaled scores (base 2)
     float sum_a = 0.0f, sum_b = 0.0f;        // this thread's share of the running denominators
 
-    // First tile at or after `tile` that some row of this pass sees (block-uniform).
-    auto next_needed_tile = [&](int tile) {
-      if (!masked) return tile;
-      for (; tile < num_tiles; ++tile) {
-        bool seen = false;
-        if (threadIdx.x < kKvTileTokens) {
-          const int token = tile * kKvTileTokens + threadIdx.x;
-          if (token < run_tokens) seen = (plan.mask_words[mask_begin + token] & pass_bits) != 0;
-        }
-        if (__syncthreads_or(seen)) return tile;
-      }
-      return num_tiles;
-    };
-
-    auto load_tile = [&](int tile, int stage) {
-      unsigned char* k_tile = smem + stage * Smem::kStageBytes;
-      unsigned char* v_tile = k_tile + Smem::kTileBytes;
-      const int token0 = tile * kKvTileTokens;
-      for (int chunk = threadIdx.x; chunk < kKvTileTokens * kChunksPerRow;
-           chunk += kStage1Threads) {
-        const int token = chunk / kChunksPerRow;
-        const int part = chunk % kChunksPerRow;
-        const bool valid = token0 + token < run_tokens;
-        const int slot = valid ? plan.kv_slots[kv_begin + token0 + token] : 0;
-        const int64_t offset =
-            (static_cast<int64_t>(slot) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
-        const int smem_offset = (token * Smem::kRowElems + part * 8) * 2;
-        cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
-        cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
-      }
-      if (masked && threadIdx.x < kKvTileTokens) {
-        const int token = token0 + threadIdx.x;
-        const bool valid = token < run_tokens;
-        uint64_t* mask_tile =
-            reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
-        cp_async_8(smem_address(mask_tile + threadIdx.x),
-                   plan.mask_words + mask_begin + (valid ? token : 0), valid);
-      }
-    };
-
     // One warp step: 16 rows x (8 * kBlocks) tokens starting at tile token `step_token0`:
     // S = Q K^T, mask, online softmax update, O += P V.
     auto compute_step = [&](auto blocks_tag, const unsigned char* k_tile,
@@ -329,18 +380,28 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         }
       }
 
-      // Scale, mask (tail tokens, mask bits), online softmax update.
+      // Mask (tail tokens, mask bits), online softmax update. Scores stay unscaled until the
+      // exponent: the maxima are taken on raw scores (softmax_scale > 0, see
+      // deft_attention_supported, so the order is the same) and exp2(s * scale - max) is one FFMA
+      // and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should here). Steps every row
+      // sees entirely (no mask, no tail) skip the per-element visibility tests.
+      const bool step_full = !masked && token0 + step_token0 + 8 * kBlocks <= run_tokens;
+      if (!step_full) {
+#pragma unroll
+        for (int nb = 0; nb < kBlocks; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
+            const int bit = e < 2 ? bit_a : bit_b;
+            bool visible = token0 + token < run_tokens;
+            if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
+            if (!visible) scores[nb][e] = kNegInf;
+          }
+        }
+      }
       float step_max_a = kNegInf, step_max_b = kNegInf;
 #pragma unroll
       for (int nb = 0; nb < kBlocks; ++nb) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
-          const int bit = e < 2 ? bit_a : bit_b;
-          bool visible = token0 + token < run_tokens;
-          if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
-          scores[nb][e] = visible ? scores[nb][e] * params.scale_log2 : kNegInf;
-        }
         step_max_a = fmaxf(step_max_a, fmaxf(scores[nb][0], scores[nb][1]));
         step_max_b = fmaxf(step_max_b, fmaxf(scores[nb][2], scores[nb][3]));
       }
@@ -348,33 +409,38 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 2));
       step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 1));
       step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 2));
-      const float new_max_a = fmaxf(max_a, step_max_a);
-      const float new_max_b = fmaxf(max_b, step_max_b);
+      const float scale = params.scale_log2;
+      const float new_max_a = fmaxf(max_a, step_max_a * scale);  // -inf * scale = -inf
+      const float new_max_b = fmaxf(max_b, step_max_b * scale);
       // A row that has seen nothing yet keeps max -inf; subtract 0 then (exp2(-inf) = 0).
       const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
       const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
-      const float alpha_a = exp2f(max_a - base_a);
-      const float alpha_b = exp2f(max_b - base_b);
+      const float alpha_a = fast_exp2(max_a - base_a);
+      const float alpha_b = fast_exp2(max_b - base_b);
       max_a = new_max_a;
       max_b = new_max_b;
       float step_sum_a = 0.0f, step_sum_b = 0.0f;
 #pragma unroll
       for (int nb = 0; nb < kBlocks; ++nb) {
-        scores[nb][0] = exp2f(scores[nb][0] - base_a);
-        scores[nb][1] = exp2f(scores[nb][1] - base_a);
-        scores[nb][2] = exp2f(scores[nb][2] - base_b);
-        scores[nb][3] = exp2f(scores[nb][3] - base_b);
+        scores[nb][0] = fast_exp2(fmaf(scores[nb][0], scale, -base_a));
+        scores[nb][1] = fast_exp2(fmaf(scores[nb][1], scale, -base_a));
+        scores[nb][2] = fast_exp2(fmaf(scores[nb][2], scale, -base_b));
+        scores[nb][3] = fast_exp2(fmaf(scores[nb][3], scale, -base_b));
         step_sum_a += scores[nb][0] + scores[nb][1];
         step_sum_b += scores[nb][2] + scores[nb][3];
       }
       sum_a = sum_a * alpha_a + step_sum_a;
       sum_b = sum_b * alpha_b + step_sum_b;
+      // Rescale O only when some row's maximum moved (rare once the maxima settle): 2 x kOBlocks
+      // multiplies saved per step. Warp-uniform branch.
+      if (__any_sync(0xffffffffu, alpha_a != 1.0f || alpha_b != 1.0f)) {
 #pragma unroll
-      for (int nb = 0; nb < kOBlocks; ++nb) {
-        o_acc[nb][0] *= alpha_a;
-        o_acc[nb][1] *= alpha_a;
-        o_acc[nb][2] *= alpha_b;
-        o_acc[nb][3] *= alpha_b;
+        for (int nb = 0; nb < kOBlocks; ++nb) {
+          o_acc[nb][0] *= alpha_a;
+          o_acc[nb][1] *= alpha_a;
+          o_acc[nb][2] *= alpha_b;
+          o_acc[nb][3] *= alpha_b;
+        }
       }
 
       // O += P V, 16 tokens at a time: P's accumulator layout is the A-fragment layout of the
@@ -421,17 +487,13 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     };
 
     // Double-buffered pipeline: the next needed tile's copy overlaps this tile's math.
-    int tile = next_needed_tile(0);
-    int stage = 0;
-    if (tile < num_tiles) load_tile(tile, stage);
-    cp_async_commit();
     while (tile < num_tiles) {
       const int next = next_needed_tile(tile + 1);
       if (next < num_tiles) load_tile(next, stage ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
       __syncthreads();
-      compute_tile(tile, stage);
+      if (warp_has_rows) compute_tile(tile, stage);
       __syncthreads();
       tile = next;
       stage ^= 1;
@@ -527,6 +589,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 // One warp per (query, head), kStage2Warps heads per CTA. The partials' weights are computed
 // 32 at a time (a lane each) and broadcast by shuffles, so the O loads of successive partials
 // are independent and many are in flight (a serial chain of LSE loads made this latency-bound).
+// The first 32 partials' rows and LSEs stay in registers between the max and the sum passes.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kStage2Threads)
     deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
@@ -544,11 +607,16 @@ __global__ void __launch_bounds__(kStage2Threads)
   const int head = blockIdx.y * kStage2Warps + warp;
   if (head >= num_q_heads) return;
 
-  float lse_max = kNegInf;
-  for (int i = lane; i < count; i += 32) {
-    const int64_t row = static_cast<int64_t>(plan.query_entries[begin + i]) * num_q_heads + head;
-    lse_max = fmaxf(lse_max, partial_lse[row]);
-  }
+  const auto partial_row = [&](int i) {
+    return static_cast<int64_t>(plan.query_entries[begin + i]) * num_q_heads + head;
+  };
+  const int64_t first_row = lane < count ? partial_row(lane) : 0;
+
+  wait_for_prerequisite_grid();  // stage 1's partials are visible from here on
+
+  const float first_lse = lane < count ? partial_lse[first_row] : kNegInf;
+  float lse_max = first_lse;
+  for (int i = lane + 32; i < count; i += 32) lse_max = fmaxf(lse_max, partial_lse[partial_row(i)]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
@@ -560,15 +628,17 @@ __global__ void __launch_bounds__(kStage2Threads)
   for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
   float denom = 0.0f;
   for (int chunk = 0; chunk < count; chunk += 32) {
-    int64_t my_row = 0;
+    int64_t my_row = first_row;
     float my_weight = 0.0f;
-    if (chunk + lane < count) {
-      my_row = static_cast<int64_t>(plan.query_entries[begin + chunk + lane]) * num_q_heads + head;
+    if (chunk == 0) {
+      if (lane < count) my_weight = expf(first_lse - base);
+    } else if (chunk + lane < count) {
+      my_row = partial_row(chunk + lane);
       my_weight = expf(partial_lse[my_row] - base);
     }
     denom += my_weight;
     const int chunk_count = min(32, count - chunk);
-#pragma unroll 4
+#pragma unroll 8
     for (int j = 0; j < chunk_count; ++j) {
       const float weight = __shfl_sync(0xffffffffu, my_weight, j);
       const int64_t row = __shfl_sync(0xffffffffu, my_row, j);

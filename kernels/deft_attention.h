@@ -59,7 +59,7 @@ class DeftAttentionBuffers {
 };
 
 // True for the (dtype, head_dim, group size) combinations the kernels are built for:
-// bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested).
+// bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested), softmax_scale > 0.
 bool deft_attention_supported(const AttentionDims& dims);
 
 // Runs both stages on `stream`. `device_plan` holds device pointers; `max_task_entries` is the
