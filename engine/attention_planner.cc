@@ -51,8 +51,8 @@ struct OrderedQueries {
 
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens) {
   constexpr int32_t kMinChunk = 64;
-  constexpr int64_t kMinWork = 48;  // chunks x row passes below which the GPU is left idle
-  int32_t chunk = num_queries > 64 ? 512 : 256;
+  constexpr int64_t kMinWork = 32;  // chunks x row passes below which the GPU is left idle
+  int32_t chunk = num_queries >= 48 ? 512 : 256;
   auto work = [&](int32_t b) {
     return ((visible_tokens + b - 1) / b) * ((num_queries + 15) / 16);
   };

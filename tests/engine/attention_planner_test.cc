@@ -125,9 +125,9 @@ TEST(AttentionPlanner, BadQueriesAreRejectedAndLeaveThePlanEmpty) {
 
 TEST(AttentionPlanner, AdaptiveChunkFollowsQueriesAndTreeSize) {
   EXPECT_EQ(adaptive_chunk_tokens(20, 8000), 256);   // few-shot b = 20
-  EXPECT_EQ(adaptive_chunk_tokens(50, 14000), 256);  // few-shot b = 50
+  EXPECT_EQ(adaptive_chunk_tokens(50, 14000), 512);  // few-shot b = 50
   EXPECT_EQ(adaptive_chunk_tokens(256, 6256), 512);  // 6000 prefix + 256-token tree
-  EXPECT_EQ(adaptive_chunk_tokens(64, 1064), 64);    // 1000 prefix + 64-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(64, 1064), 128);   // 1000 prefix + 64-token tree
   EXPECT_EQ(adaptive_chunk_tokens(1, 10), 64);
   FewShot job(4000, 20, 200);
   AttentionPlan plan;
