@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 
@@ -58,8 +59,13 @@ std::string BenchResult::write(const std::string& dir) const {
   nlohmann::json json;
   json["benchmark"] = benchmark_;
   json["hardware"] = hardware_;
-  std::string commit = run_command("git -C " DEFT_SOURCE_DIR " rev-parse HEAD 2>/dev/null");
-  if (!run_command("git -C " DEFT_SOURCE_DIR " status --porcelain --untracked-files=no -- . :!bench/results 2>/dev/null")
+  // DEFT_COMMIT names the commit of a binary that runs away from its checkout (a GPU machine).
+  const char* commit_env = std::getenv("DEFT_COMMIT");
+  std::string commit = commit_env != nullptr
+                           ? std::string(commit_env)
+                           : run_command("git -C " DEFT_SOURCE_DIR " rev-parse HEAD 2>/dev/null");
+  if (commit_env == nullptr &&
+      !run_command("git -C " DEFT_SOURCE_DIR " status --porcelain --untracked-files=no -- . :!bench/results 2>/dev/null")
            .empty()) {
     commit += "-dirty";
   }
