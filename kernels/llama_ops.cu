@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/float_convert.cuh"
 #include "kernels/llama_ops.h"
 
 namespace deft::kernels {
@@ -13,19 +14,6 @@ namespace deft::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float(float x) {
-  return __float2half_rn(x);
-}
 
 int grid_for(int64_t items) {
   return static_cast<int>(std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1, 65536));

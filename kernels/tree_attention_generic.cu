@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/float_convert.cuh"
 #include "kernels/tree_attention_generic.h"
 
 namespace deft::kernels {
@@ -13,19 +14,6 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kPerLane = kGenericAttentionMaxHeadDim / 32;
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float(float x) {
-  return __float2half_rn(x);
-}
 
 // The task holding entry e: the last t with task_entry_begin[t] <= e.
 __device__ int32_t task_of_entry(const AttentionPlanView& plan, int32_t e) {
