@@ -125,6 +125,56 @@ struct LlamaCudaRunner::State {
 
   size_t weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
 
+  // Step timing (set_step_timing): events[i] ends interval i, which belongs to phase[i].
+  enum Phase { kAttention, kGemm, kOther, kCopy };
+  StepTiming timing = StepTiming::kOff;
+  std::vector<cudaEvent_t> events;
+  std::vector<Phase> phase;
+  int32_t marks = 0;
+  StepTimes times;
+
+  void mark_start() {
+    marks = 0;
+    if (timing != StepTiming::kOff) record(kCopy);
+  }
+  // The work launched since the previous mark was of `p` (kPhases only).
+  void mark(Phase p) {
+    if (timing == StepTiming::kPhases) record(p);
+  }
+  void mark_end(Phase p) {
+    if (timing != StepTiming::kOff) record(p);
+  }
+  void record(Phase p) {
+    if (marks == static_cast<int32_t>(events.size())) {
+      cudaEvent_t event;
+      DEFT_CUDA_CHECK(cudaEventCreate(&event));
+      events.push_back(event);
+      phase.push_back(p);
+    }
+    phase[marks] = p;
+    DEFT_CUDA_CHECK(cudaEventRecord(events[marks], stream));
+    ++marks;
+  }
+  // After the stream synchronised.
+  void collect_times() {
+    times = StepTimes{};
+    if (timing == StepTiming::kOff || marks < 2) return;
+    float ms = 0;
+    DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, events[0], events[marks - 1]));
+    times.total_ms = ms;
+    if (timing == StepTiming::kPhases) {
+      for (int32_t i = 1; i < marks; ++i) {
+        DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
+        double* sum = phase[i] == kAttention ? &times.attention_ms
+                      : phase[i] == kGemm    ? &times.gemm_ms
+                      : phase[i] == kOther   ? &times.other_ms
+                                             : &times.copy_ms;
+        *sum += ms;
+      }
+    }
+    times.valid = true;
+  }
+
   State() {
     DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     DEFT_CUBLAS_CHECK(cublasCreate(&cublas));
@@ -132,6 +182,7 @@ struct LlamaCudaRunner::State {
   }
   ~State() {
     if (stream != nullptr) cudaStreamSynchronize(stream);
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
     if (cublas != nullptr) cublasDestroy(cublas);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -385,6 +436,8 @@ size_t LlamaCudaRunner::weight_bytes() const { return state_->weight_bytes; }
 size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_bytes; }
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
+void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
+const StepTimes& LlamaCudaRunner::last_step_times() const { return state_->times; }
 
 absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<float> logits) {
   if (batch.plan == nullptr) return absl::InvalidArgumentError("llama_cuda: step without a plan");
@@ -444,6 +497,7 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
                                                      ", outside [0, ", info_.num_kv_slots, ")"));
     }
   }
+  s.times = StepTimes{};
   if (rows == 0) return absl::OkStatus();
 
   const ModelConfig& c = config_;
@@ -455,6 +509,7 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
 
   // Step inputs: one pinned staging buffer, one copy. The previous step synchronised at its
   // end, so the staging buffer is free.
+  s.mark_start();
   int32_t* host = s.step_ints_host.as<int32_t>();
   std::copy(batch.tokens.begin(), batch.tokens.end(), host);
   std::copy(plan.query_position.begin(), plan.query_position.end(), host + rows);
@@ -469,6 +524,7 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
   const int32_t* d_logit_rows = d_tokens + 3 * rows;
   s.plan.upload(plan.view(), s.stream);
   if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
+  s.mark(State::kCopy);
 
   float* residual = s.residual.as<float>();
   kernels::launch_embedding(rows, hidden, s.dtype, d_tokens, s.embed.data(), residual, s.stream);
@@ -480,10 +536,13 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
   for (State::Layer& layer : s.layers) {
     kernels::launch_rms_norm(norm_dims, s.dtype, nullptr, residual, nullptr,
                              layer.input_norm.as<float>(), s.normed.data(), s.stream);
+    s.mark(State::kOther);
     s.gemm(s.normed.data(), layer.qkv.data(), rows, hidden, qkv_width, s.qkv.data(), false, false);
+    s.mark(State::kGemm);
     kernels::launch_qkv_rope_write(qkv_dims, s.dtype, d_positions, d_slots, s.inv_freq.as<float>(),
                                    s.qkv.data(), layer.qkv_bias.as<float>(), s.q.data(),
                                    layer.k_cache.data(), layer.v_cache.data(), s.stream);
+    s.mark(State::kOther);
     if (s.deft_kernels) {
       kernels::launch_deft_attention(s.plan, s.dims, s.dtype, s.q.data(), layer.k_cache.data(),
                                      layer.v_cache.data(), s.partials, s.attn.data(), s.stream);
@@ -492,14 +551,20 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
                                              layer.k_cache.data(), layer.v_cache.data(),
                                              s.attn.data(), s.stream);
     }
+    s.mark(State::kAttention);
     s.gemm(s.attn.data(), layer.o_proj.data(), rows, q_size, hidden, residual, true, true);
+    s.mark(State::kGemm);
     // The O projection's bias (Llama with attention_bias) is folded into the residual here.
     kernels::launch_rms_norm(norm_dims, s.dtype, nullptr, residual, layer.o_bias.as<float>(),
                              layer.post_norm.as<float>(), s.normed.data(), s.stream);
+    s.mark(State::kOther);
     s.gemm(s.normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, s.gate_up.data(),
            false, false);
+    s.mark(State::kGemm);
     kernels::launch_silu_mul(rows, intermediate, s.dtype, s.gate_up.data(), s.act.data(), s.stream);
+    s.mark(State::kOther);
     s.gemm(s.act.data(), layer.down.data(), rows, intermediate, hidden, residual, true, true);
+    s.mark(State::kGemm);
   }
 
   if (logit_rows > 0) {
@@ -507,18 +572,23 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
     kernels::launch_rms_norm({.num_rows = logit_rows, .width = hidden, .eps = eps}, s.dtype,
                              d_logit_rows, residual, nullptr, s.norm.as<float>(), s.normed.data(),
                              s.stream);
+    s.mark(State::kOther);
     const void* lm_head = c.tie_word_embeddings ? s.embed.data() : s.lm_head.data();
     const size_t row_bytes = kernels::dtype_bytes(s.dtype) * hidden;
     for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
       const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
       s.gemm(static_cast<const char*>(s.normed.data()) + row_bytes * begin, lm_head, count, hidden,
              vocab, s.logits.data(), true, false);
+      s.mark(State::kGemm);
       DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data() + static_cast<size_t>(begin) * vocab,
                                       s.logits.data(), sizeof(float) * count * vocab,
                                       cudaMemcpyDeviceToHost, s.stream));
+      s.mark(State::kCopy);
     }
   }
+  s.mark_end(State::kCopy);
   DEFT_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  s.collect_times();
   return absl::OkStatus();
 }
 

@@ -36,6 +36,21 @@ struct LlamaCudaOptions {
   int device = 0;
 };
 
+// Optional GPU timing of forward() (benchmarks): kOff costs nothing; kTotal records two CUDA
+// events around the step's GPU work (input upload to logits download); kPhases also records an
+// event after every launch and sums the intervals per phase. Event records add a little host
+// time per launch, so a benchmark takes the total from kTotal steps and the split from kPhases.
+enum class StepTiming { kOff, kTotal, kPhases };
+
+struct StepTimes {
+  double total_ms = 0;      // first event to last event of the step
+  double attention_ms = 0;  // DeFT / generic attention launches (both stages)
+  double gemm_ms = 0;       // cuBLAS GEMMs (QKV, O, gate/up, down, LM head)
+  double other_ms = 0;      // embedding, RMSNorms, RoPE + KV write, SiLU·mul
+  double copy_ms = 0;       // step inputs and plan upload, logits download
+  bool valid = false;       // false when the last step ran with kOff (or had no rows)
+};
+
 class LlamaCudaRunner final : public engine::ModelRunner {
  public:
   // Loads `model_dir` (config.json + *.safetensors). Errors name the file, tensor or field.
@@ -64,6 +79,10 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   // True when attention runs the DeFT kernels; false for the generic fallback (head dims the
   // DeFT kernels are not built for).
   bool uses_deft_kernels() const;
+
+  void set_step_timing(StepTiming timing);
+  // Times of the last forward() under the timing mode set then.
+  const StepTimes& last_step_times() const;
 
  private:
   struct State;  // device buffers, cuBLAS handle, stream (CUDA types stay out of this header)

@@ -1,0 +1,497 @@
+// End-to-end decode steps of a Llama-3-8B-shaped model with random bf16 weights (32 layers,
+// hidden 4096, 32/8 heads, head_dim 128, intermediate 14336, vocab 128256, rope_theta 500000)
+// on models/llama_cuda.h, for DeFT-Flatten (the planner's default, adaptive B) and the
+// sequence baseline (planner default split-KV chunks) in the same run:
+//   fewshot_p4000_b20_s100: a 4000-token prompt prefilled, 20 branches decoding one token each
+//     per step for 100 steps (greedy: argmax of each branch's logits on the host);
+//   specdec_p6000_t64: a 6000-token prefix prefilled, then steps verifying the 64-token Medusa
+//     tree (SpecDecReplay, accept lengths of the trace's first record); argmax of every tree
+//     row on the host (what a greedy verifier compares), the trace decides what is accepted.
+// One step = tree bookkeeping + planning + forward() + sampling. Each scenario runs twice per
+// method: with StepTiming::kTotal (the step's wall time and GPU time from two CUDA events) and
+// with StepTiming::kPhases (events after every launch: attention / GEMMs / other kernels /
+// copies). Host parts by steady_clock. The first kWarmupSteps steps of each run are excluded.
+// Floor per step = (weight bytes read + tree KV bytes) / 3.0e12 B/s (max with FLOPs / 7e14),
+// where weight bytes read excludes the embedding table (a step gathers a few rows of it).
+//
+//   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
+// Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/bench_result.h"
+#include "engine/attention_planner.h"
+#include "engine/kv_cache_manager.h"
+#include "engine/model_runner.h"
+#include "engine/sequence_tree.h"
+#include "engine/workload_trace.h"
+#include "kernels/cuda_check.h"
+#include "kernels/device_buffer.h"
+#include "models/llama_cuda.h"
+#include "models/model_config.h"
+
+namespace deft::bench {
+namespace {
+
+using engine::AttentionPlan;
+using engine::AttentionPlanner;
+using engine::KvCacheManager;
+using engine::NodeId;
+using engine::PlanKind;
+using engine::QueryToken;
+using engine::SequenceTree;
+using engine::TokenId;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kWarmupSteps = 3;
+constexpr int32_t kPageTokens = 16;
+constexpr int32_t kNumPages = 1024;        // 16384 KV slots: 2 GiB of KV at these shapes
+constexpr int32_t kPrefillChunk = 2048;    // query rows per prefill forward
+constexpr int kSampleThreads = 8;
+
+void must(const absl::Status& status, const char* what) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, status.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+models::ModelConfig llama3_8b_config() {
+  models::ModelConfig c;
+  c.architecture = "LlamaForCausalLM";
+  c.model_type = "llama";
+  c.hidden_size = 4096;
+  c.intermediate_size = 14336;
+  c.num_hidden_layers = 32;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 8;
+  c.head_dim = 128;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 500000.0;
+  c.max_position_embeddings = 8192;
+  c.vocab_size = 128256;
+  c.tie_word_embeddings = false;
+  c.torch_dtype = models::DType::kBF16;
+  return c;
+}
+
+// Argmax of each row (ties to the lower id), rows split over up to kSampleThreads threads.
+// Returns false when a row holds a NaN.
+bool argmax_rows(const float* logits, int32_t rows, int32_t vocab, std::vector<TokenId>& out) {
+  out.assign(rows, 0);
+  std::vector<char> bad(rows, 0);
+  const auto work = [&](int32_t begin, int32_t end) {
+    for (int32_t r = begin; r < end; ++r) {
+      const float* x = logits + static_cast<size_t>(r) * vocab;
+      float lane[8];
+      for (int l = 0; l < 8; ++l) lane[l] = -INFINITY;
+      bool nan = false;
+      int32_t i = 0;
+      for (; i + 8 <= vocab; i += 8) {
+        for (int l = 0; l < 8; ++l) {
+          lane[l] = x[i + l] > lane[l] ? x[i + l] : lane[l];
+          nan |= x[i + l] != x[i + l];
+        }
+      }
+      float best = -INFINITY;
+      for (int l = 0; l < 8; ++l) best = std::max(best, lane[l]);
+      for (; i < vocab; ++i) {
+        best = std::max(best, x[i]);
+        nan |= x[i] != x[i];
+      }
+      int32_t index = 0;
+      while (index < vocab && x[index] != best) ++index;
+      out[r] = index;
+      bad[r] = nan || index == vocab;
+    }
+  };
+  const int threads = std::min<int32_t>(kSampleThreads, rows);
+  if (threads <= 1) {
+    work(0, rows);
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back(work, rows * t / threads, rows * (t + 1) / threads);
+    }
+    for (std::thread& thread : pool) thread.join();
+  }
+  return std::none_of(bad.begin(), bad.end(), [](char b) { return b != 0; });
+}
+
+struct StepRecord {
+  double total_us = 0;     // wall: bookkeeping + planning + forward + sampling
+  double bookkeeping_us = 0, plan_us = 0, sample_us = 0;
+  double forward_wall_us = 0;
+  models::StepTimes gpu;   // ms, from the runner's events
+  double floor_us = 0;
+  int64_t kv_bytes = 0;    // what the plan reads (all layers)
+  int64_t tree_kv_bytes = 0;
+  int64_t tree_tokens = 0;
+  int32_t new_tokens = 0;  // tokens the step produces (branches, or accepted tokens)
+  std::vector<TokenId> argmax;
+};
+
+struct Run {
+  std::vector<StepRecord> steps;  // timed steps only
+  bool finite = true;
+};
+
+class Bench {
+ public:
+  Bench(models::LlamaCudaRunner& runner, const models::ModelConfig& config)
+      : runner_(runner), config_(config) {
+    logits_host_.reset(sizeof(float) * size_t{256} * config.vocab_size);
+    const size_t embed_bytes = size_t{2} * config.vocab_size * config.hidden_size;
+    weight_read_bytes_ = runner.weight_bytes() - embed_bytes;
+    kv_token_bytes_ = int64_t{2} * config.num_hidden_layers * config.kv_size() * 2;
+  }
+  size_t weight_read_bytes() const { return weight_read_bytes_; }
+
+  // Prefills tokens [0, count) of `node` (already appended) in chunks; no logits. Untimed, on
+  // a DeFT-Flatten plan whatever the method (the sequence plan of a prefill reads the prefix
+  // once per query).
+  void prefill(const SequenceTree& tree, NodeId node, int32_t count) {
+    AttentionPlanner planner({.kind = PlanKind::kDeftFlatten});
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<TokenId> token(0, config_.vocab_size - 1);
+    for (int32_t begin = 0; begin < count; begin += kPrefillChunk) {
+      const int32_t end = std::min(count, begin + kPrefillChunk);
+      std::vector<QueryToken> queries;
+      std::vector<TokenId> tokens;
+      for (int32_t i = begin; i < end; ++i) {
+        queries.push_back({node, i});
+        tokens.push_back(token(rng));
+      }
+      const std::vector<engine::TreeQueries> input = {{&tree, queries}};
+      must(planner.plan(input, plan_), "prefill plan");
+      must(runner_.forward({.plan = &plan_, .tokens = tokens, .logit_rows = {}}, {}),
+           "prefill forward");
+    }
+  }
+
+  // One timed step over `queries` of `tree` (bookkeeping already done by the caller and timed
+  // as `bookkeeping_us`).
+  StepRecord step(const SequenceTree& tree, const std::vector<QueryToken>& queries,
+                  const std::vector<TokenId>& tokens, AttentionPlanner& planner,
+                  double bookkeeping_us, Clock::time_point t0, bool& finite) {
+    StepRecord rec;
+    rec.bookkeeping_us = bookkeeping_us;
+    Clock::time_point t = Clock::now();
+    const std::vector<engine::TreeQueries> input = {{&tree, queries}};
+    must(planner.plan(input, plan_), "plan");
+    rec.plan_us = us_since(t);
+    const int32_t rows = static_cast<int32_t>(queries.size());
+    logit_rows_.resize(rows);
+    for (int32_t r = 0; r < rows; ++r) logit_rows_[r] = r;
+    float* logits = logits_host_.as<float>();
+    t = Clock::now();
+    must(runner_.forward({.plan = &plan_, .tokens = tokens, .logit_rows = logit_rows_},
+                         {logits, static_cast<size_t>(rows) * config_.vocab_size}),
+         "forward");
+    rec.forward_wall_us = us_since(t);
+    rec.gpu = runner_.last_step_times();
+    t = Clock::now();
+    finite &= argmax_rows(logits, rows, config_.vocab_size, rec.argmax);
+    rec.sample_us = us_since(t);
+    rec.total_us = us_since(t0);
+
+    rec.tree_tokens = tree.total_tokens();
+    rec.tree_kv_bytes = rec.tree_tokens * kv_token_bytes_;
+    rec.kv_bytes = plan_.io.kv_tokens_read * kv_token_bytes_;
+    // FLOPs: 2 per weight element per row (LM head: every row here), attention 4 * q_size per
+    // (query, visible token) per layer.
+    int64_t visible = 0;
+    for (const QueryToken& q : queries) visible += tree.depth(q.node, q.token_index) + 1;
+    const double flops = 2.0 * (weight_read_bytes_ / 2.0) * rows +
+                         4.0 * config_.q_size() * double(visible) * config_.num_hidden_layers;
+    rec.floor_us = std::max((double(weight_read_bytes_) + double(rec.tree_kv_bytes)) /
+                                BenchResult::kHbmBytesPerS,
+                            flops / BenchResult::kFlopsPerS) *
+                   1e6;
+    return rec;
+  }
+
+  Run fewshot(PlanKind kind, models::StepTiming timing, int prompt, int branches, int steps) {
+    runner_.set_step_timing(models::StepTiming::kOff);
+    KvCacheManager kv({.page_tokens = kPageTokens, .num_pages = kNumPages});
+    SequenceTree tree(0, &kv);
+    AttentionPlanner planner({.kind = kind});
+    must(tree.append(0, std::vector<TokenId>(prompt, 1)), "prompt");
+    prefill(tree, 0, prompt);
+    absl::StatusOr<std::vector<NodeId>> leaves = tree.branch(0, branches);
+    must(leaves.status(), "branch");
+    std::mt19937 rng(11);
+    std::uniform_int_distribution<TokenId> token(0, config_.vocab_size - 1);
+    std::vector<TokenId> pending(branches);
+    for (TokenId& t : pending) t = token(rng);  // each branch starts from its own token
+    Run run;
+    std::vector<QueryToken> queries(branches);
+    runner_.set_step_timing(timing);
+    for (int s = 0; s < kWarmupSteps + steps; ++s) {
+      const Clock::time_point t0 = Clock::now();
+      for (int b = 0; b < branches; ++b) {
+        const NodeId leaf = (*leaves)[b];
+        must(tree.append(leaf, std::span<const TokenId>(&pending[b], 1)), "append");
+        queries[b] = {leaf, static_cast<int32_t>(tree.node(leaf).tokens.size()) - 1};
+      }
+      const double bookkeeping = us_since(t0);
+      StepRecord rec = step(tree, queries, pending, planner, bookkeeping, t0, run.finite);
+      const Clock::time_point t1 = Clock::now();
+      pending = rec.argmax;  // greedy
+      rec.bookkeeping_us += us_since(t1);
+      rec.total_us += us_since(t1);
+      rec.new_tokens = branches;
+      if (s >= kWarmupSteps) run.steps.push_back(std::move(rec));
+    }
+    runner_.set_step_timing(models::StepTiming::kOff);
+    return run;
+  }
+
+  Run specdec(PlanKind kind, models::StepTiming timing, const engine::SpecDecTrace& trace,
+              int prefix, int steps) {
+    runner_.set_step_timing(models::StepTiming::kOff);
+    KvCacheManager kv({.page_tokens = kPageTokens, .num_pages = kNumPages});
+    SequenceTree tree(0, &kv);
+    AttentionPlanner planner({.kind = kind});
+    engine::SpecDecReplay replay(trace, tree, prefix);
+    must(replay.status(), "specdec replay");
+    prefill(tree, 0, prefix);
+    const std::vector<int32_t>& accept = trace.accept_lengths.at(0);
+    std::mt19937 rng(13);
+    std::uniform_int_distribution<TokenId> token(0, config_.vocab_size - 1);
+    Run run;
+    std::vector<QueryToken> queries;
+    std::vector<TokenId> tokens(trace.tree_size());
+    runner_.set_step_timing(timing);
+    for (int s = 0; s < kWarmupSteps + steps; ++s) {
+      for (TokenId& t : tokens) t = token(rng);  // the candidates' ids (untimed)
+      const Clock::time_point t0 = Clock::now();
+      replay.build_token_tree(queries);
+      must(replay.status(), "token tree");
+      const double bookkeeping = us_since(t0);
+      StepRecord rec = step(tree, queries, tokens, planner, bookkeeping, t0, run.finite);
+      const Clock::time_point t1 = Clock::now();
+      const int32_t accepted = std::max(1, accept[s % accept.size()]);
+      replay.commit(accepted);
+      must(replay.status(), "commit");
+      rec.bookkeeping_us += us_since(t1);
+      rec.total_us += us_since(t1);
+      rec.new_tokens = accepted;
+      if (s >= kWarmupSteps) run.steps.push_back(std::move(rec));
+    }
+    runner_.set_step_timing(models::StepTiming::kOff);
+    return run;
+  }
+
+ private:
+  models::LlamaCudaRunner& runner_;
+  models::ModelConfig config_;
+  AttentionPlan plan_;
+  std::vector<int32_t> logit_rows_;
+  kernels::PinnedHostBuffer logits_host_;
+  size_t weight_read_bytes_ = 0;
+  int64_t kv_token_bytes_ = 0;
+};
+
+template <typename F>
+Samples stat(const std::vector<StepRecord>& steps, F f) {
+  std::vector<double> v;
+  for (const StepRecord& s : steps) v.push_back(f(s));
+  return summarize(v);
+}
+
+}  // namespace
+}  // namespace deft::bench
+
+int main(int argc, char** argv) {
+  using namespace deft;
+  using namespace deft::bench;
+  std::string workloads = DEFT_WORKLOADS_DIR, out;
+  int fewshot_steps = 100, spec_steps = 50;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--workloads") workloads = argv[i + 1];
+    else if (flag == "--out") out = argv[i + 1];
+    else if (flag == "--fewshot-steps") fewshot_steps = std::atoi(argv[i + 1]);
+    else if (flag == "--spec-steps") spec_steps = std::atoi(argv[i + 1]);
+  }
+  absl::StatusOr<engine::SpecDecTrace> trace =
+      engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
+  must(trace.status(), "trace");
+
+  const models::ModelConfig config = llama3_8b_config();
+  const Clock::time_point t_load = Clock::now();
+  absl::StatusOr<std::unique_ptr<models::LlamaCudaRunner>> runner =
+      models::LlamaCudaRunner::create_random(
+          config, {.num_kv_slots = int64_t{kNumPages} * kPageTokens, .page_tokens = kPageTokens,
+                   .max_batch_rows = kPrefillChunk},
+          1, "llama3-8b-random");
+  must(runner.status(), "runner");
+  std::printf("random Llama-3-8B-shaped model ready in %.1f s, %.2f GB weights\n",
+              us_since(t_load) / 1e6, (*runner)->weight_bytes() / 1e9);
+
+  cudaDeviceProp prop;
+  DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const std::string gpu = prop.name;
+  const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
+  BenchResult result("e2e_step", gpu, tag, argc, argv);
+  Bench bench(**runner, config);
+
+  struct Method {
+    PlanKind kind;
+    std::string name;
+  };
+  const std::vector<Method> methods = {{PlanKind::kDeftFlatten, "deft_flatten"},
+                                       {PlanKind::kSequence, "sequence"}};
+  struct Case {
+    std::string name;
+    bool spec;
+  };
+  const std::vector<Case> cases = {{"fewshot_p4000_b20_s100", false}, {"specdec_p6000_t64", true}};
+
+  // Warm-up (cuBLAS heuristics, kernel loading, clocks): a short run of each scenario.
+  bench.fewshot(PlanKind::kDeftFlatten, models::StepTiming::kOff, 4000, 20, 5);
+  bench.specdec(PlanKind::kSequence, models::StepTiming::kOff, *trace, 6000, 5);
+
+  std::printf("%-24s %-13s %9s %9s %6s | %8s %8s %8s %8s %8s | %7s %7s %7s %6s | %8s\n", "case",
+              "method", "total_us", "floor_us", "ratio", "gpu_us", "attn_us", "gemm_us",
+              "other_us", "copy_us", "plan_us", "book_us", "samp_us", "host%", "tok/s");
+  for (const Case& c : cases) {
+    std::vector<std::vector<TokenId>> reference_argmax;  // the sequence baseline's, per step
+    std::vector<ResultRow> rows;
+    std::vector<std::vector<std::vector<TokenId>>> argmaxes;
+    for (const Method& m : methods) {
+      const auto run_once = [&](models::StepTiming timing) {
+        return c.spec ? bench.specdec(m.kind, timing, *trace, 6000, spec_steps)
+                      : bench.fewshot(m.kind, timing, 4000, 20, fewshot_steps);
+      };
+      const Run total = run_once(models::StepTiming::kTotal);
+      const Run phases = run_once(models::StepTiming::kPhases);
+      const auto& st = total.steps;
+      const Samples t = stat(st, [](const StepRecord& s) { return s.total_us; });
+      const Samples gpu = stat(st, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
+      const Samples plan = stat(st, [](const StepRecord& s) { return s.plan_us; });
+      const Samples book = stat(st, [](const StepRecord& s) { return s.bookkeeping_us; });
+      const Samples samp = stat(st, [](const StepRecord& s) { return s.sample_us; });
+      const Samples host = stat(st, [](const StepRecord& s) {
+        return s.plan_us + s.bookkeeping_us + s.sample_us;
+      });
+      const Samples fwd_wall = stat(st, [](const StepRecord& s) { return s.forward_wall_us; });
+      const Samples gap = stat(st, [](const StepRecord& s) {
+        return s.forward_wall_us - s.gpu.total_ms * 1e3;
+      });
+      const Samples floor = stat(st, [](const StepRecord& s) { return s.floor_us; });
+      const Samples tree_kv = stat(st, [](const StepRecord& s) { return double(s.tree_kv_bytes); });
+      const Samples kv = stat(st, [](const StepRecord& s) { return double(s.kv_bytes); });
+      const auto& ph = phases.steps;
+      const Samples p_total = stat(ph, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
+      const Samples p_attn = stat(ph, [](const StepRecord& s) { return s.gpu.attention_ms * 1e3; });
+      const Samples p_gemm = stat(ph, [](const StepRecord& s) { return s.gpu.gemm_ms * 1e3; });
+      const Samples p_other = stat(ph, [](const StepRecord& s) { return s.gpu.other_ms * 1e3; });
+      const Samples p_copy = stat(ph, [](const StepRecord& s) { return s.gpu.copy_ms * 1e3; });
+      const Samples p_wall = stat(ph, [](const StepRecord& s) { return s.total_us; });
+      double tokens = 0, time_us = 0;
+      for (const StepRecord& s : st) {
+        tokens += s.new_tokens;
+        time_us += s.total_us;
+      }
+      const double tokens_per_s = tokens / (time_us * 1e-6);
+      std::printf(
+          "%-24s %-13s %9.0f %9.0f %6.2f | %8.0f %8.0f %8.0f %8.0f %8.0f | %7.0f %7.0f %7.0f "
+          "%5.1f%% | %8.0f%s\n",
+          c.name.c_str(), m.name.c_str(), t.median, floor.median, t.median / floor.median,
+          gpu.median, p_attn.median, p_gemm.median, p_other.median, p_copy.median, plan.median,
+          book.median, samp.median, 100.0 * host.median / t.median, tokens_per_s,
+          total.finite && phases.finite ? "" : "  NON-FINITE LOGITS (row not written)");
+      std::vector<std::vector<TokenId>> am;
+      for (const StepRecord& s : st) am.push_back(s.argmax);
+      argmaxes.push_back(am);
+      if (!total.finite || !phases.finite) {
+        rows.emplace_back();
+        rows.back().method = "";  // marks a skipped row
+        continue;
+      }
+      ResultRow row;
+      row.case_name = c.name;
+      row.method = m.name;
+      row.median_us = t.median;
+      row.p10_us = t.p10;
+      row.p90_us = t.p90;
+      row.repetitions = static_cast<int64_t>(st.size());
+      row.kv_bytes = static_cast<int64_t>(kv.median);
+      row.floor_us = floor.median;
+      row.extra = {
+          {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
+          {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
+          {"queries_per_step", c.spec ? trace->tree_size() : 20},
+          {"tokens_per_s", tokens_per_s},
+          {"tokens_per_step_mean", tokens / st.size()},
+          {"floor_bytes_weights", bench.weight_read_bytes()},
+          {"floor_bytes_tree_kv_median", tree_kv.median},
+          {"split_us_median",
+           {{"gpu_forward_events", gpu.median},
+            {"host_total", host.median},
+            {"host_plan", plan.median},
+            {"host_tree_bookkeeping", book.median},
+            {"host_sampling_argmax", samp.median},
+            {"forward_wall_minus_gpu", gap.median},
+            {"forward_wall", fwd_wall.median}}},
+          {"split_p10_p90_us",
+           {{"gpu_forward_events", {gpu.p10, gpu.p90}}, {"host_total", {host.p10, host.p90}}}},
+          {"host_share_median", host.median / t.median},
+          {"gpu_phases_us_median",
+           {{"note", "separate run with an event after every launch (StepTiming::kPhases)"},
+            {"gpu_total", p_total.median},
+            {"attention", p_attn.median},
+            {"gemm", p_gemm.median},
+            {"other_kernels", p_other.median},
+            {"copies_inputs_plan_logits", p_copy.median},
+            {"step_wall_with_phase_events", p_wall.median}}},
+          {"sampling", "greedy argmax of every logit row on the host (fp32 logits downloaded, "
+                       "8 threads)"},
+      };
+      rows.push_back(row);
+    }
+    // Greedy tokens of DeFT vs the sequence baseline (same weights, same inputs): the fraction
+    // of (step, row) argmaxes that agree. Few-shot feeds tokens back, so compare up to the
+    // first step where a branch diverged.
+    const auto& a = argmaxes[0];
+    const auto& b = argmaxes[1];
+    int64_t same = 0, all = 0;
+    int first_diff = -1;
+    for (size_t s = 0; s < std::min(a.size(), b.size()); ++s) {
+      for (size_t r = 0; r < a[s].size() && r < b[s].size(); ++r) {
+        ++all;
+        same += a[s][r] == b[s][r];
+      }
+      if (first_diff < 0 && a[s] != b[s]) first_diff = static_cast<int>(s);
+      if (!c.spec && first_diff >= 0) break;
+    }
+    std::printf("%-24s greedy argmax agreement deft_flatten vs sequence: %lld / %lld (first "
+                "differing step %d)\n",
+                c.name.c_str(), static_cast<long long>(same), static_cast<long long>(all),
+                first_diff);
+    for (ResultRow& row : rows) {
+      if (row.method.empty()) continue;
+      row.extra["greedy_agreement_with_other_method"] = {
+          {"same", same}, {"compared", all}, {"first_differing_step", first_diff}};
+      result.add(row);
+    }
+  }
+  std::printf("wrote %s\n", result.write(out).c_str());
+  return 0;
+}
