@@ -44,6 +44,8 @@ using testing::argmax;
 using testing::relative_error;
 using testing::RunnerHarness;
 using testing::TreeStep;
+using testing::GoldenTree;
+using testing::build_golden_tree;
 
 // bf16 weights and activations against a float64 reference: relative logit error bound.
 constexpr double kBf16LogitBound = 3e-2;
@@ -169,22 +171,10 @@ TEST_P(LlamaCudaGoldenTest, LogitsTreeAndGreedyMatchTransformers) {
   const nlohmann::json& branches = tree_spec["branches"];
   SequenceTree tree(100, &kv);
   const std::vector<TokenId> prompt = tree_spec["prompt"].get<std::vector<TokenId>>();
-  TreeStep all = RunnerHarness::append(tree, tree.root(), prompt);
-  std::vector<NodeId> node_ids;
-  for (const nlohmann::json& node : golden_nodes) {
-    const int parent = node["parent"].get<int>();
-    const NodeId parent_id = parent < 0 ? tree.root() : node_ids.at(static_cast<size_t>(parent));
-    const NodeId id = (*tree.branch(parent_id, 1))[0];
-    node_ids.push_back(id);
-    const TreeStep part =
-        RunnerHarness::append(tree, id, node["tokens"].get<std::vector<TokenId>>());
-    all.queries.insert(all.queries.end(), part.queries.begin(), part.queries.end());
-    all.tokens.insert(all.tokens.end(), part.tokens.begin(), part.tokens.end());
-  }
-  std::map<std::pair<NodeId, int32_t>, size_t> row_of;
-  for (size_t row = 0; row < all.queries.size(); ++row) {
-    row_of[{all.queries[row].node, all.queries[row].token_index}] = row;
-  }
+  GoldenTree golden_tree = build_golden_tree(tree_spec, tree);
+  TreeStep& all = golden_tree.all;
+  const std::vector<NodeId>& node_ids = golden_tree.node_ids;
+  const auto& row_of = golden_tree.row_of;
   const std::vector<std::vector<float>> tree_logits = stepper.step({&all, 1});
   std::vector<NodeId> leaves;
   std::vector<std::vector<float>> leaf_logits;

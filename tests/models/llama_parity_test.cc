@@ -31,6 +31,8 @@ using engine::SequenceTree;
 using engine::TokenId;
 using testing::RunnerHarness;
 using testing::TreeStep;
+using testing::GoldenTree;
+using testing::build_golden_tree;
 using testing::argmax;
 using testing::relative_error;
 
@@ -145,23 +147,10 @@ TEST_P(LlamaParityTest, TokenTreeAndGreedyContinuations) {
 
   // The prompt as the root, the golden nodes under it; the whole tree in one step.
   SequenceTree tree(1, &golden->kv);
-  TreeStep all = RunnerHarness::append(tree, tree.root(),
-                                       spec["prompt"].get<std::vector<TokenId>>());
-  std::vector<NodeId> node_ids;
-  for (const nlohmann::json& node : golden_nodes) {
-    const int parent = node["parent"].get<int>();
-    const NodeId parent_id = parent < 0 ? tree.root() : node_ids.at(static_cast<size_t>(parent));
-    const NodeId id = (*tree.branch(parent_id, 1))[0];
-    node_ids.push_back(id);
-    const TreeStep part =
-        RunnerHarness::append(tree, id, node["tokens"].get<std::vector<TokenId>>());
-    all.queries.insert(all.queries.end(), part.queries.begin(), part.queries.end());
-    all.tokens.insert(all.tokens.end(), part.tokens.begin(), part.tokens.end());
-  }
-  std::map<std::pair<NodeId, int32_t>, size_t> row_of;
-  for (size_t row = 0; row < all.queries.size(); ++row) {
-    row_of[{all.queries[row].node, all.queries[row].token_index}] = row;
-  }
+  GoldenTree golden_tree = build_golden_tree(spec, tree);
+  TreeStep& all = golden_tree.all;
+  const std::vector<NodeId>& node_ids = golden_tree.node_ids;
+  const auto& row_of = golden_tree.row_of;
   const std::vector<std::vector<float>> tree_logits = run_step(*golden, planner, {&all, 1});
 
   // (b) every tree token's logits against its branch run alone in transformers.

@@ -4,7 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <map>
+#include <utility>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -193,5 +197,34 @@ class RunnerHarness {
   std::unique_ptr<LlamaCpuRunner> runner_;
   uint32_t next_tree_id_ = 1;
 };
+
+// The token tree of a transformers golden (`spec["tree"]`: a prompt, then nodes with a parent
+// index and tokens) hung under `tree`'s root, as one step whose queries are every tree token.
+struct GoldenTree {
+  TreeStep all;                                         // every prompt and node token, in order
+  std::vector<engine::NodeId> node_ids;                 // golden node index -> tree node
+  std::map<std::pair<engine::NodeId, int32_t>, size_t> row_of;  // (node, token) -> query row
+};
+
+inline GoldenTree build_golden_tree(const nlohmann::json& tree_spec, engine::SequenceTree& tree) {
+  GoldenTree golden;
+  golden.all = RunnerHarness::append(
+      tree, tree.root(), tree_spec["prompt"].get<std::vector<engine::TokenId>>());
+  for (const nlohmann::json& node : tree_spec["nodes"]) {
+    const int parent = node["parent"].get<int>();
+    const engine::NodeId parent_id =
+        parent < 0 ? tree.root() : golden.node_ids.at(static_cast<size_t>(parent));
+    const engine::NodeId id = (*tree.branch(parent_id, 1))[0];
+    golden.node_ids.push_back(id);
+    const TreeStep part =
+        RunnerHarness::append(tree, id, node["tokens"].get<std::vector<engine::TokenId>>());
+    golden.all.queries.insert(golden.all.queries.end(), part.queries.begin(), part.queries.end());
+    golden.all.tokens.insert(golden.all.tokens.end(), part.tokens.begin(), part.tokens.end());
+  }
+  for (size_t row = 0; row < golden.all.queries.size(); ++row) {
+    golden.row_of[{golden.all.queries[row].node, golden.all.queries[row].token_index}] = row;
+  }
+  return golden;
+}
 
 }  // namespace deft::models::testing
