@@ -123,6 +123,7 @@ void Scheduler::prepare() {
     committed += pages;
     live_.push_back(std::move(queued_.front()));
     queued_.pop_front();
+    live_.back()->start(forest_);
   }
 }
 
