@@ -9,17 +9,16 @@ namespace deft::engine {
 absl::Status check_row_sampling(const StepBatch& batch, std::span<const RowSampling> rows,
                                 std::span<const SampledToken> out, int32_t vocab_size) {
   if (rows.size() != batch.logit_rows.size() || out.size() != batch.logit_rows.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("forward_sampled: ", batch.logit_rows.size(), " logit rows but ", rows.size(),
-                     " sampling rows and ", out.size(), " outputs"));
+    return absl::InvalidArgumentError(absl::StrCat("forward_sampled: ", batch.logit_rows.size(),
+                                                   " logit rows but ", rows.size(),
+                                                   " sampling rows and ", out.size(), " outputs"));
   }
   for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i].params == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("forward_sampled: logit row ", i, " has no sampling params"));
     }
-    if (absl::Status status = validate_sampling_params(*rows[i].params, vocab_size);
-        !status.ok()) {
+    if (absl::Status status = validate_sampling_params(*rows[i].params, vocab_size); !status.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("forward_sampled: logit row ", i, ": ", status.message()));
     }
@@ -27,8 +26,7 @@ absl::Status check_row_sampling(const StepBatch& batch, std::span<const RowSampl
   return absl::OkStatus();
 }
 
-absl::Status ModelRunner::forward_sampled(const StepBatch& batch,
-                                          std::span<const RowSampling> rows,
+absl::Status ModelRunner::forward_sampled(const StepBatch& batch, std::span<const RowSampling> rows,
                                           std::span<SampledToken> out) {
   const int32_t vocab = vocab_size();
   if (absl::Status status = check_row_sampling(batch, rows, out, vocab); !status.ok()) {
@@ -38,9 +36,8 @@ absl::Status ModelRunner::forward_sampled(const StepBatch& batch,
   if (absl::Status status = forward(batch, logits); !status.ok()) return status;
   Sampler sampler;
   for (size_t i = 0; i < rows.size(); ++i) {
-    absl::StatusOr<SampledToken> token =
-        sampler.sample(std::span<const float>(logits).subspan(i * vocab, vocab), *rows[i].params,
-                       rows[i].step);
+    absl::StatusOr<SampledToken> token = sampler.sample(
+        std::span<const float>(logits).subspan(i * vocab, vocab), *rows[i].params, rows[i].step);
     if (!token.ok()) {
       return absl::Status(token.status().code(),
                           absl::StrCat("forward_sampled: logit row ", i, " (query row ",

@@ -19,8 +19,7 @@ struct Philox4x32 {
 };
 
 // Ten rounds over `counter` keyed by (key0, key1); Random123's constants.
-DEFT_HOST_DEVICE inline Philox4x32 philox4x32_10(Philox4x32 counter, uint32_t key0,
-                                                 uint32_t key1) {
+DEFT_HOST_DEVICE inline Philox4x32 philox4x32_10(Philox4x32 counter, uint32_t key0, uint32_t key1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   uint32_t* c = counter.word;
@@ -48,11 +47,10 @@ DEFT_HOST_DEVICE inline Philox4x32 philox4x32_10(Philox4x32 counter, uint32_t ke
 // The uniform number in [0, 1) (53 bits) that draw `step` of the stream `seed` yields:
 // counter (step lo, step hi, 0, 0), key (seed lo, seed hi); 27 bits of word 0, 26 of word 1.
 DEFT_HOST_DEVICE inline double philox_uniform(uint64_t seed, uint64_t step) {
-  const Philox4x32 bits = philox4x32_10(
-      {{static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0u, 0u}},
-      static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
-  const uint64_t mantissa =
-      (static_cast<uint64_t>(bits.word[0] >> 5) << 26) | (bits.word[1] >> 6);
+  const Philox4x32 bits =
+      philox4x32_10({{static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0u, 0u}},
+                    static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  const uint64_t mantissa = (static_cast<uint64_t>(bits.word[0] >> 5) << 26) | (bits.word[1] >> 6);
   return static_cast<double>(mantissa) * 0x1.0p-53;
 }
 

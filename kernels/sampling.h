@@ -8,9 +8,10 @@
 // rounded once from a double exp, as glibc's expf rounds), top-k keeps the k most likely, top-p
 // then the smallest most-likely prefix of those reaching top_p of their mass, and the token is
 // the inverse CDF, in token-id order over the kept tokens, of the uniform
-// philox_uniform(seed, step) (kernels/philox.h) times the kept mass. Masses are summed in double,
-// in another order than the CPU's, so a token can differ from engine::Sampler's only where the
-// uniform (or top-p's mass) lies within double rounding of a CDF boundary.
+// philox_uniform(seed, step) (kernels/philox.h) times the kept mass. The inverse CDF sums in
+// double, in another order than the CPU's; top-p's select sums weights rounded to 2^-40 (fixed
+// point, see sampling.cu). So a token can differ from engine::Sampler's only where the uniform's
+// target (or top-p's needed mass) lies within that rounding of a cumulative-mass boundary.
 //
 // Selection without a sort: a radix-style select over the 64-bit likelihood key
 // (order-preserving logit bits << 32 | ~token id), 256 bins a pass over the row, each pass

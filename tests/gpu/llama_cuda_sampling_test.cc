@@ -155,9 +155,10 @@ TEST(LlamaCudaSampling, ForwardSampledMatchesForwardAndSampler) {
     for (int b = 0; b < branches; ++b) next[b] = out[b].token;
   }
   EXPECT_LE(boundary_cases * 50, compared);
-  std::printf("[cuda forward_sampled] default model (vocab %d): %lld rows compared, %lld "
-              "boundary cases\n",
-              vocab, static_cast<long long>(compared), static_cast<long long>(boundary_cases));
+  std::printf(
+      "[cuda forward_sampled] default model (vocab %d): %lld rows compared, %lld "
+      "boundary cases\n",
+      vocab, static_cast<long long>(compared), static_cast<long long>(boundary_cases));
 }
 
 TEST(LlamaCudaSampling, ForwardSampledRejectsBadArguments) {
@@ -185,8 +186,7 @@ TEST(LlamaCudaSampling, ForwardSampledRejectsBadArguments) {
             absl::StatusCode::kInvalidArgument);
   const SamplingParams good{};
   const std::vector<RowSampling> two = {{&good, 0}, {&good, 1}};
-  EXPECT_EQ((*loaded)->forward_sampled(batch, two, out).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*loaded)->forward_sampled(batch, two, out).code(), absl::StatusCode::kInvalidArgument);
   const std::vector<RowSampling> one = {{&good, 0}};
   EXPECT_TRUE((*loaded)->forward_sampled(batch, one, out).ok());
   EXPECT_GE(out[0].token, 0);

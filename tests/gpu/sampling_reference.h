@@ -68,8 +68,8 @@ inline double sampling_decision_margin(std::span<const float> logits,
     const long double before = cumulative;
     cumulative += weights[t];
     if (cumulative > target) {
-      return std::min(margin, static_cast<double>(std::min(target - before, cumulative - target) /
-                                                  kept_mass));
+      return std::min(
+          margin, static_cast<double>(std::min(target - before, cumulative - target) / kept_mass));
     }
   }
   return std::min(margin, static_cast<double>((target - cumulative) / kept_mass));

@@ -1,10 +1,10 @@
 // The GPU sampler (kernels/sampling.h) against its CPU twin engine::Sampler on fresh random
-// rows (vocab 32000 and 128256): greedy, temperature, top-k, top-p and their combinations, a new
-// seed and step per row. Greedy tokens must be equal; a sampled token may differ only where the
-// reference's decision margin (tests/gpu/sampling_reference.h: the draw's or top-p's distance to
-// a cumulative-mass boundary, relative to the mass) is below kBoundaryMargin, i.e. within the
-// rounding of double sums taken in another order; such cases are counted and printed. Raw
-// logprobs within kLogprobAbs + kLogprobRel |ref|; top logprob lists token for token.
+// rows (vocab 7, 1001, 32000 and 128256): greedy, temperature, top-k, top-p and their
+// combinations, a new seed and step per row. Greedy tokens must be equal; a sampled token may
+// differ only where the reference's decision margin (tests/gpu/sampling_reference.h: the draw's or
+// top-p's distance to a cumulative-mass boundary, relative to the mass) is below kBoundaryMargin,
+// i.e. within the rounding of double sums taken in another order; such cases are counted and
+// printed. Raw logprobs within kLogprobAbs + kLogprobRel |ref|; top logprob lists token for token.
 #include "kernels/sampling.h"
 
 #include <gtest/gtest.h>
@@ -36,13 +36,21 @@ std::vector<float> random_row(int32_t vocab, int kind, std::mt19937& rng) {
   std::vector<float> row(static_cast<size_t>(vocab));
   for (float& x : row) {
     switch (kind) {
-      case 0: x = normal(rng); break;
-      case 1: x = 4.0f * normal(rng); break;
-      case 2: x = std::round(2.0f * normal(rng)) * 0.5f; break;
+      case 0:
+        x = normal(rng);
+        break;
+      case 1:
+        x = 4.0f * normal(rng);
+        break;
+      case 2:
+        x = std::round(2.0f * normal(rng)) * 0.5f;
+        break;
       case 3:
         x = rng() % 10 < 3 ? -std::numeric_limits<float>::infinity() : 3.0f * normal(rng);
         break;
-      default: x = 2.0f * normal(rng); break;
+      default:
+        x = 2.0f * normal(rng);
+        break;
     }
   }
   if (kind == 4) {
@@ -172,8 +180,8 @@ TEST_P(SamplingGpuTest, MatchesEngineSampler) {
           << config.name << " row " << r;
       for (int32_t j = 0; j < ours.num_top; ++j) {
         const SampledTop& top = gpu.top[static_cast<size_t>(r) * kSamplingMaxTopLogprobs + j];
-        EXPECT_EQ(top.token, ref->top_logprobs[j].token) << config.name << " row " << r
-                                                         << " top " << j;
+        EXPECT_EQ(top.token, ref->top_logprobs[j].token)
+            << config.name << " row " << r << " top " << j;
         EXPECT_TRUE(logprob_close(top.logprob, ref->top_logprobs[j].logprob))
             << config.name << " row " << r << " top " << j;
       }
@@ -187,7 +195,8 @@ TEST_P(SamplingGpuTest, MatchesEngineSampler) {
       static_cast<long long>(boundary_cases), kBoundaryMargin, worst_logprob);
 }
 
-INSTANTIATE_TEST_SUITE_P(Vocab, SamplingGpuTest, ::testing::Values(32000, 128256),
+// 7 and 1001: fewer tokens than threads or top logprobs asked, rows not 16-byte aligned.
+INSTANTIATE_TEST_SUITE_P(Vocab, SamplingGpuTest, ::testing::Values(7, 1001, 32000, 128256),
                          [](const ::testing::TestParamInfo<int32_t>& info) {
                            return "v" + std::to_string(info.param);
                          });
@@ -237,12 +246,12 @@ TEST(SamplingGpu, TiesGoToTheLowerTokenId) {
     absl::StatusOr<engine::SampledToken> ref = sampler.sample(logits, p, 0);
     ASSERT_TRUE(ref.ok());
     EXPECT_EQ(gpu.rows[i].token, ref->token) << "seed " << p.seed;
-    EXPECT_TRUE(gpu.rows[i].token == 0 || gpu.rows[i].token == 30000 ||
-                gpu.rows[i].token == 40000);
+    EXPECT_TRUE(gpu.rows[i].token == 0 || gpu.rows[i].token == 30000 || gpu.rows[i].token == 40000);
   }
 }
 
-// Times (printed, not asserted): 20 and 64 rows of 128256 logits, greedy and top-p 0.9.
+// Times (printed, not asserted): 20 and 64 rows of 128256 logits, greedy, plain temperature,
+// top-k, top-p and top-k + top-p with 20 top logprobs.
 TEST(SamplingGpu, Timing) {
   DEFT_SKIP_WITHOUT_GPU();
   const int32_t vocab = 128256;
@@ -257,7 +266,7 @@ TEST(SamplingGpu, Timing) {
     DeviceBuffer workspace(sampling_workspace_bytes(rows, vocab));
     DeviceBuffer d_out(sizeof(SampledRow) * rows);
     DeviceBuffer d_top(sizeof(SampledTop) * rows * kSamplingMaxTopLogprobs);
-    for (const Config& config : {kConfigs[0], kConfigs[6], kConfigs[7]}) {
+    for (const Config& config : {kConfigs[0], kConfigs[3], kConfigs[5], kConfigs[6], kConfigs[7]}) {
       const std::vector<RowSamplingParams> params(
           rows, RowSamplingParams{.temperature = config.temperature,
                                   .top_k = config.top_k,
