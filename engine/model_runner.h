@@ -65,6 +65,12 @@ class ModelRunner {
   // then holds the step's K/V).
   virtual absl::Status forward_sampled(const StepBatch& batch, std::span<const RowSampling> rows,
                                        std::span<SampledToken> out);
+
+  // Attention time of the last step in seconds (all layers), or < 0 when it was not timed.
+  // time_attention(true) asks the next steps to time it (a backend may charge a little for
+  // that: the server samples it now and then for its attention-share metric).
+  virtual void time_attention(bool on) { (void)on; }
+  virtual double last_attention_seconds() const { return -1.0; }
 };
 
 // The argument checks of forward_sampled (for backends that override it): sizes, params present

@@ -450,6 +450,14 @@ size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_byt
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
 void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
+void LlamaCudaRunner::time_attention(bool on) {
+  state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;
+}
+double LlamaCudaRunner::last_attention_seconds() const {
+  return state_->times.valid && state_->timing == StepTiming::kPhases
+             ? state_->times.attention_ms * 1e-3
+             : -1.0;
+}
 const StepTimes& LlamaCudaRunner::last_step_times() const { return state_->times; }
 
 absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<float> logits) {

@@ -88,6 +88,10 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   bool uses_deft_kernels() const;
 
   void set_step_timing(StepTiming timing);
+  // time_attention(true): the next steps run with StepTiming::kPhases (a few µs of host time
+  // per launch), so last_attention_seconds() reports their attention time.
+  void time_attention(bool on) override;
+  double last_attention_seconds() const override;
   // Times of the last forward() under the timing mode set then.
   const StepTimes& last_step_times() const;
 
