@@ -125,6 +125,8 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
       {host_plan.entry_query, i32(host_plan.num_entries), 0},
       {host_plan.query_entry_begin, i32(host_plan.num_queries + 1), 0},
       {host_plan.query_entries, i32(host_plan.num_entries), 0},
+      {host_plan.prefill_runs,
+       static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
   };
   size_t total = 0;
   for (Section& section : sections) {
@@ -160,7 +162,10 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
   device_view_.entry_query = reinterpret_cast<const int32_t*>(at(6));
   device_view_.query_entry_begin = reinterpret_cast<const int32_t*>(at(7));
   device_view_.query_entries = reinterpret_cast<const int32_t*>(at(8));
+  device_view_.prefill_runs = reinterpret_cast<const PrefillRun*>(at(9));
 
+  host_prefill_runs_.assign(host_plan.prefill_runs,
+                            host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));
   max_task_entries_ = 0;
   for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
     max_task_entries_ = std::max(
