@@ -33,6 +33,7 @@
 #include "engine/kv_cache_manager.h"
 #include "engine/sequence_tree.h"
 #include "kernels/cuda_check.h"
+#include "kernels/prefill_attention.h"
 #include "models/llama_cuda.h"
 #include "models/model_config.h"
 
@@ -87,6 +88,7 @@ struct Measured {
   bool finite = true;
   int64_t kv_tokens_read = 0;
   int32_t tasks = 0, prefill_runs = 0;
+  kernels::PrefillLaunchShape shape;  // of the prefill kernel (new path)
 };
 
 // Runs the step `queries` / `tokens` of `tree` repeatedly with `planner`.
@@ -126,6 +128,13 @@ Measured measure(models::LlamaCudaRunner& runner, const SequenceTree& tree,
   m.kv_tokens_read = plan.io.kv_tokens_read;
   m.tasks = plan.num_tasks();
   m.prefill_runs = static_cast<int32_t>(plan.prefill_runs.size());
+  const models::ModelConfig& c = runner.config();
+  const kernels::AttentionDims dims{.num_q_heads = c.num_attention_heads,
+                                    .num_kv_heads = c.num_key_value_heads,
+                                    .head_dim = c.head_dim,
+                                    .softmax_scale = 1.0f};
+  m.shape = kernels::prefill_launch_shape(plan.prefill_runs, dims,
+                                          kernels::current_device_sm_count());
   return m;
 }
 
@@ -242,6 +251,8 @@ int main(int argc, char** argv) {
                               {"layers", layers},
                               {"plan_tasks", m->tasks},
                               {"plan_prefill_runs", m->prefill_runs},
+                              {"prefill_q_tiles", m->shape.q_tiles},
+                              {"prefill_kv_splits", m->shape.kv_splits},
                               {"plan_kv_tokens_read_per_layer", m->kv_tokens_read},
                               {"attention_flops", attention_flops},
                               {"logits_relative_difference_between_methods", agreement}};
