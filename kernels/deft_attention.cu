@@ -70,8 +70,10 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   DEFT_CUDA_CHECK_LAUNCH();
 
   // Stage 2 spans every query (a launch shape fixed by the plan's size); queries with a single
-  // partial return at once. Skipped entirely when no query has two partials.
-  if (plan.num_entries > plan.num_queries) {
+  // partial return at once. Skipped entirely when no query has two partials: known on the host
+  // only when every query has an entry (num_entries > num_queries), so a plan with prefill runs
+  // (rows without entries) always runs it.
+  if (plan.num_entries > plan.num_queries || plan.num_prefill_runs > 0) {
     const dim3 grid2(static_cast<unsigned>(plan.num_queries),
                      static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
                                            detail::kStage2Warps));
