@@ -92,7 +92,7 @@ def main() -> int:
     pb = deft_client.deft_pb2
     suffixes = [args.evaluation] + ([args.contrast] if args.contrast else [])
     with deft_client.DeftClient(args.server, timeout=args.timeout) as client:
-        client.wait_until_serving(timeout=args.timeout)
+        deft_client.grpc.channel_ready_future(client.channel).result(timeout=args.timeout)
         with client.session() as session:
             root = session.create(args.prompt)
             print(f"session {session.session_id}: root node {root}: {args.prompt!r}")

@@ -81,12 +81,23 @@ const char* finish_name(v1::FinishReason reason) {
 }
 
 const char* code_name(int code) {
-  static const char* const kNames[] = {
-      "OK",           "CANCELLED",         "UNKNOWN",   "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",    "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",         "UNAVAILABLE", "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static const char* const kNames[] = {"OK",
+                                       "CANCELLED",
+                                       "UNKNOWN",
+                                       "INVALID_ARGUMENT",
+                                       "DEADLINE_EXCEEDED",
+                                       "NOT_FOUND",
+                                       "ALREADY_EXISTS",
+                                       "PERMISSION_DENIED",
+                                       "RESOURCE_EXHAUSTED",
+                                       "FAILED_PRECONDITION",
+                                       "ABORTED",
+                                       "OUT_OF_RANGE",
+                                       "UNIMPLEMENTED",
+                                       "INTERNAL",
+                                       "UNAVAILABLE",
+                                       "DATA_LOSS",
+                                       "UNAUTHENTICATED"};
   if (code < 0 || code >= static_cast<int>(std::size(kNames))) return "?";
   return kNames[code];
 }
@@ -130,8 +141,8 @@ FlagParse parse_sampling_flag(const std::vector<std::string>& args, size_t* inde
     sampling->set_ignore_eos(true);
     return FlagParse::kParsed;
   }
-  static const char* const kValued[] = {"--max-tokens", "--temperature",  "--top-k",
-                                        "--top-p",      "--seed",         "--top-logprobs",
+  static const char* const kValued[] = {"--max-tokens", "--temperature", "--top-k",
+                                        "--top-p",      "--seed",        "--top-logprobs",
                                         "--stop",       "--stop-token"};
   bool known = false;
   for (const char* name : kValued) known = known || flag == name;
@@ -164,8 +175,8 @@ FlagParse parse_sampling_flag(const std::vector<std::string>& args, size_t* inde
   return ok ? FlagParse::kParsed : FlagParse::kBadValue;
 }
 
-bool parse_prompt_ids_flag(const std::vector<std::string>& args, size_t* index,
-                           PromptArgs* prompt, std::string* error) {
+bool parse_prompt_ids_flag(const std::vector<std::string>& args, size_t* index, PromptArgs* prompt,
+                           std::string* error) {
   if (args[*index] != "--prompt-ids") return false;
   if (*index + 1 >= args.size()) {
     *error = "--prompt-ids needs a value";
@@ -199,6 +210,27 @@ std::optional<v1::Prompt> make_prompt(const PromptArgs& args, std::string* error
   return prompt;
 }
 
-std::string quoted(const std::string& text) { return absl::StrCat("\"", absl::CEscape(text), "\""); }
+std::string quoted(const std::string& text) {
+  // Control characters, quotes and backslashes escaped; UTF-8 kept readable.
+  std::string out = "\"";
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (byte < 0x20 || byte == 0x7f) {
+      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
 
 }  // namespace deft::cli

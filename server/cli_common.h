@@ -47,8 +47,8 @@ struct PromptArgs {
   std::optional<std::vector<int32_t>> ids;
 };
 // Consumes --prompt-ids at args[*index]; false when args[*index] is not that option.
-bool parse_prompt_ids_flag(const std::vector<std::string>& args, size_t* index,
-                           PromptArgs* prompt, std::string* error);
+bool parse_prompt_ids_flag(const std::vector<std::string>& args, size_t* index, PromptArgs* prompt,
+                           std::string* error);
 // The Prompt message, or an error message.
 std::optional<v1::Prompt> make_prompt(const PromptArgs& args, std::string* error);
 

@@ -22,13 +22,14 @@ bool SessionStream::call(v1::SessionRequest request,
   request.set_request_id(next_request_id_++);
   if (writes_done_ || !stream_->Write(request)) return false;
   std::set<int32_t> decoding;
-  if (request.has_decode()) decoding.insert(request.decode().nodes().begin(),
-                                            request.decode().nodes().end());
+  if (request.has_decode())
+    decoding.insert(request.decode().nodes().begin(), request.decode().nodes().end());
   v1::SessionResponse response;
   while (stream_->Read(&response)) {
     if (session_id_ == 0) session_id_ = response.session_id();
+    // A response that answers no command (e.g. one that only announces the session id).
+    if (response.request_id() != request.request_id()) continue;
     on_response(response);
-    if (response.request_id() != request.request_id()) continue;  // never sent by the server
     if (!response.has_decoded()) return true;
     if (response.decoded().finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       decoding.erase(response.decoded().node());
@@ -49,11 +50,11 @@ grpc::Status SessionStream::finish() {
   return stream_->Finish();
 }
 
-void print_session_response(const v1::SessionResponse& response) {
+void print_session_response(const v1::SessionResponse& response, uint64_t session_id) {
   switch (response.result_case()) {
     case v1::SessionResponse::kCreatedNode:
-      std::printf("session %llu: created node %d\n",
-                  static_cast<unsigned long long>(response.session_id()), response.created_node());
+      std::printf("session %llu: created node %d\n", static_cast<unsigned long long>(session_id),
+                  response.created_node());
       break;
     case v1::SessionResponse::kDecoded: {
       const v1::NodeTokens& decoded = response.decoded();
@@ -73,12 +74,11 @@ void print_session_response(const v1::SessionResponse& response) {
       std::printf("pruned node %d\n", response.pruned());
       break;
     case v1::SessionResponse::kScored:
-      std::printf("scored logprob %.6f tokens %s\n", response.scored().logprob(),
-                  absl::StrJoin(response.scored().token_logprobs(), " ",
-                                [](std::string* out, float value) {
-                                  absl::StrAppend(out, absl::SixDigits(value));
-                                })
-                      .c_str());
+      std::printf(
+          "scored logprob %.6f tokens %s\n", response.scored().logprob(),
+          absl::StrJoin(response.scored().token_logprobs(), " ", [](std::string* out, float value) {
+            absl::StrAppend(out, absl::SixDigits(value));
+          }).c_str());
       break;
     case v1::SessionResponse::kClosed:
       std::printf("closed\n");
@@ -258,7 +258,7 @@ int session_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) 
     std::map<int32_t, std::pair<std::string, int32_t>> decoded;  // node -> text, tokens
     std::map<int32_t, v1::FinishReason> finish;
     const bool answered = stream.call(command.request, [&](const v1::SessionResponse& response) {
-      print_session_response(response);
+      print_session_response(response, stream.session_id());
       std::fflush(stdout);
       if (response.has_error()) failed = true;
       if (response.has_closed()) closed = true;

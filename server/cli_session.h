@@ -37,7 +37,7 @@ class SessionStream {
 };
 
 // Prints one response on one line ("created node 0", "decoded node 3 +2 \"text\"", ...).
-void print_session_response(const deft::v1::SessionResponse& response);
+void print_session_response(const deft::v1::SessionResponse& response, uint64_t session_id);
 
 // Runs `deft-cli session [SCRIPT]`; returns the process exit code.
 int session_command(deft::v1::Deft::Stub& stub, const std::vector<std::string>& args);

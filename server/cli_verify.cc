@@ -88,8 +88,8 @@ int verify_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
     return 1;
   }
   std::printf("session %llu: created node %d\n",
-              static_cast<unsigned long long>(created.session_id()), created.created_node());
-  request.set_session_id(created.session_id());
+              static_cast<unsigned long long>(stream.session_id()), created.created_node());
+  request.set_session_id(stream.session_id());
   request.set_node(created.created_node());
   const int result = call_verify(stub, request);
   v1::SessionRequest close;

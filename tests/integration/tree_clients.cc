@@ -87,10 +87,19 @@ std::vector<v1::SessionResponse> TestSession::call(v1::SessionRequest request, b
   }
   v1::SessionResponse response;
   while (stream_->Read(&response)) {
+    // The first response of the stream carries the session id; later ones carry it or 0.
+    if (session_id_ == 0) {
+      EXPECT_NE(response.session_id(), 0u) << "the first response has no session id";
+      session_id_ = response.session_id();
+    } else if (response.session_id() != 0) {
+      EXPECT_EQ(response.session_id(), session_id_) << response.DebugString();
+    }
+    // A greeting before any answer (request id 0, no result) only announces the session.
+    if (response.request_id() == 0 &&
+        response.result_case() == v1::SessionResponse::RESULT_NOT_SET) {
+      continue;
+    }
     EXPECT_EQ(response.request_id(), request.request_id()) << response.DebugString();
-    EXPECT_NE(response.session_id(), 0u) << response.DebugString();
-    if (session_id_ == 0) session_id_ = response.session_id();
-    EXPECT_EQ(response.session_id(), session_id_) << response.DebugString();
     responses.push_back(response);
     if (!response.has_decoded()) return responses;
     if (response.decoded().finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
@@ -204,8 +213,7 @@ TestSession::Decoded TestSession::decode(const std::vector<int32_t>& nodes,
   return decoded;
 }
 
-TestSession::Decoded TestSession::decode_greedy(const std::vector<int32_t>& nodes,
-                                                int max_tokens) {
+TestSession::Decoded TestSession::decode_greedy(const std::vector<int32_t>& nodes, int max_tokens) {
   v1::SamplingParams sampling;
   sampling.set_max_tokens(max_tokens);
   sampling.set_ignore_eos(true);

@@ -32,9 +32,14 @@ constexpr int kMaxBranches = 64;  // the server's default max_branches
 constexpr int kMaxTreeTokens = 32768;
 constexpr int kNotFound = 5;  // google.rpc.Code
 constexpr int kInvalidArgument = 3;
-const std::vector<std::string> kServerArgs = {
-    "--kv-pages", "2048", "--max-prompt-tokens", "256", "--max-tree-tokens",
-    std::to_string(kMaxTreeTokens), "--shutdown-grace-seconds", "5"};
+const std::vector<std::string> kServerArgs = {"--kv-pages",
+                                              "2048",
+                                              "--max-prompt-tokens",
+                                              "256",
+                                              "--max-tree-tokens",
+                                              std::to_string(kMaxTreeTokens),
+                                              "--shutdown-grace-seconds",
+                                              "5"};
 
 // A prompt of token ids (BOS first) that the default model continues with readable text.
 const std::vector<int32_t>& story_prompt(v1::Deft::Stub& stub) {
@@ -339,8 +344,9 @@ TEST_F(TreeRpcTest, RunTreeWithOneBranchIsTheGreedyGeneration) {
   const auto nodes = check_tree(run, request);
   std::vector<int32_t> path_ids;
   for (const int32_t id : run.result.best_path()) {
-    if (id != 0) path_ids = concat(path_ids, {nodes.at(id).tokens().ids().begin(),
-                                              nodes.at(id).tokens().ids().end()});
+    if (id != 0)
+      path_ids = concat(path_ids,
+                        {nodes.at(id).tokens().ids().begin(), nodes.at(id).tokens().ids().end()});
   }
   EXPECT_EQ(path_ids, greedy(*stub_, prompt, 12).ids);
 }
@@ -414,9 +420,9 @@ TEST_F(TreeRpcTest, RunTreeBranchesAtTheStepEndTokenAndTheDelimiter) {
       if (id == 0 || !has_children) continue;
       branched = true;
       const std::string& node_text = node.tokens().text();
-      EXPECT_TRUE(node_text.size() >= delimiter.size() &&
-                  node_text.compare(node_text.size() - delimiter.size(), delimiter.size(),
-                                    delimiter) == 0)
+      EXPECT_TRUE(
+          node_text.size() >= delimiter.size() &&
+          node_text.compare(node_text.size() - delimiter.size(), delimiter.size(), delimiter) == 0)
           << "node " << id << " text '" << node_text << "' delimiter '" << delimiter << "'";
     }
     EXPECT_TRUE(branched) << "delimiter '" << delimiter << "' never branched";
@@ -602,9 +608,9 @@ TEST_F(TreeRpcTest, SessionExtendDecodeAndScoreEqualGenerate) {
   const v1::SessionResponse scored = session.score_text(root, after.text);
   ASSERT_TRUE(scored.has_scored()) << scored.DebugString();
   if (tokenize(*stub_, after.text, false) == after.ids) {
-    expect_logprobs_near({scored.scored().token_logprobs().begin(),
-                          scored.scored().token_logprobs().end()},
-                         after.logprobs);
+    expect_logprobs_near(
+        {scored.scored().token_logprobs().begin(), scored.scored().token_logprobs().end()},
+        after.logprobs);
   }
   const TestSession::Decoded decoded_after = session.decode_greedy({root}, 6);
   ASSERT_FALSE(decoded_after.error) << decoded_after.error->message();
@@ -686,34 +692,32 @@ TEST_F(TreeRpcTest, SessionBadCommandsFailAloneAndTheSessionStaysUsable) {
   cases.push_back({"branch k = 0", session.branch(left, 0), invalid});
   cases.push_back({"branch k over max_branches", session.branch(left, kMaxBranches + 1), invalid});
   cases.push_back({"extend with nothing", session.extend(left, {}), invalid});
-  cases.push_back({"extend a node with children", session.extend(root, {5}),
-                   invalid_or_precondition});
+  cases.push_back(
+      {"extend a node with children", session.extend(root, {5}), invalid_or_precondition});
   {
-    cases.push_back({"decode a node with children",
-                     as_response(session.decode_greedy({root}, 4)), invalid_or_precondition});
+    cases.push_back({"decode a node with children", as_response(session.decode_greedy({root}, 4)),
+                     invalid_or_precondition});
   }
   {
     cases.push_back({"decode the same node twice",
                      as_response(session.decode_greedy({left, left}, 4)), invalid});
   }
+  { cases.push_back({"decode no nodes", as_response(session.decode_greedy({}, 4)), invalid}); }
   {
-    cases.push_back({"decode no nodes", as_response(session.decode_greedy({}, 4)), invalid});
-  }
-  {
-    cases.push_back({"decode past the context", as_response(session.decode_greedy({left}, 5000)),
-                     invalid});
+    cases.push_back(
+        {"decode past the context", as_response(session.decode_greedy({left}, 5000)), invalid});
   }
   {
     v1::SamplingParams sampling;
     sampling.set_max_tokens(4);
     sampling.set_top_p(2.0f);
-    cases.push_back({"decode with top_p 2", as_response(session.decode({left}, sampling)),
-                     invalid});
+    cases.push_back(
+        {"decode with top_p 2", as_response(session.decode({left}, sampling)), invalid});
   }
   {
     std::vector<v1::SessionResponse> responses = session.call(v1::SessionRequest());
-    cases.push_back({"no command", responses.empty() ? v1::SessionResponse() : responses.back(),
-                     invalid});
+    cases.push_back(
+        {"no command", responses.empty() ? v1::SessionResponse() : responses.back(), invalid});
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -750,9 +754,8 @@ TEST_F(TreeRpcTest, SessionDisconnectFreesItsKvAndLeavesOtherSessionsUntouched) 
   const std::filesystem::path log = dir / ("deft-session-" + std::to_string(getpid()) + ".log");
   std::ofstream(script) << "create Once upon a time\nbranch 0 2\n"
                         << "decode 1,2 3000 --ignore-eos --temperature 1 --seed 3\n";
-  const pid_t cli = spawn({DEFT_CLI_BINARY, "--server", server_->address(), "session",
-                           script.string()},
-                          log);
+  const pid_t cli =
+      spawn({DEFT_CLI_BINARY, "--server", server_->address(), "session", script.string()}, log);
   ASSERT_GT(cli, 0);
   const auto deadline = std::chrono::steady_clock::now() + seconds(20);
   while (server_->metrics()["deft_kv_pages_used"] <= baseline + 2 &&
@@ -787,7 +790,8 @@ TEST_F(TreeRpcTest, SessionDisconnectFreesItsKvAndLeavesOtherSessionsUntouched) 
   const StreamedTokens reference = greedy(*stub_, prompt, 9);
   const TestSession::Decoded decoded = keeper.decode_greedy(leaves, 4);
   ASSERT_FALSE(decoded.error) << decoded.error->message();
-  for (const int32_t leaf : leaves) EXPECT_EQ(decoded.nodes.at(leaf).ids, slice(reference.ids, 5, 9));
+  for (const int32_t leaf : leaves)
+    EXPECT_EQ(decoded.nodes.at(leaf).ids, slice(reference.ids, 5, 9));
   EXPECT_TRUE(keeper.close().closed());
   EXPECT_TRUE(keeper.finish().ok());
   std::filesystem::remove(script);
@@ -839,15 +843,14 @@ TEST_F(TreeRpcTest, VerifyAcceptsTheGreedyPathAndReturnsTheNextGreedyToken) {
   tokens.push_back(g[1]);  // under the first wrong sibling: right token, wrong context
   parents.push_back(0);
   v1::VerifyResponse response;
-  const grpc::Status status = verify(*stub_, verify_request(session.session_id(), root, tokens,
-                                                            parents),
-                                     &response);
+  const grpc::Status status =
+      verify(*stub_, verify_request(session.session_id(), root, tokens, parents), &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(std::vector<int32_t>(response.accepted().begin(), response.accepted().end()),
             slice(g, 0, 6));
-  EXPECT_EQ(std::vector<int32_t>(response.accepted_entries().begin(),
-                                 response.accepted_entries().end()),
-            chain_entries);
+  EXPECT_EQ(
+      std::vector<int32_t>(response.accepted_entries().begin(), response.accepted_entries().end()),
+      chain_entries);
   EXPECT_EQ(response.bonus_token(), g[6]);
 
   // Speculative decoding goes on from the committed leaf: the bonus token drafted first.
@@ -875,23 +878,22 @@ TEST_F(TreeRpcTest, VerifyStopsAtTheFirstRejection) {
   const int32_t root = session.create(prompt).created_node();
   v1::VerifyResponse response;
   ASSERT_TRUE(verify(*stub_,
-                     verify_request(session.session_id(), root,
-                                    {g[0], g[1], wrong(g[2]), g[3]}, {-1, 0, 1, 2}),
+                     verify_request(session.session_id(), root, {g[0], g[1], wrong(g[2]), g[3]},
+                                    {-1, 0, 1, 2}),
                      &response)
                   .ok());
   EXPECT_EQ(std::vector<int32_t>(response.accepted().begin(), response.accepted().end()),
             slice(g, 0, 2));
   EXPECT_EQ(response.bonus_token(), g[2]);
-  EXPECT_EQ(std::vector<int32_t>(response.accepted_entries().begin(),
-                                 response.accepted_entries().end()),
-            (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(
+      std::vector<int32_t>(response.accepted_entries().begin(), response.accepted_entries().end()),
+      (std::vector<int32_t>{0, 1}));
 
   // Nothing accepted: the bonus is the first greedy token and the node keeps its tokens.
   const int32_t other = session.create(prompt).created_node();
   v1::VerifyResponse none;
-  ASSERT_TRUE(verify(*stub_, verify_request(session.session_id(), other, {wrong(g[0])}, {-1}),
-                     &none)
-                  .ok());
+  ASSERT_TRUE(
+      verify(*stub_, verify_request(session.session_id(), other, {wrong(g[0])}, {-1}), &none).ok());
   EXPECT_EQ(none.accepted_size(), 0);
   EXPECT_EQ(none.bonus_token(), g[0]);
   const TestSession::Decoded decoded = session.decode_greedy({none.node()}, 3);
@@ -918,25 +920,25 @@ TEST_F(TreeRpcTest, VerifyBadInputs) {
     std::string mention;
   };
   std::vector<Case> cases = {
-      {"unknown session", verify_request(id + 1000, leaf, {5}, {-1}),
-       grpc::StatusCode::NOT_FOUND, "session"},
+      {"unknown session", verify_request(id + 1000, leaf, {5}, {-1}), grpc::StatusCode::NOT_FOUND,
+       "session"},
       {"unknown node", verify_request(id, 4321, {5}, {-1}), grpc::StatusCode::NOT_FOUND, "4321"},
       {"pruned node", verify_request(id, pruned, {5}, {-1}), grpc::StatusCode::NOT_FOUND,
        std::to_string(pruned)},
       {"token outside vocab", verify_request(id, leaf, {5, kVocab}, {-1, 0}),
        grpc::StatusCode::INVALID_ARGUMENT, "512"},
-      {"negative token", verify_request(id, leaf, {-4}, {-1}),
-       grpc::StatusCode::INVALID_ARGUMENT, "-4"},
+      {"negative token", verify_request(id, leaf, {-4}, {-1}), grpc::StatusCode::INVALID_ARGUMENT,
+       "-4"},
       {"parents shorter than tokens", verify_request(id, leaf, {5, 6, 7}, {-1, 0}),
        grpc::StatusCode::INVALID_ARGUMENT, "parents"},
       {"forward reference", verify_request(id, leaf, {5, 6, 7}, {-1, 2, 0}),
        grpc::StatusCode::INVALID_ARGUMENT, "parents[1]"},
-      {"self parent", verify_request(id, leaf, {5, 6}, {-1, 1}),
-       grpc::StatusCode::INVALID_ARGUMENT, "parents[1]"},
+      {"self parent", verify_request(id, leaf, {5, 6}, {-1, 1}), grpc::StatusCode::INVALID_ARGUMENT,
+       "parents[1]"},
       {"cycle", verify_request(id, leaf, {5, 6}, {1, 0}), grpc::StatusCode::INVALID_ARGUMENT,
        "parents[0]"},
-      {"parent below -1", verify_request(id, leaf, {5}, {-2}),
-       grpc::StatusCode::INVALID_ARGUMENT, "parents[0]"},
+      {"parent below -1", verify_request(id, leaf, {5}, {-2}), grpc::StatusCode::INVALID_ARGUMENT,
+       "parents[0]"},
   };
   {
     v1::VerifyRequest r = verify_request(id, leaf, {5, 6}, {-1, 0});
@@ -951,8 +953,7 @@ TEST_F(TreeRpcTest, VerifyBadInputs) {
   {
     v1::VerifyRequest r = verify_request(id, leaf, {5}, {-1});
     r.mutable_sampling()->set_temperature(-2);
-    cases.push_back({"negative temperature", r, grpc::StatusCode::INVALID_ARGUMENT,
-                     "temperature"});
+    cases.push_back({"negative temperature", r, grpc::StatusCode::INVALID_ARGUMENT, "temperature"});
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -1063,10 +1064,10 @@ TEST_F(TreeRpcTest, SixteenConcurrentMixedJobsEqualEachAlone) {
 
 TEST_F(TreeRpcTest, DeftCliTreeSessionAndVerify) {
   const std::string address = server_->address();
-  const ProgramResult tree = run_program(
-      {DEFT_CLI_BINARY, "--server", address, "tree", "--branch-factor", "2", "--every-tokens",
-       "3", "--max-depth", "2", "--keep-best", "2", "--score", "mean", "--max-tokens", "9",
-       "--ignore-eos", "Once upon a time"});
+  const ProgramResult tree =
+      run_program({DEFT_CLI_BINARY, "--server", address, "tree", "--branch-factor", "2",
+                   "--every-tokens", "3", "--max-depth", "2", "--keep-best", "2", "--score", "mean",
+                   "--max-tokens", "9", "--ignore-eos", "Once upon a time"});
   EXPECT_EQ(tree.exit_code, 0) << tree.output;
   for (const char* expected : {"created node 1 (parent 0, depth 1)", "tokens node 1 +", "finished",
                                "best path: 0 ", "best text: "}) {
@@ -1091,8 +1092,8 @@ TEST_F(TreeRpcTest, DeftCliTreeSessionAndVerify) {
   for (const char* expected :
        {"> create Once upon a time", ": created node 0", "extended node 0 length ",
         "branched children 1 2", "decoded node 1 +", "finish=length", "node 2: \"",
-        "scored logprob -", "accepted ", "bonus ", "pruned node 2", "error NOT_FOUND (5): ",
-        "closed"}) {
+        "scored logprob -", "accepted ", "bonus ", "pruned node 2",
+        "error NOT_FOUND (5): ", "closed"}) {
     EXPECT_NE(session.output.find(expected), std::string::npos) << expected << "\n"
                                                                 << session.output;
   }
@@ -1102,7 +1103,8 @@ TEST_F(TreeRpcTest, DeftCliTreeSessionAndVerify) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   const std::vector<int32_t> g = greedy(*stub_, prompt, 4).ids;
   std::string prompt_ids;
-  for (const int32_t id : prompt) prompt_ids += (prompt_ids.empty() ? "" : ",") + std::to_string(id);
+  for (const int32_t id : prompt)
+    prompt_ids += (prompt_ids.empty() ? "" : ",") + std::to_string(id);
   const std::string tokens = std::to_string(g[0]) + "," + std::to_string(g[1]) + "," +
                              std::to_string(g[2]) + "," + std::to_string(wrong(g[0]));
   const ProgramResult verified =
@@ -1115,8 +1117,8 @@ TEST_F(TreeRpcTest, DeftCliTreeSessionAndVerify) {
   EXPECT_NE(verified.output.find("bonus " + std::to_string(g[3])), std::string::npos)
       << verified.output;
 
-  const ProgramResult bad = run_program({DEFT_CLI_BINARY, "--server", address, "verify",
-                                         "--tokens", "5,6", "--parents", "-1,5", "Once"});
+  const ProgramResult bad = run_program({DEFT_CLI_BINARY, "--server", address, "verify", "--tokens",
+                                         "5,6", "--parents", "-1,5", "Once"});
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_NE(bad.output.find("INVALID_ARGUMENT"), std::string::npos) << bad.output;
   const ProgramResult usage = run_program({DEFT_CLI_BINARY, "tree", "--score", "best", "x"});
@@ -1154,9 +1156,9 @@ TEST(TreeRpcLimits, OverLimitTreesAreRefused) {
     std::vector<int32_t> parents(tokens.size());
     std::iota(parents.begin(), parents.end(), -1);
     v1::VerifyResponse response;
-    expect_refused(verify(*stub, verify_request(session.session_id(), root, tokens, parents),
-                          &response),
-                   {grpc::StatusCode::INVALID_ARGUMENT, grpc::StatusCode::RESOURCE_EXHAUSTED});
+    expect_refused(
+        verify(*stub, verify_request(session.session_id(), root, tokens, parents), &response),
+        {grpc::StatusCode::INVALID_ARGUMENT, grpc::StatusCode::RESOURCE_EXHAUSTED});
   }
   EXPECT_EQ(error_code(session.extend(root, std::vector<int32_t>(200, 5))) > 0, true);
   // Within the limits the session works.
