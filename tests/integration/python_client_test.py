@@ -292,9 +292,9 @@ class TreeClientTest(unittest.TestCase):
 
     def test_run_tree_bad_inputs(self):
         for options, mention in [
-            (dict(branch_factor=-1), "branch_factor"),
+            (dict(branch_factor=-1, every_tokens=4), "branch_factor"),
             (dict(branch_factor=2, step_end_token=100000), "step_end_token"),
-            (dict(branch_factor=2, keep_best=-1), "keep_best"),
+            (dict(branch_factor=2, every_tokens=4, keep_best=-1), "keep_best"),
         ]:
             with self.subTest(options=options):
                 with self.assertRaises(grpc.RpcError) as raised:
@@ -395,8 +395,8 @@ class TreeClientTest(unittest.TestCase):
             self.assertEqual(more.bonus_token, g[8])
             self.assertEqual(session.decode(more.node, max_tokens=2, ignore_eos=True)[
                 more.node].ids, g[8:10])
-            for tokens, parents, mention in [([5, 6], [-1, 3], "parents[1]"),
-                                             ([5, 6], [1, 0], "parents[0]"),
+            for tokens, parents, mention in [([5, 6], [-1, 3], "parent"),
+                                             ([5, 6], [1, 0], "parent"),
                                              ([5, 512], [-1, 0], "512"),
                                              ([5, 6], [-1], "parents")]:
                 with self.subTest(parents=parents):
