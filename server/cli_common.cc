@@ -37,6 +37,8 @@ const char kUsage[] =
     "             score NODE TEXT | score NODE --ids ...  logprob of a continuation\n"
     "             verify NODE --tokens ... --parents ... [--draft-probs ...] [SAMPLING]\n"
     "             close\n"
+    "           NODE is a node id or $K, the K-th node id the session returned to this\n"
+    "           script (created nodes, branch children, verify leaves; $0 the first);\n"
     "           blank lines and lines starting with # are skipped; TEXT is the rest of the\n"
     "           line after one space; exit 1 when any command got an error\n"
     "  verify --tokens ID,... --parents P,... [--draft-probs P,...] [SAMPLING] PROMPT\n"

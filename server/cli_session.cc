@@ -100,8 +100,36 @@ void print_session_response(const v1::SessionResponse& response, uint64_t sessio
 
 namespace {
 
-// "NODE" -> node id.
-bool parse_node(const std::string& text, int32_t* node) { return absl::SimpleAtoi(text, node); }
+// Node ids the session returned so far ($0, $1, ...: created nodes, branch children and verify
+// leaves in the order they came back); null while only the syntax is checked.
+using NodeRefs = std::vector<int32_t>;
+
+// "NODE" (an id) or "$K" (the K-th returned node) -> node id.
+bool parse_node(const std::string& text, const NodeRefs* refs, int32_t* node) {
+  if (!text.empty() && text[0] == '$') {
+    size_t index = 0;
+    if (!absl::SimpleAtoi(text.substr(1), &index)) return false;
+    if (refs == nullptr) {
+      *node = 0;
+      return true;
+    }
+    if (index >= refs->size()) return false;
+    *node = (*refs)[index];
+    return true;
+  }
+  return absl::SimpleAtoi(text, node);
+}
+
+// "NODE,NODE,..." -> node ids.
+std::optional<std::vector<int32_t>> parse_nodes(const std::string& text, const NodeRefs* refs) {
+  std::vector<int32_t> nodes;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t node = 0;
+    if (!parse_node(std::string(part), refs, &node)) return std::nullopt;
+    nodes.push_back(node);
+  }
+  return nodes;
+}
 
 // TEXT or --ids 1,2,3 -> a Prompt.
 std::optional<v1::Prompt> parse_content(const std::string& rest, std::string* error) {
@@ -137,7 +165,8 @@ struct ScriptCommand {
   std::optional<v1::VerifyRequest> verify;
 };
 
-std::optional<ScriptCommand> parse_line(const std::string& line, std::string* error) {
+std::optional<ScriptCommand> parse_line(const std::string& line, const NodeRefs* refs,
+                                        std::string* error) {
   ScriptCommand command;
   v1::SessionRequest& request = command.request;
   const auto [word, rest] = split_first(line);
@@ -154,7 +183,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, std::string* er
   }
   if (word == "extend" || word == "score") {
     const auto [node_text, content] = split_first(rest);
-    if (!parse_node(node_text, &node)) {
+    if (!parse_node(node_text, refs, &node)) {
       *error = absl::StrCat("bad NODE '", node_text, "'");
       return std::nullopt;
     }
@@ -173,7 +202,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, std::string* er
   if (word == "branch" || word == "prune") {
     const size_t wanted = word == "branch" ? 3 : 2;
     int32_t k = 0;
-    if (words.size() != wanted || !parse_node(words[1], &node) ||
+    if (words.size() != wanted || !parse_node(words[1], refs, &node) ||
         (word == "branch" && !absl::SimpleAtoi(words[2], &k))) {
       *error = word == "branch" ? "expected: branch NODE K" : "expected: prune NODE";
       return std::nullopt;
@@ -189,7 +218,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, std::string* er
   if (word == "decode") {
     int32_t max_tokens = 0;
     const std::optional<std::vector<int32_t>> nodes =
-        words.size() >= 3 ? parse_ids(words[1]) : std::nullopt;
+        words.size() >= 3 ? parse_nodes(words[1], refs) : std::nullopt;
     if (!nodes || !absl::SimpleAtoi(words[2], &max_tokens)) {
       *error = "expected: decode NODE[,NODE...] MAX_TOKENS [SAMPLING]";
       return std::nullopt;
@@ -206,7 +235,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, std::string* er
     return command;
   }
   if (word == "verify") {
-    if (words.size() < 2 || !parse_node(words[1], &node)) {
+    if (words.size() < 2 || !parse_node(words[1], refs, &node)) {
       *error = "expected: verify NODE --tokens ... --parents ...";
       return std::nullopt;
     }
@@ -232,36 +261,56 @@ int session_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) 
     input = &file;
   }
   // The whole script is parsed first: a malformed line is a usage error before any RPC.
-  std::vector<std::pair<std::string, ScriptCommand>> commands;
+  std::vector<std::string> lines;
   int line_number = 0;
   for (std::string line; std::getline(*input, line);) {
     ++line_number;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.empty() || line[0] == '#') continue;
     std::string error;
-    std::optional<ScriptCommand> command = parse_line(line, &error);
-    if (!command) return usage_error(absl::StrCat("session line ", line_number, ": ", error));
-    commands.emplace_back(line, std::move(*command));
+    if (!parse_line(line, nullptr, &error)) {
+      return usage_error(absl::StrCat("session line ", line_number, ": ", error));
+    }
+    lines.push_back(line);
   }
 
   SessionStream stream(stub);
+  NodeRefs refs;
   bool failed = false;
   bool closed = false;
-  for (auto& [line, command] : commands) {
+  for (const std::string& line : lines) {
     std::printf("> %s\n", line.c_str());
     std::fflush(stdout);
-    if (command.verify) {
-      command.verify->set_session_id(stream.session_id());
-      if (call_verify(stub, *command.verify) != 0) failed = true;
+    std::string error;
+    std::optional<ScriptCommand> command = parse_line(line, &refs, &error);
+    if (!command) {  // a $K that no earlier command returned
+      std::printf("error (not sent): %s; returned so far: %s\n", error.c_str(),
+                  absl::StrJoin(refs, " ").c_str());
+      failed = true;
+      continue;
+    }
+    if (command->verify) {
+      command->verify->set_session_id(stream.session_id());
+      v1::VerifyResponse verified;
+      if (call_verify(stub, *command->verify, &verified) != 0) {
+        failed = true;
+      } else {
+        refs.push_back(verified.node());
+      }
       continue;
     }
     std::map<int32_t, std::pair<std::string, int32_t>> decoded;  // node -> text, tokens
     std::map<int32_t, v1::FinishReason> finish;
-    const bool answered = stream.call(command.request, [&](const v1::SessionResponse& response) {
+    const bool answered = stream.call(command->request, [&](const v1::SessionResponse& response) {
       print_session_response(response, stream.session_id());
       std::fflush(stdout);
       if (response.has_error()) failed = true;
       if (response.has_closed()) closed = true;
+      if (response.has_created_node()) refs.push_back(response.created_node());
+      if (response.has_branched()) {
+        refs.insert(refs.end(), response.branched().children().begin(),
+                    response.branched().children().end());
+      }
       if (response.has_decoded()) {
         auto& [text, tokens] = decoded[response.decoded().node()];
         text += response.decoded().delta().text();
@@ -275,8 +324,7 @@ int session_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) 
       std::printf("node %d: %s [%d tokens, %s]\n", node, quoted(text_tokens.first).c_str(),
                   text_tokens.second, finish_name(finish[node]));
     }
-    if (!answered) break;
-    if (closed) break;
+    if (!answered || closed) break;
   }
   const grpc::Status status = stream.finish();
   if (!status.ok()) return rpc_error("TreeSession", status);

@@ -42,7 +42,8 @@ std::string parse_verify_args(const std::vector<std::string>& args, size_t start
   return "";
 }
 
-int call_verify(v1::Deft::Stub& stub, const v1::VerifyRequest& request) {
+int call_verify(v1::Deft::Stub& stub, const v1::VerifyRequest& request,
+                v1::VerifyResponse* answer) {
   grpc::ClientContext context;
   v1::VerifyResponse response;
   const grpc::Status status = stub.Verify(&context, request, &response);
@@ -61,6 +62,7 @@ int call_verify(v1::Deft::Stub& stub, const v1::VerifyRequest& request) {
     std::printf("text %s\n", quoted(text.text()).c_str());
   }
   std::fflush(stdout);
+  if (answer != nullptr) *answer = std::move(response);
   return 0;
 }
 

@@ -14,9 +14,10 @@ namespace deft::cli {
 std::string parse_verify_args(const std::vector<std::string>& args, size_t start,
                               deft::v1::VerifyRequest* request, PromptArgs* positional);
 
-// Calls Verify and prints the answer ("accepted ...", "bonus ...", "node ..."); 0, or 1 on an
-// error status.
-int call_verify(deft::v1::Deft::Stub& stub, const deft::v1::VerifyRequest& request);
+// Calls Verify and prints the answer ("accepted ...", "bonus ...", "node ..."); 0 (the answer
+// in `answer` when given), or 1 on an error status.
+int call_verify(deft::v1::Deft::Stub& stub, const deft::v1::VerifyRequest& request,
+                deft::v1::VerifyResponse* answer = nullptr);
 
 // Runs `deft-cli verify ARGS`; returns the process exit code.
 int verify_command(deft::v1::Deft::Stub& stub, const std::vector<std::string>& args);
