@@ -1,5 +1,6 @@
 #include "engine/kv_cache_manager.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -67,6 +68,37 @@ bool KvCacheManager::release(OwnerKey owner) {
   }
   owners_.erase(it);
   return true;
+}
+
+void KvCacheManager::shrink(OwnerKey owner, int64_t num_tokens) {
+  auto it = owners_.find(owner);
+  if (it == owners_.end()) return;
+  const auto keep = static_cast<size_t>(pages_for(std::max<int64_t>(num_tokens, 0),
+                                                  config_.page_tokens));
+  std::vector<int32_t>& pages = it->second;
+  while (pages.size() > keep) {
+    page_in_use_[pages.back()] = 0;
+    free_list_.push_back(pages.back());
+    pages.pop_back();
+  }
+  if (pages.empty()) owners_.erase(it);
+}
+
+void KvCacheManager::move_front_pages(OwnerKey from, OwnerKey to, int64_t count) {
+  if (count <= 0) return;
+  auto it = owners_.find(from);
+  if (it == owners_.end() || static_cast<int64_t>(it->second.size()) < count ||
+      !pages(to).empty()) {
+    std::fprintf(stderr, "KvCacheManager::move_front_pages: cannot move %lld pages %llx -> %llx\n",
+                 static_cast<long long>(count), static_cast<unsigned long long>(from),
+                 static_cast<unsigned long long>(to));
+    std::abort();
+  }
+  std::vector<int32_t>& source = it->second;
+  owners_[to].assign(source.begin(), source.begin() + count);
+  it = owners_.find(from);  // owners_[to] may have rehashed
+  it->second.erase(it->second.begin(), it->second.begin() + count);
+  if (it->second.empty()) owners_.erase(it);
 }
 
 bool KvCacheManager::has_owner(OwnerKey owner) const { return owners_.count(owner) != 0; }

@@ -39,6 +39,14 @@ class KvCacheManager {
   // Frees every page of `owner` at once. Unknown owners are a no-op (returns false).
   bool release(OwnerKey owner);
 
+  // Frees the pages of `owner` beyond those `num_tokens` tokens need (a truncated node).
+  void shrink(OwnerKey owner, int64_t num_tokens);
+
+  // Moves the first `count` pages of `from` to `to`, which must hold no pages (a node split
+  // at a page boundary: the head takes the front pages, no KV is copied). Aborts when `from`
+  // holds fewer pages or `to` holds some (a bug in the caller).
+  void move_front_pages(OwnerKey from, OwnerKey to, int64_t count);
+
   bool has_owner(OwnerKey owner) const;
   // Pages of `owner` in token order (empty for an unknown owner).
   std::span<const int32_t> pages(OwnerKey owner) const;

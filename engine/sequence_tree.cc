@@ -117,6 +117,60 @@ absl::Status SequenceTree::prune(NodeId node) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
+  if (!contains(node)) {
+    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+  }
+  if (node == root()) {
+    return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split the root"));
+  }
+  const int64_t size = static_cast<int64_t>(nodes_[node].tokens.size());
+  if (at <= 0 || at > size || (kv_ != nullptr && at % kv_->page_tokens() != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split node ",
+                                                   node, " of ", size, " tokens at ", at));
+  }
+  TreeNode head;
+  head.id = static_cast<NodeId>(nodes_.size());
+  head.parent = nodes_[node].parent;
+  head.children = {node};
+  head.depth_begin = nodes_[node].depth_begin;
+  head.alive = true;
+  nodes_.push_back(std::move(head));
+  TreeNode& head_node = nodes_.back();
+  TreeNode& tail = nodes_[node];
+  head_node.tokens.assign(tail.tokens.begin(), tail.tokens.begin() + at);
+  tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + at);
+  tail.depth_begin += at;
+  tail.parent = head_node.id;
+  std::vector<NodeId>& siblings = nodes_[head_node.parent].children;
+  *std::find(siblings.begin(), siblings.end(), node) = head_node.id;
+  if (kv_ != nullptr) {
+    kv_->move_front_pages(kv_key(node), kv_key(head_node.id), at / kv_->page_tokens());
+  }
+  ++num_live_nodes_;
+  return head_node.id;
+}
+
+absl::Status SequenceTree::truncate(NodeId node, int64_t length) {
+  if (!contains(node)) {
+    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+  }
+  TreeNode& n = nodes_[node];
+  if (!n.children.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tree ", tree_id_, ": node ", node, " has live children; cannot truncate"));
+  }
+  if (length < 0 || length > static_cast<int64_t>(n.tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot truncate node ",
+                                                   node, " of ", n.tokens.size(),
+                                                   " tokens to ", length));
+  }
+  total_tokens_ -= static_cast<int64_t>(n.tokens.size()) - length;
+  n.tokens.resize(static_cast<size_t>(length));
+  if (kv_ != nullptr) kv_->shrink(kv_key(node), length);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<NodeId>> SequenceTree::path(NodeId node) const {
   if (!contains(node)) {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));

@@ -50,6 +50,17 @@ class SequenceTree {
   // (FAILED_PRECONDITION) while it has live children; with none, it empties the root.
   absl::Status prune(NodeId node);
 
+  // Splits `node` before its token `at` (0 < at <= size; a multiple of the page size when the
+  // tree holds KV): a new node (returned) takes the tokens [0, at) and their pages and takes
+  // `node`'s place under its parent; `node` keeps its id, its children and the tokens from
+  // `at` on, and becomes the new node's only child. Copies no KV. Holders of `node` see the
+  // same path as before. NOT_FOUND / INVALID_ARGUMENT (the root, a bad `at`).
+  absl::StatusOr<NodeId> split(NodeId node, int64_t at);
+
+  // Drops the tokens of a leaf from `length` on and frees their pages. NOT_FOUND,
+  // FAILED_PRECONDITION for an inner node, INVALID_ARGUMENT for a length beyond its size.
+  absl::Status truncate(NodeId node, int64_t length);
+
   bool contains(NodeId node) const;  // live node
   // The live node; aborts on an unknown id (check contains() first for untrusted ids).
   const TreeNode& node(NodeId id) const;

@@ -1,8 +1,11 @@
 #include "server/deft_service.h"
 
+#include <atomic>
 #include <chrono>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "engine/draft_acceptance.h"
 #include "engine/sampler.h"
 #include "server/metrics.h"
 #include "spdlog/spdlog.h"
@@ -63,6 +66,8 @@ const char* code_name(grpc::StatusCode code) {
   }
 }
 
+using engine::FinishReason;
+
 v1::FinishReason to_proto(FinishReason reason) {
   switch (reason) {
     case FinishReason::kLength:
@@ -73,18 +78,26 @@ v1::FinishReason to_proto(FinishReason reason) {
       return v1::FINISH_REASON_EOS;
     case FinishReason::kCancelled:
       return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kPruned:
+      return v1::FINISH_REASON_PRUNED;
     case FinishReason::kNone:
       break;
   }
   return v1::FINISH_REASON_UNSPECIFIED;
 }
 
-grpc::Status unimplemented(const char* rpc) {
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      absl::StrCat(rpc,
-                                   " is not implemented by this server yet (it needs the "
-                                   "engine Scheduler of issue 6); Generate, Tokenize, "
-                                   "Detokenize and ModelInfo are"));
+void fill_tokens(engine::TokenDelta& delta, v1::Tokens* tokens) {
+  tokens->mutable_ids()->Add(delta.ids.begin(), delta.ids.end());
+  tokens->set_text(std::move(delta.text));
+  tokens->mutable_logprobs()->Add(delta.logprobs.begin(), delta.logprobs.end());
+  for (const auto& top : delta.top_logprobs) {
+    v1::TopLogprobs* entries = tokens->add_top_logprobs();
+    for (const engine::TokenLogprob& entry : top) {
+      v1::TokenLogprob* out = entries->add_entries();
+      out->set_token(entry.token);
+      out->set_logprob(entry.logprob);
+    }
+  }
 }
 
 // How often a streaming handler looks at its client while waiting for the engine.
@@ -110,7 +123,7 @@ grpc::Status DeftService::done(const char* rpc, grpc::Status status) const {
 }
 
 absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
-    const v1::Prompt& prompt, const std::string& field) const {
+    const v1::Prompt& prompt, const std::string& field, bool add_bos) const {
   std::vector<engine::TokenId> ids;
   switch (prompt.kind_case()) {
     case v1::Prompt::kText: {
@@ -121,7 +134,7 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
       }
       // Client text is untrusted: special-token strings in it stay text.
       absl::StatusOr<std::vector<engine::TokenId>> encoded =
-          tokenizer_.encode(prompt.text(), /*add_bos=*/true, /*parse_special=*/false);
+          tokenizer_.encode(prompt.text(), add_bos, /*parse_special=*/false);
       if (!encoded.ok()) {
         return absl::InvalidArgumentError(
             absl::StrCat(field, ".text: ", encoded.status().message()));
@@ -165,7 +178,7 @@ grpc::Status DeftService::Generate(grpc::ServerContext* context, const v1::Gener
 
 grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::GenerateRequest& request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  GenerateJobRequest job;
+  engine::GenerateJob job;
   absl::StatusOr<std::vector<engine::TokenId>> prompt = prompt_tokens(request.prompt(), "prompt");
   if (!prompt.ok()) return to_grpc(prompt.status());
   job.prompt = std::move(*prompt);
@@ -175,35 +188,10 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::Gener
                                 "] (0 means 1; max_branches)"));
   }
   job.n = request.n() == 0 ? 1 : request.n();
-
-  const v1::SamplingParams& sampling = request.sampling();
-  if (sampling.max_tokens() < 0) {
-    return invalid(absl::StrCat("sampling.max_tokens = ", sampling.max_tokens(),
-                                " must be >= 0 (0: the server default, ",
-                                config_.default_max_tokens, ")"));
-  }
-  job.max_tokens = sampling.max_tokens() == 0 ? config_.default_max_tokens : sampling.max_tokens();
-  job.sampling.temperature = sampling.temperature();
-  job.sampling.top_k = sampling.top_k();
-  job.sampling.top_p = sampling.top_p() == 0.0f ? 1.0f : sampling.top_p();
-  job.sampling.seed = sampling.seed();
-  job.sampling.top_logprobs = sampling.top_logprobs();
-  job.ignore_eos = sampling.ignore_eos();
-  job.sampling.stop_token_ids.assign(sampling.stop_token_ids().begin(),
-                                     sampling.stop_token_ids().end());
-  if (absl::Status status = engine::validate_sampling_params(job.sampling, model_.vocab_size);
+  if (absl::Status status = sampling(request.sampling(), "sampling", &job.sampling, &job.limits,
+                                     &job.max_tokens);
       !status.ok()) {
     return to_grpc(status);
-  }
-  size_t stop_bytes = 0;
-  for (int i = 0; i < sampling.stop_size(); ++i) {
-    if (sampling.stop(i).empty()) return invalid(absl::StrCat("sampling.stop[", i, "] is empty"));
-    stop_bytes += sampling.stop(i).size();
-    job.stop.push_back(sampling.stop(i));
-  }
-  if (stop_bytes > static_cast<size_t>(config_.max_text_bytes)) {
-    return invalid(absl::StrCat("sampling.stop has ", stop_bytes, " bytes; the limit is ",
-                                config_.max_text_bytes));
   }
 
   const int64_t prompt_size = static_cast<int64_t>(job.prompt.size());
@@ -219,61 +207,397 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::Gener
                                 "); the limit is ", config_.max_tree_tokens, " (max_tree_tokens)"));
   }
 
-  absl::StatusOr<std::shared_ptr<GenerateStream>> stream = engine_.submit(std::move(job));
-  if (!stream.ok()) return to_grpc(stream.status());
-
+  std::shared_ptr<engine::GenerateEvents> events = engine_.generate(std::move(job));
   bool first = true;
-  std::vector<BranchDelta> deltas;
+  std::vector<engine::GenerateEvent> batch;
   for (;;) {
-    deltas.clear();
-    const bool more = (*stream)->next(deltas, kPollInterval);
-    for (BranchDelta& delta : deltas) {
+    batch.clear();
+    const bool more = events->next(batch, kPollInterval);
+    for (engine::GenerateEvent& event : batch) {
       v1::GenerateResponse response;
-      response.set_branch(delta.branch);
+      response.set_branch(event.branch);
       if (first) response.set_prompt_tokens(static_cast<int32_t>(prompt_size));
       first = false;
-      v1::Tokens* tokens = response.mutable_delta();
-      tokens->mutable_ids()->Add(delta.ids.begin(), delta.ids.end());
-      tokens->set_text(std::move(delta.text));
-      tokens->mutable_logprobs()->Add(delta.logprobs.begin(), delta.logprobs.end());
-      for (const auto& top : delta.top_logprobs) {
-        v1::TopLogprobs* entries = tokens->add_top_logprobs();
-        for (const engine::TokenLogprob& entry : top) {
-          v1::TokenLogprob* out = entries->add_entries();
-          out->set_token(entry.token);
-          out->set_logprob(entry.logprob);
-        }
-      }
-      response.set_finish_reason(to_proto(delta.finish));
+      fill_tokens(event.delta, response.mutable_delta());
+      response.set_finish_reason(to_proto(event.delta.finish));
       if (!writer->Write(response)) {
-        (*stream)->cancel();
+        events->cancel();
         return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
       }
     }
     if (!more) break;
     if (context->IsCancelled()) {
-      (*stream)->cancel();
+      events->cancel();
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
     }
   }
-  return to_grpc((*stream)->final_status());
+  return to_grpc(events->final_status());
 }
 
-// ---- Not yet implemented ------------------------------------------------------------------
-
-grpc::Status DeftService::RunTree(grpc::ServerContext*, const v1::RunTreeRequest*,
-                                  grpc::ServerWriter<v1::TreeEvent>*) {
-  return done("RunTree", unimplemented("RunTree"));
+absl::Status DeftService::sampling(const v1::SamplingParams& sampling, const std::string& field,
+                                   engine::SamplingParams* params, engine::StreamLimits* limits,
+                                   int32_t* max_tokens) const {
+  if (sampling.max_tokens() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".max_tokens = ", sampling.max_tokens(), " must be >= 0 (0: the server default, ",
+        config_.default_max_tokens, ")"));
+  }
+  *max_tokens = sampling.max_tokens() == 0 ? config_.default_max_tokens : sampling.max_tokens();
+  params->temperature = sampling.temperature();
+  params->top_k = sampling.top_k();
+  params->top_p = sampling.top_p() == 0.0f ? 1.0f : sampling.top_p();
+  params->seed = sampling.seed();
+  params->top_logprobs = sampling.top_logprobs();
+  params->stop_token_ids.assign(sampling.stop_token_ids().begin(),
+                                sampling.stop_token_ids().end());
+  if (absl::Status status = engine::validate_sampling_params(*params, model_.vocab_size);
+      !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", status.message()));
+  }
+  limits->ignore_eos = sampling.ignore_eos();
+  limits->top_logprobs = params->top_logprobs > 0;
+  size_t stop_bytes = 0;
+  for (int i = 0; i < sampling.stop_size(); ++i) {
+    if (sampling.stop(i).empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".stop[", i, "] is empty"));
+    }
+    stop_bytes += sampling.stop(i).size();
+    limits->stop.push_back(sampling.stop(i));
+  }
+  if (stop_bytes > static_cast<size_t>(config_.max_text_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".stop has ", stop_bytes,
+                                                   " bytes; the limit is ",
+                                                   config_.max_text_bytes));
+  }
+  return absl::OkStatus();
 }
+
+// ---- RunTree ------------------------------------------------------------------------------
+
+grpc::Status DeftService::RunTree(grpc::ServerContext* context, const v1::RunTreeRequest* request,
+                                  grpc::ServerWriter<v1::TreeEvent>* writer) {
+  return done("RunTree", run_tree(context, *request, writer));
+}
+
+grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTreeRequest& request,
+                                   grpc::ServerWriter<v1::TreeEvent>* writer) {
+  engine::TreeSearchJob job;
+  absl::StatusOr<std::vector<engine::TokenId>> prompt = prompt_tokens(request.prompt(), "prompt");
+  if (!prompt.ok()) return to_grpc(prompt.status());
+  job.prompt = std::move(*prompt);
+
+  const v1::BranchPolicy& policy = request.policy();
+  engine::BranchPolicyOptions& options = job.policy;
+  options.branch_factor = policy.branch_factor() == 0 ? 2 : policy.branch_factor();
+  switch (policy.trigger_case()) {
+    case v1::BranchPolicy::kEveryTokens:
+      options.trigger = engine::BranchPolicyOptions::Trigger::kEveryTokens;
+      options.every_tokens = policy.every_tokens();
+      break;
+    case v1::BranchPolicy::kDelimiter:
+      options.trigger = engine::BranchPolicyOptions::Trigger::kDelimiter;
+      options.delimiter = policy.delimiter();
+      break;
+    case v1::BranchPolicy::kStepEndToken:
+      options.trigger = engine::BranchPolicyOptions::Trigger::kStepEndToken;
+      options.step_end_token = policy.step_end_token();
+      break;
+    case v1::BranchPolicy::TRIGGER_NOT_SET:
+      options.trigger = engine::BranchPolicyOptions::Trigger::kEveryTokens;
+      options.every_tokens = 16;
+      break;
+  }
+  options.max_depth = policy.max_depth();
+  options.score = policy.score() == v1::BranchPolicy::SCORE_MEAN_LOGPROB
+                      ? engine::BranchPolicyOptions::Score::kMeanLogprob
+                      : engine::BranchPolicyOptions::Score::kCumulativeLogprob;
+  options.keep_best = policy.keep_best();
+  if (absl::Status status =
+          engine::validate_branch_policy(options, model_.vocab_size, config_.max_branches);
+      !status.ok()) {
+    return to_grpc(status);
+  }
+  if (absl::Status status = sampling(request.sampling(), "sampling", &job.sampling, &job.limits,
+                                     &job.max_tokens);
+      !status.ok()) {
+    return to_grpc(status);
+  }
+  const auto prompt_size = static_cast<int64_t>(job.prompt.size());
+  if (prompt_size + job.max_tokens > model_.max_context) {
+    return invalid(absl::StrCat("prompt (", prompt_size, " tokens) + sampling.max_tokens (",
+                                job.max_tokens, ") exceeds the model's context of ",
+                                model_.max_context, " tokens"));
+  }
+  const engine::TreeSearchBounds bounds = engine::tree_search_bounds(job, config_.page_tokens);
+  if (bounds.tokens > config_.max_tree_tokens) {
+    return invalid(absl::StrCat("the tree may hold ", bounds.tokens,
+                                " tokens (prompt, branch_factor, max_depth, keep_best and "
+                                "max_tokens together); the limit is ",
+                                config_.max_tree_tokens, " (max_tree_tokens)"));
+  }
+
+  std::shared_ptr<engine::TreeSearchEvents> events = engine_.run_tree(std::move(job));
+  std::vector<engine::TreeSearchEvent> batch;
+  for (;;) {
+    batch.clear();
+    const bool more = events->next(batch, kPollInterval);
+    for (engine::TreeSearchEvent& event : batch) {
+      v1::TreeEvent out;
+      switch (event.kind) {
+        case engine::TreeSearchEvent::Kind::kNodeCreated: {
+          v1::TreeNodeInfo* node = out.mutable_node_created();
+          node->set_node(event.node);
+          node->set_parent(event.parent);
+          node->set_depth(event.depth);
+          break;
+        }
+        case engine::TreeSearchEvent::Kind::kTokens:
+          out.mutable_tokens()->set_node(event.node);
+          out.mutable_tokens()->set_finish_reason(to_proto(event.delta.finish));
+          fill_tokens(event.delta, out.mutable_tokens()->mutable_delta());
+          break;
+        case engine::TreeSearchEvent::Kind::kPruned:
+          out.set_pruned(event.node);
+          break;
+        case engine::TreeSearchEvent::Kind::kFinished: {
+          v1::TreeResult* result = out.mutable_finished();
+          result->mutable_best_path()->Add(event.best_path.begin(), event.best_path.end());
+          result->set_best_text(event.best_text);
+          for (engine::TreeSearchNode& node : event.nodes) {
+            v1::TreeNodeInfo* info = result->add_nodes();
+            info->set_node(node.id);
+            info->set_parent(node.parent);
+            info->set_depth(node.depth);
+            info->set_score(node.score);
+            info->set_finish_reason(to_proto(node.finish));
+            engine::TokenDelta tokens{.ids = std::move(node.tokens),
+                                      .text = std::move(node.text),
+                                      .logprobs = std::move(node.logprobs)};
+            fill_tokens(tokens, info->mutable_tokens());
+          }
+          break;
+        }
+      }
+      if (!writer->Write(out)) {
+        events->cancel();
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      }
+    }
+    if (!more) break;
+    if (context->IsCancelled()) {
+      events->cancel();
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+    }
+  }
+  return to_grpc(events->final_status());
+}
+
+// ---- TreeSession --------------------------------------------------------------------------
+
+engine::SessionCommand DeftService::session_command(const v1::SessionRequest& request) const {
+  using Kind = engine::SessionCommand::Kind;
+  engine::SessionCommand command;
+  command.request_id = request.request_id();
+  const auto tokens = [&](const v1::Prompt& prompt, const std::string& field, bool add_bos) {
+    absl::StatusOr<std::vector<engine::TokenId>> ids = prompt_tokens(prompt, field, add_bos);
+    if (ids.ok()) {
+      command.tokens = std::move(*ids);
+    } else {
+      command.invalid = ids.status();
+    }
+  };
+  switch (request.command_case()) {
+    case v1::SessionRequest::kCreate:
+      command.kind = Kind::kCreate;
+      tokens(request.create().prompt(), "create.prompt", /*add_bos=*/true);
+      break;
+    case v1::SessionRequest::kExtend:
+      command.kind = Kind::kExtend;
+      command.node = request.extend().node();
+      tokens(request.extend().content(), "extend.content", /*add_bos=*/false);
+      break;
+    case v1::SessionRequest::kDecode: {
+      command.kind = Kind::kDecode;
+      command.nodes.assign(request.decode().nodes().begin(), request.decode().nodes().end());
+      if (static_cast<int32_t>(command.nodes.size()) > config_.max_branches) {
+        command.invalid = absl::InvalidArgumentError(
+            absl::StrCat("decode.nodes lists ", command.nodes.size(), " nodes; the limit is ",
+                         config_.max_branches, " (max_branches)"));
+        break;
+      }
+      command.invalid = sampling(request.decode().sampling(), "decode.sampling", &command.sampling,
+                                 &command.limits, &command.max_tokens);
+      break;
+    }
+    case v1::SessionRequest::kBranch:
+      command.kind = Kind::kBranch;
+      command.node = request.branch().node();
+      command.k = request.branch().k();
+      break;
+    case v1::SessionRequest::kPrune:
+      command.kind = Kind::kPrune;
+      command.node = request.prune().node();
+      break;
+    case v1::SessionRequest::kScore:
+      command.kind = Kind::kScore;
+      command.node = request.score().node();
+      tokens(request.score().continuation(), "score.continuation", /*add_bos=*/false);
+      break;
+    case v1::SessionRequest::kClose:
+      command.kind = Kind::kClose;
+      break;
+    case v1::SessionRequest::COMMAND_NOT_SET:
+      command.kind = Kind::kPrune;  // answered with the error below, in order
+      command.invalid = absl::InvalidArgumentError(
+          "the SessionRequest has no command (set create, extend, decode, branch, prune, score "
+          "or close)");
+      break;
+  }
+  return command;
+}
+
+namespace {
+
+v1::SessionResponse session_response(engine::SessionEvent& event, uint64_t session) {
+  using Kind = engine::SessionEvent::Kind;
+  v1::SessionResponse out;
+  out.set_request_id(event.request_id);
+  out.set_session_id(session);
+  switch (event.kind) {
+    case Kind::kCreated:
+      out.set_created_node(event.node);
+      break;
+    case Kind::kExtended:
+      out.mutable_extended()->set_node(event.node);
+      out.mutable_extended()->set_length(static_cast<int32_t>(event.length));
+      break;
+    case Kind::kDecoded:
+      out.mutable_decoded()->set_node(event.node);
+      out.mutable_decoded()->set_finish_reason(to_proto(event.delta.finish));
+      fill_tokens(event.delta, out.mutable_decoded()->mutable_delta());
+      break;
+    case Kind::kBranched:
+      out.mutable_branched()->mutable_children()->Add(event.children.begin(),
+                                                      event.children.end());
+      break;
+    case Kind::kPruned:
+      out.set_pruned(event.node);
+      break;
+    case Kind::kScored:
+      out.mutable_scored()->set_logprob(event.logprob);
+      out.mutable_scored()->mutable_token_logprobs()->Add(event.token_logprobs.begin(),
+                                                          event.token_logprobs.end());
+      break;
+    case Kind::kClosed:
+      out.set_closed(true);
+      break;
+    case Kind::kError:
+      out.mutable_error()->set_code(static_cast<int32_t>(event.error.code()));
+      out.mutable_error()->set_message(std::string(event.error.message()));
+      break;
+  }
+  return out;
+}
+
+}  // namespace
 
 grpc::Status DeftService::TreeSession(
-    grpc::ServerContext*, grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>*) {
-  return done("TreeSession", unimplemented("TreeSession"));
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  return done("TreeSession", tree_session(context, stream));
 }
 
-grpc::Status DeftService::Verify(grpc::ServerContext*, const v1::VerifyRequest*,
-                                 v1::VerifyResponse*) {
-  return done("Verify", unimplemented("Verify"));
+grpc::Status DeftService::tree_session(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  auto events = std::make_shared<engine::SessionEvents>();
+  const uint64_t session = engine_.open_session(events);
+  spdlog::debug("TreeSession: session {} opened", session);
+  // One thread writes what the engine answers; this one reads the client's commands.
+  std::atomic<bool> client_gone{false};
+  std::thread writer([&] {
+    std::vector<engine::SessionEvent> batch;
+    for (;;) {
+      batch.clear();
+      const bool more = events->next(batch, kPollInterval);
+      for (engine::SessionEvent& event : batch) {
+        if (client_gone.load()) continue;
+        if (!stream->Write(session_response(event, session))) client_gone.store(true);
+      }
+      if (!more) break;
+      if (context->IsCancelled()) client_gone.store(true);
+    }
+  });
+  v1::SessionRequest request;
+  bool closed = false;
+  while (!client_gone.load() && stream->Read(&request)) {
+    engine::SessionCommand command = session_command(request);
+    closed = command.kind == engine::SessionCommand::Kind::kClose && command.invalid.ok();
+    engine_.session_command(session, std::move(command));
+    if (closed) break;
+  }
+  if (context->IsCancelled() || client_gone.load()) {
+    // Disconnect: the running command is cancelled and every node freed at once.
+    engine_.close_session(session);
+  } else if (!closed) {
+    // Half-close: the commands already sent still run, then the session closes.
+    engine_.session_command(session, {.kind = engine::SessionCommand::Kind::kClose});
+  }
+  writer.join();
+  spdlog::debug("TreeSession: session {} closed", session);
+  if (context->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+  }
+  return to_grpc(events->final_status());
+}
+
+// ---- Verify -------------------------------------------------------------------------------
+
+grpc::Status DeftService::Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
+                                 v1::VerifyResponse* response) {
+  return done("Verify", verify(context, *request, response));
+}
+
+grpc::Status DeftService::verify(grpc::ServerContext* context, const v1::VerifyRequest& request,
+                                 v1::VerifyResponse* response) {
+  engine::SessionCommand command;
+  command.kind = engine::SessionCommand::Kind::kVerify;
+  command.node = request.node();
+  command.tokens.assign(request.tokens().begin(), request.tokens().end());
+  command.parents.assign(request.parents().begin(), request.parents().end());
+  command.draft_probs.assign(request.draft_probs().begin(), request.draft_probs().end());
+  const engine::DraftTree tree{
+      .tokens = command.tokens, .parents = command.parents, .draft_probs = command.draft_probs};
+  if (absl::Status status =
+          engine::validate_draft_tree(tree, model_.vocab_size, config_.max_verify_entries);
+      !status.ok()) {
+    return to_grpc(status);
+  }
+  int32_t unused_max_tokens = 0;
+  engine::StreamLimits unused_limits;
+  if (absl::Status status = sampling(request.sampling(), "sampling", &command.sampling,
+                                     &unused_limits, &unused_max_tokens);
+      !status.ok()) {
+    return to_grpc(status);
+  }
+  auto reply = std::make_shared<engine::VerifyReply>();
+  command.reply = reply;
+  engine_.verify(request.session_id(), std::move(command));
+  std::vector<engine::VerifyOutcome> outcome;
+  while (reply->next(outcome, kPollInterval)) {
+    if (!outcome.empty()) break;
+    if (context->IsCancelled()) {
+      // The verify still runs in its session's turn; its result is dropped.
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+    }
+  }
+  if (outcome.empty()) return to_grpc(reply->final_status());
+  response->mutable_accepted()->Add(outcome[0].accepted.begin(), outcome[0].accepted.end());
+  response->mutable_accepted_entries()->Add(outcome[0].accepted_entries.begin(),
+                                            outcome[0].accepted_entries.end());
+  response->set_bonus_token(outcome[0].bonus_token);
+  response->set_node(outcome[0].node);
+  return grpc::Status::OK;
 }
 
 // ---- Tokenizer and model ------------------------------------------------------------------

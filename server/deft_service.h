@@ -1,5 +1,5 @@
 // The deft.v1.Deft gRPC service (synchronous API: one handler thread per call; streaming
-// handlers wait on their job's GenerateStream). Validates every request before it reaches the
+// handlers wait on their request's engine event queue). Validates every request before it reaches the
 // engine, with a status code and a message that names the bad field and value.
 #pragma once
 
@@ -55,9 +55,24 @@ class DeftService final : public deft::v1::Deft::Service {
  private:
   grpc::Status generate(grpc::ServerContext* context, const deft::v1::GenerateRequest& request,
                         grpc::ServerWriter<deft::v1::GenerateResponse>* writer);
-  // Token ids of a prompt (text: tokenized with BOS; ids: checked against the vocabulary).
+  grpc::Status run_tree(grpc::ServerContext* context, const deft::v1::RunTreeRequest& request,
+                        grpc::ServerWriter<deft::v1::TreeEvent>* writer);
+  grpc::Status tree_session(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<deft::v1::SessionResponse, deft::v1::SessionRequest>* stream);
+  grpc::Status verify(grpc::ServerContext* context, const deft::v1::VerifyRequest& request,
+                      deft::v1::VerifyResponse* response);
+  // Token ids of a prompt (text: tokenized, with BOS when `add_bos`; ids: checked against the
+  // vocabulary), within max_prompt_tokens.
   absl::StatusOr<std::vector<engine::TokenId>> prompt_tokens(const deft::v1::Prompt& prompt,
-                                                             const std::string& field) const;
+                                                             const std::string& field,
+                                                             bool add_bos = true) const;
+  // Sampling parameters, stop conditions and max_tokens (0: the server default), validated.
+  absl::Status sampling(const deft::v1::SamplingParams& sampling, const std::string& field,
+                        engine::SamplingParams* params, engine::StreamLimits* limits,
+                        int32_t* max_tokens) const;
+  // A session command from the proto; a malformed one carries its error in `invalid`.
+  engine::SessionCommand session_command(const deft::v1::SessionRequest& request) const;
   // Records the RPC's outcome (metrics, debug log) and returns it.
   grpc::Status done(const char* rpc, grpc::Status status) const;
 

@@ -145,11 +145,16 @@ int main(int argc, char** argv) {
     spdlog::info("metrics: http://{}/metrics (port {})", config.metrics_listen, metrics_port);
   }
 
-  deft::server::EngineOptions engine_options{
+  deft::engine::SchedulerOptions engine_options{
       .page_tokens = config.page_tokens,
       .kv_pages = config.kv_pages,
-      .max_queued_jobs = config.max_queued_jobs,
+      .max_queued_works = config.max_queued_jobs,
       .max_step_tokens = config.max_step_tokens,
+      .sessions = {.max_sessions = config.max_sessions,
+                   .max_nodes = config.max_session_nodes,
+                   .max_branches = config.max_branches,
+                   .max_verify_entries = config.max_verify_entries,
+                   .max_context = model_config->max_position_embeddings},
   };
   engine_options.planner.chunk_tokens = config.chunk_tokens;
   if (absl::Status status =

@@ -46,6 +46,11 @@ const std::vector<Field>& fields() {
        "token budget of one engine step (prefill + decode rows)"},
       {"max_text_bytes", &ServerConfig::max_text_bytes,
        "most bytes of text in one request (prompt, Tokenize text, stop strings)"},
+      {"max_sessions", &ServerConfig::max_sessions, "most open TreeSessions"},
+      {"max_session_nodes", &ServerConfig::max_session_nodes,
+       "most nodes one TreeSession holds (each keeps its next-token logits)"},
+      {"max_verify_entries", &ServerConfig::max_verify_entries,
+       "most drafted tokens in one Verify"},
       {"plan", &ServerConfig::plan,
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
       {"chunk_tokens", &ServerConfig::chunk_tokens,
@@ -225,6 +230,9 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_step_tokens", config.max_step_tokens, 1),
            at_least("max_text_bytes", config.max_text_bytes, 1),
            at_least("chunk_tokens", config.chunk_tokens, 0),
+           at_least("max_sessions", config.max_sessions, 0),
+           at_least("max_session_nodes", config.max_session_nodes, 1),
+           at_least("max_verify_entries", config.max_verify_entries, 1),
        }) {
     if (!status.ok()) return status;
   }

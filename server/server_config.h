@@ -24,6 +24,9 @@ struct ServerConfig {
   int32_t default_max_tokens = 64;     // per branch when a request leaves max_tokens at 0
   int32_t max_step_tokens = 2048;      // token budget of one engine step (prefills + decodes)
   int32_t max_text_bytes = 1 << 20;    // Tokenize text, prompt text, stop strings together
+  int32_t max_sessions = 64;           // open TreeSessions
+  int32_t max_session_nodes = 1024;    // nodes one session holds (each keeps a logits row)
+  int32_t max_verify_entries = 256;    // drafted tokens of one Verify
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
   int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel

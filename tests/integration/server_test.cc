@@ -7,6 +7,7 @@
 #include <atomic>
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "tests/integration/server_process.h"
@@ -218,31 +219,6 @@ TEST_F(ServerTest, DetokenizeRejectsIdsOutsideTheVocabulary) {
   }
 }
 
-TEST_F(ServerTest, UnimplementedRpcsSaySo) {
-  auto stub = server_->stub();
-  {
-    grpc::ClientContext context;
-    v1::VerifyResponse response;
-    expect_status(stub->Verify(&context, {}, &response), grpc::StatusCode::UNIMPLEMENTED, "Verify");
-  }
-  {
-    grpc::ClientContext context;
-    auto reader = stub->RunTree(&context, {});
-    v1::TreeEvent event;
-    while (reader->Read(&event)) {
-    }
-    expect_status(reader->Finish(), grpc::StatusCode::UNIMPLEMENTED, "RunTree");
-  }
-  {
-    grpc::ClientContext context;
-    auto stream = stub->TreeSession(&context);
-    v1::SessionResponse response;
-    while (stream->Read(&response)) {
-    }
-    expect_status(stream->Finish(), grpc::StatusCode::UNIMPLEMENTED, "TreeSession");
-  }
-}
-
 // ---- Generate -----------------------------------------------------------------------------
 
 TEST_F(ServerTest, GenerateStreamsEveryBranchToItsEnd) {
@@ -266,10 +242,16 @@ TEST_F(ServerTest, GenerateStreamsEveryBranchToItsEnd) {
     if (branch.finish == v1::FINISH_REASON_EOS) {
       EXPECT_EQ(branch.ids.back(), 2);
     }
-    // Greedy (temperature 0): every branch is the same continuation.
-    EXPECT_EQ(branch.ids, result.branches.at(0).ids);
-    EXPECT_EQ(branch.text, result.branches.at(0).text);
   }
+  // Greedy with n > 1: branch i starts with the i-th most likely token, then argmax; branch 0
+  // is the plain greedy continuation.
+  std::set<int32_t> first_tokens;
+  for (const auto& [index, branch] : result.branches) first_tokens.insert(branch.ids.at(0));
+  EXPECT_EQ(first_tokens.size(), 4u);
+  request.set_n(1);
+  const GenerateResult alone = generate(*stub, request);
+  ASSERT_TRUE(alone.status.ok()) << alone.status.error_message();
+  EXPECT_EQ(alone.branches.at(0).ids, result.branches.at(0).ids);
 }
 
 TEST_F(ServerTest, GenerateIsReproducibleWithASeed) {

@@ -1,0 +1,333 @@
+#include "engine/draft_acceptance.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace deft::engine {
+namespace {
+
+// The last counter word of a uniform number: what it decides (see the header).
+enum class Purpose : uint32_t { kTargetDraw = 0, kAcceptanceTest = 1, kResidualDraw = 2 };
+
+// Uniform in [0, 1) with 53 bits, the same bit recipe as sampling_uniform(); with
+// entry_word 0 and kTargetDraw it equals sampling_uniform(seed, position).
+double acceptance_uniform(uint64_t seed, uint64_t position, uint32_t entry_word, Purpose purpose) {
+  const std::array<uint32_t, 4> bits =
+      philox4x32_10({static_cast<uint32_t>(position), static_cast<uint32_t>(position >> 32),
+                     entry_word, static_cast<uint32_t>(purpose)},
+                    {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
+  const uint64_t mantissa = (static_cast<uint64_t>(bits[0] >> 5) << 26) | (bits[1] >> 6);
+  return static_cast<double>(mantissa) * 0x1.0p-53;
+}
+
+// Children of every node in entry order, as linked lists: first_child[node + 1] (node -1 is
+// the anchor), next_sibling[entry]; and the depth of each entry (0 = under the anchor).
+struct TreeShape {
+  std::vector<int32_t> first_child;
+  std::vector<int32_t> next_sibling;
+  std::vector<int32_t> depth;
+
+  explicit TreeShape(const DraftTree& tree) {
+    const auto entries = static_cast<int32_t>(tree.tokens.size());
+    first_child.assign(static_cast<size_t>(entries) + 1, -1);
+    next_sibling.assign(static_cast<size_t>(entries), -1);
+    depth.assign(static_cast<size_t>(entries), 0);
+    std::vector<int32_t> last_child(static_cast<size_t>(entries) + 1, -1);
+    for (int32_t entry = 0; entry < entries; ++entry) {
+      const int32_t parent = tree.parents[entry];  // validated: -1 <= parent < entry
+      depth[entry] = parent < 0 ? 0 : depth[parent] + 1;
+      int32_t& last = last_child[parent + 1];
+      if (last < 0) {
+        first_child[parent + 1] = entry;
+      } else {
+        next_sibling[last] = entry;
+      }
+      last = entry;
+    }
+  }
+};
+
+// The first child of `node` whose token is `token`, or -1.
+int32_t child_with_token(const DraftTree& tree, const TreeShape& shape, int32_t node,
+                         TokenId token) {
+  for (int32_t child = shape.first_child[node + 1]; child >= 0; child = shape.next_sibling[child]) {
+    if (tree.tokens[child] == token) return child;
+  }
+  return -1;
+}
+
+absl::Status with_row(const absl::Status& status, int32_t row) {
+  return absl::Status(status.code(),
+                      absl::StrCat("draft acceptance: target row ", row, ": ", status.message()));
+}
+
+// One target row in the draft_probs mode: its raw log-softmax and the sampling distribution
+// p (temperature, top-k, top-p with the Sampler's kept-set rule), normalised.
+class TargetRow {
+ public:
+  absl::Status load(std::span<const float> logits, const SamplingParams& params) {
+    logits_ = logits;
+    const auto vocab_size = static_cast<int32_t>(logits.size());
+    float max_logit = -std::numeric_limits<float>::infinity();
+    for (int32_t token = 0; token < vocab_size; ++token) {
+      const float logit = logits[token];
+      if (std::isnan(logit) || logit == std::numeric_limits<float>::infinity()) {
+        return absl::InternalError(absl::StrCat("logit of token ", token, " is ", logit));
+      }
+      max_logit = std::max(max_logit, logit);
+    }
+    if (max_logit == -std::numeric_limits<float>::infinity()) {
+      return absl::InternalError("every logit of the row is -inf");
+    }
+    double raw_sum = 0.0;
+    for (int32_t token = 0; token < vocab_size; ++token)
+      raw_sum += std::exp(logits[token] - max_logit);
+    log_normaliser_ = static_cast<double>(max_logit) + std::log(raw_sum);
+
+    // Weights as the Sampler computes them (float, divided by T).
+    std::vector<float> weights(logits.size());
+    for (int32_t token = 0; token < vocab_size; ++token) {
+      weights[token] = std::exp((logits[token] - max_logit) / params.temperature);
+    }
+    int32_t boundary = -1;  // least likely kept token in (logit desc, id asc) order; -1: all
+    if (params.top_k > 0 || params.top_p < 1.0f) {
+      const bool top_k_filters = params.top_k > 0 && params.top_k < vocab_size;
+      const size_t candidates = top_k_filters ? static_cast<size_t>(params.top_k) : logits.size();
+      std::vector<int32_t> order(logits.size());
+      for (int32_t token = 0; token < vocab_size; ++token) order[token] = token;
+      std::partial_sort(order.begin(), order.begin() + static_cast<ptrdiff_t>(candidates),
+                        order.end(), [this](int32_t a, int32_t b) { return more_likely(a, b); });
+      boundary = order[candidates - 1];
+      if (params.top_p < 1.0f) {
+        double candidate_mass = 0.0;
+        for (size_t i = 0; i < candidates; ++i) candidate_mass += weights[order[i]];
+        const double mass_needed = params.top_p * candidate_mass;
+        double cumulative = 0.0;
+        for (size_t i = 0; i < candidates; ++i) {
+          cumulative += weights[order[i]];
+          if (cumulative >= mass_needed) {
+            boundary = order[i];
+            break;
+          }
+        }
+      }
+    }
+    probabilities_.assign(logits.size(), 0.0);
+    for (int32_t token = 0; token < vocab_size; ++token) {
+      const bool kept = boundary < 0 || !more_likely(boundary, token);
+      if (kept) probabilities_[token] = weights[token];
+    }
+    normalise();
+    return absl::OkStatus();
+  }
+
+  double probability(TokenId token) const { return probabilities_[token]; }
+  float raw_logprob(TokenId token) const {
+    return static_cast<float>(static_cast<double>(logits_[token]) - log_normaliser_);
+  }
+
+  // After rejecting a drafted token with draft probability q: p(t) = max(0, p(t) - q),
+  // renormalised.
+  void remove_draft_mass(TokenId token, double draft_prob) {
+    probabilities_[token] = std::max(0.0, probabilities_[token] - draft_prob);
+    normalise();
+  }
+
+  // Inverse CDF in id order (as the Sampler); zero-probability tokens are never drawn.
+  TokenId draw(double uniform) const {
+    const double target = uniform * total_;
+    double cumulative = 0.0;
+    TokenId chosen = -1;
+    for (size_t token = 0; token < probabilities_.size(); ++token) {
+      if (probabilities_[token] == 0.0) continue;
+      chosen = static_cast<TokenId>(token);  // the last one absorbs rounding at the top end
+      cumulative += probabilities_[token];
+      if (cumulative > target) break;
+    }
+    return chosen;
+  }
+
+ private:
+  bool more_likely(int32_t a, int32_t b) const {
+    return logits_[a] != logits_[b] ? logits_[a] > logits_[b] : a < b;
+  }
+
+  void normalise() {
+    double total = 0.0;
+    for (double p : probabilities_) total += p;
+    if (!(total > 0.0)) {
+      // Cannot happen: a rejection needs p(t) < q <= 1, so mass remains elsewhere.
+      std::fprintf(stderr, "draft acceptance: target distribution lost all its mass\n");
+      std::abort();
+    }
+    for (double& p : probabilities_) p /= total;
+    total_ = 0.0;
+    for (double p : probabilities_) total_ += p;
+  }
+
+  std::span<const float> logits_;
+  double log_normaliser_ = 0.0;
+  std::vector<double> probabilities_;
+  double total_ = 1.0;  // sum of probabilities_ after normalising (1 up to rounding)
+};
+
+}  // namespace
+
+absl::Status validate_draft_tree(const DraftTree& tree, int32_t vocab_size, int32_t max_entries) {
+  const size_t entries = tree.tokens.size();
+  if (entries == 0) return absl::InvalidArgumentError("draft tree: no entries");
+  if (entries > static_cast<size_t>(std::max(0, max_entries))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("draft tree: ", entries, " entries, more than the limit of ", max_entries));
+  }
+  if (tree.parents.size() != entries) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("draft tree: ", entries, " tokens but ", tree.parents.size(), " parents"));
+  }
+  if (!tree.draft_probs.empty() && tree.draft_probs.size() != entries) {
+    return absl::InvalidArgumentError(absl::StrCat("draft tree: ", entries, " tokens but ",
+                                                   tree.draft_probs.size(),
+                                                   " draft probs (give none or one per entry)"));
+  }
+  for (size_t entry = 0; entry < entries; ++entry) {
+    const TokenId token = tree.tokens[entry];
+    if (token < 0 || token >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("draft tree: entry ", entry, ": token ", token,
+                                                     " outside the vocabulary [0, ", vocab_size,
+                                                     ")"));
+    }
+    const int32_t parent = tree.parents[entry];
+    if (parent < -1 || static_cast<int64_t>(parent) >= static_cast<int64_t>(entry)) {
+      return absl::InvalidArgumentError(absl::StrCat("draft tree: entry ", entry, ": parent ",
+                                                     parent,
+                                                     " must be -1 (the anchor) or an "
+                                                     "earlier entry in [0, ",
+                                                     entry, ")"));
+    }
+    if (!tree.draft_probs.empty()) {
+      const float prob = tree.draft_probs[entry];
+      if (!std::isfinite(prob) || !(prob > 0.0f && prob <= 1.0f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("draft tree: entry ", entry, ": draft prob ", prob, " must be in (0, 1]"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<TokenId> Acceptance::accepted_tokens(const DraftTree& tree) const {
+  std::vector<TokenId> tokens;
+  tokens.reserve(accepted_entries.size());
+  for (int32_t entry : accepted_entries) tokens.push_back(tree.tokens[entry]);
+  return tokens;
+}
+
+std::vector<TokenId> Acceptance::committed_tokens(const DraftTree& tree) const {
+  std::vector<TokenId> tokens = accepted_tokens(tree);
+  tokens.push_back(bonus_token);
+  return tokens;
+}
+
+absl::StatusOr<Acceptance> accept_draft_tree(const DraftTree& tree, std::span<const float> logits,
+                                             int32_t vocab_size, const SamplingParams& params,
+                                             uint64_t step) {
+  if (vocab_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("draft acceptance: vocab_size must be >= 1, got ", vocab_size));
+  }
+  if (absl::Status status =
+          validate_draft_tree(tree, vocab_size, std::numeric_limits<int32_t>::max());
+      !status.ok()) {
+    return status;
+  }
+  if (absl::Status status = validate_sampling_params(params, vocab_size); !status.ok()) {
+    return status;
+  }
+  const size_t entries = tree.tokens.size();
+  const size_t row_size = static_cast<size_t>(vocab_size);
+  if (logits.size() / row_size != entries + 1 || logits.size() % row_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("draft acceptance: logits hold ", logits.size(),
+                                                   " floats, want (", entries,
+                                                   " entries + 1) rows of ", vocab_size));
+  }
+  const TreeShape shape(tree);
+  const auto row_of = [&](int32_t node) {  // node -1: the anchor's row 0
+    return logits.subspan(static_cast<size_t>(node + 1) * row_size, row_size);
+  };
+  // Position of the token that follows `node` (a child's token, or the bonus).
+  const auto next_position = [&](int32_t node) {
+    return node < 0 ? step : step + static_cast<uint64_t>(shape.depth[node]) + 1;
+  };
+
+  // The Sampler is the target draw of the greedy and plain modes and of the bonus after an
+  // accepted leaf; only its token and raw logprob are wanted.
+  SamplingParams draw_params = params;
+  draw_params.top_logprobs = 0;
+  draw_params.stop_token_ids.clear();
+  Sampler sampler;
+
+  Acceptance result;
+  int32_t node = -1;
+  const bool greedy = params.temperature == 0.0f || params.top_k == 1;
+  if (greedy || tree.draft_probs.empty()) {
+    while (true) {
+      absl::StatusOr<SampledToken> drawn =
+          sampler.sample(row_of(node), draw_params, next_position(node));
+      if (!drawn.ok()) return with_row(drawn.status(), node + 1);
+      const int32_t child = child_with_token(tree, shape, node, drawn->token);
+      if (child < 0) {
+        result.bonus_token = drawn->token;
+        result.bonus_logprob = drawn->logprob;
+        return result;
+      }
+      result.accepted_entries.push_back(child);
+      node = child;
+    }
+  }
+
+  TargetRow target;
+  while (true) {
+    const uint64_t position = next_position(node);
+    if (shape.first_child[node + 1] < 0) {
+      // An accepted leaf (the anchor always has a child: entry 0): the bonus is the target's
+      // own draw from the leaf's row, the token plain decoding would sample there.
+      absl::StatusOr<SampledToken> drawn = sampler.sample(row_of(node), draw_params, position);
+      if (!drawn.ok()) return with_row(drawn.status(), node + 1);
+      result.bonus_token = drawn->token;
+      result.bonus_logprob = drawn->logprob;
+      return result;
+    }
+    if (absl::Status status = target.load(row_of(node), params); !status.ok()) {
+      return with_row(status, node + 1);
+    }
+    int32_t accepted = -1;
+    for (int32_t child = shape.first_child[node + 1]; child >= 0;
+         child = shape.next_sibling[child]) {
+      const TokenId token = tree.tokens[child];
+      const double draft_prob = tree.draft_probs[child];
+      const double uniform = acceptance_uniform(
+          params.seed, position, static_cast<uint32_t>(child) + 1, Purpose::kAcceptanceTest);
+      // Accept with probability min(1, p / q): uniform < p / q, without dividing.
+      if (uniform * draft_prob < target.probability(token)) {
+        accepted = child;
+        break;
+      }
+      target.remove_draft_mass(token, draft_prob);
+    }
+    if (accepted < 0) {
+      result.bonus_token =
+          target.draw(acceptance_uniform(params.seed, position, 0, Purpose::kResidualDraw));
+      result.bonus_logprob = target.raw_logprob(result.bonus_token);
+      return result;
+    }
+    result.accepted_entries.push_back(accepted);
+    node = accepted;
+  }
+}
+
+}  // namespace deft::engine

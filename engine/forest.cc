@@ -1,0 +1,99 @@
+#include "engine/forest.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+namespace deft::engine {
+
+Forest::Forest(KvCacheManager* kv) : kv_(kv), tree_(/*tree_id=*/0, kv) {}
+
+PromptPlacement Forest::place_prompt(std::span<const TokenId> prompt) {
+  // The last prompt token is never shared: its row gives the prompt's next-token logits.
+  const int64_t limit = static_cast<int64_t>(prompt.size()) - 1;
+  const int64_t page = kv_->page_tokens();
+  NodeId at = tree_.root();
+  int64_t pos = 0;
+  for (;;) {
+    NodeId best = -1;
+    int64_t best_match = 0;
+    for (NodeId child : tree_.node(at).children) {
+      const std::vector<TokenId>& tokens = tree_.node(child).tokens;
+      int64_t match = 0;
+      const int64_t most = std::min<int64_t>(static_cast<int64_t>(tokens.size()), limit - pos);
+      while (match < most && tokens[match] == prompt[pos + match]) ++match;
+      if (match > best_match) {
+        best = child;
+        best_match = match;
+      }
+    }
+    if (best < 0) break;
+    const TreeNode& node = tree_.node(best);
+    const bool whole = best_match == static_cast<int64_t>(node.tokens.size());
+    if (whole && !node.children.empty() && holds(best) == 0) {
+      at = best;  // an unheld inner node (a shared head): go on below it
+      pos += best_match;
+      continue;
+    }
+    // Share the node's pages up to the last page boundary of the match. A held node keeps
+    // its id as the tail, so its holder can still append to it.
+    const int64_t cut = best_match / page * page;
+    if (cut == 0) break;
+    absl::StatusOr<NodeId> head = tree_.split(best, cut);
+    if (!head.ok()) {
+      std::fprintf(stderr, "Forest: split failed: %s\n", head.status().ToString().c_str());
+      std::abort();
+    }
+    at = *head;
+    pos += cut;
+    break;
+  }
+  absl::StatusOr<std::vector<NodeId>> node = branch(at, 1);
+  if (!node.ok()) {
+    std::fprintf(stderr, "Forest: branch failed: %s\n", node.status().ToString().c_str());
+    std::abort();
+  }
+  return {.node = node->front(), .shared = pos};
+}
+
+absl::StatusOr<std::vector<NodeId>> Forest::branch(NodeId node, int32_t k) {
+  absl::StatusOr<std::vector<NodeId>> children = tree_.branch(node, k);
+  if (!children.ok()) return children.status();
+  for (NodeId child : *children) hold(child);
+  return children;
+}
+
+void Forest::hold(NodeId node) {
+  if (static_cast<size_t>(node) >= holds_.size()) {
+    holds_.resize(std::max<size_t>(static_cast<size_t>(node) + 1, holds_.size() * 2), 0);
+  }
+  ++holds_[node];
+}
+
+int32_t Forest::holds(NodeId node) const {
+  return static_cast<size_t>(node) < holds_.size() ? holds_[node] : 0;
+}
+
+void Forest::release(NodeId node) {
+  if (holds(node) <= 0) {
+    std::fprintf(stderr, "Forest: release of node %d, which is not held\n", node);
+    std::abort();
+  }
+  --holds_[node];
+  collect(node);
+}
+
+void Forest::collect(NodeId node) {
+  while (node != tree_.root() && tree_.contains(node) && holds(node) == 0 &&
+         tree_.node(node).children.empty()) {
+    const NodeId parent = tree_.node(node).parent;
+    (void)tree_.prune(node);
+    node = parent;
+  }
+}
+
+int64_t Forest::node_pages(NodeId node) const {
+  return static_cast<int64_t>(kv_->pages(tree_.kv_key(node)).size());
+}
+
+}  // namespace deft::engine

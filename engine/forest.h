@@ -1,0 +1,63 @@
+// The engine's one shared tree of KV (DESIGN.md §2, §4): every live job and session hangs its
+// prompt under the empty root of one SequenceTree, so prompts that share a prefix share its KV
+// and the planner sees all of a step's queries in one tree (a shared prefix is read once per
+// step, across jobs too).
+//
+// Prefix reuse (radix-style): a new prompt walks down from the root along the node whose
+// tokens share the longest prefix with it. Where the match ends inside a node, that node is
+// split at the last page boundary of the match (SequenceTree::split: the head takes the
+// shared pages, the node keeps its id as the tail, so its holder sees nothing change) and the
+// prompt's own node hangs under the head. The prompt's last token is always recomputed, so
+// its next-token logits exist. Tokens after the last shared page boundary are recomputed.
+//
+// Lifetime: works and sessions hold nodes (hold/release). A node lives while it is held or
+// has live children; releasing the last hold frees it and every ancestor left with neither.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/kv_cache_manager.h"
+#include "engine/sequence_tree.h"
+
+namespace deft::engine {
+
+struct PromptPlacement {
+  NodeId node = -1;        // the prompt's own node (empty: its tokens are to be appended)
+  int64_t shared = 0;      // prompt tokens whose KV it shares (the node's depth_begin)
+};
+
+class Forest {
+ public:
+  explicit Forest(KvCacheManager* kv);
+
+  SequenceTree& tree() { return tree_; }
+  const SequenceTree& tree() const { return tree_; }
+  KvCacheManager& kv() { return *kv_; }
+
+  // Places a prompt (>= 1 token): an empty held node whose path shares the longest live
+  // prefix; the caller appends prompt[shared:] to it. Never fails for a valid prompt.
+  PromptPlacement place_prompt(std::span<const TokenId> prompt);
+
+  // k empty children under `node`, each held once.
+  absl::StatusOr<std::vector<NodeId>> branch(NodeId node, int32_t k);
+
+  void hold(NodeId node);
+  // Drops one hold; frees the node (and ancestors) left unheld and childless.
+  void release(NodeId node);
+  int32_t holds(NodeId node) const;
+
+  // Pages of one node.
+  int64_t node_pages(NodeId node) const;
+
+ private:
+  void collect(NodeId node);
+
+  KvCacheManager* kv_;
+  SequenceTree tree_;
+  std::vector<int32_t> holds_;  // by node id
+};
+
+}  // namespace deft::engine

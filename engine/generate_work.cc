@@ -1,0 +1,170 @@
+#include "engine/generate_work.h"
+
+#include <algorithm>
+
+#include "engine/child_sampling.h"
+
+namespace deft::engine {
+namespace {
+
+int64_t pages_for(int64_t tokens, int32_t page_tokens) {
+  return (tokens + page_tokens - 1) / page_tokens;
+}
+
+}  // namespace
+
+GenerateWork::GenerateWork(GenerateJob job, std::shared_ptr<GenerateEvents> events,
+                           const Tokenizer& tokenizer, int32_t page_tokens)
+    : job_(std::move(job)),
+      events_(std::move(events)),
+      tokenizer_(tokenizer),
+      page_tokens_(page_tokens) {}
+
+int64_t GenerateWork::max_pages(const GenerateJob& job, int32_t page_tokens) {
+  return pages_for(static_cast<int64_t>(job.prompt.size()), page_tokens) +
+         int64_t{job.n} * pages_for(job.max_tokens, page_tokens);
+}
+
+int64_t GenerateWork::max_step_rows() const { return job_.n; }
+
+int64_t GenerateWork::pending_pages(const Forest& forest) const {
+  if (finished_) return 0;
+  if (prefilled_ < 0) return max_pages(job_, page_tokens_);
+  const SequenceTree& tree = forest.tree();
+  int64_t pending = 0;
+  if (branches_.empty()) {
+    pending += pages_for(static_cast<int64_t>(job_.prompt.size()) -
+                             tree.node(prompt_node_).depth_begin, page_tokens_) -
+               forest.node_pages(prompt_node_);
+    pending += int64_t{job_.n} * pages_for(job_.max_tokens, page_tokens_);
+    return pending;
+  }
+  for (const Branch& branch : branches_) {
+    if (!branch.live) continue;
+    pending += pages_for(job_.max_tokens, page_tokens_) - forest.node_pages(branch.node);
+  }
+  return std::max<int64_t>(pending, 0);
+}
+
+absl::Status GenerateWork::add_rows(StepContext& step) {
+  in_step_ = false;
+  Forest& forest = step.forest;
+  if (prefilled_ < 0) {
+    const PromptPlacement placement = forest.place_prompt(job_.prompt);
+    prompt_node_ = placement.node;
+    prefilled_ = placement.shared;
+  }
+  const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
+  if (prefilled_ < prompt_size) {
+    // Prefill, in chunks when the step budget is short; logits from the last chunk only.
+    const int64_t count = std::min(prompt_size - prefilled_, step.budget);
+    if (count <= 0) return absl::OkStatus();
+    const bool last = prefilled_ + count == prompt_size;
+    if (absl::Status status = step.add_run(
+            prompt_node_, std::span(job_.prompt).subspan(prefilled_, count),
+            last ? StepContext::Logits::kLast : StepContext::Logits::kNone);
+        !status.ok()) {
+      return status;
+    }
+    prefilled_ += count;
+    in_step_ = last;
+    return absl::OkStatus();
+  }
+  if (step.budget < live_branches_) return absl::OkStatus();  // wait for a roomier step
+  for (Branch& branch : branches_) {
+    if (!branch.live) continue;
+    if (absl::Status status = step.add_run(branch.node, std::span(&branch.pending.token, 1));
+        !status.ok()) {
+      return status;
+    }
+  }
+  in_step_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status GenerateWork::take_logits(StepContext& step) {
+  if (!in_step_) return absl::OkStatus();
+  in_step_ = false;
+  Forest& forest = step.forest;
+  if (branches_.empty()) {
+    // The prompt's last row: the prompt node branches n ways.
+    const std::span<const float> logits = step.next_logits();
+    absl::StatusOr<std::vector<NodeId>> children = forest.branch(prompt_node_, job_.n);
+    if (!children.ok()) return children.status();
+    branches_.resize(static_cast<size_t>(job_.n));
+    for (int32_t i = 0; i < job_.n; ++i) {
+      branches_[i].node = (*children)[i];
+      branches_[i].seed = branch_seed(job_.sampling.seed, static_cast<uint64_t>(i));
+      branches_[i].stream = std::make_unique<TokenStream>(tokenizer_, &job_.limits);
+    }
+    live_branches_ = job_.n;
+    forest.release(prompt_node_);  // the branches hold the path from now on
+    absl::StatusOr<std::vector<SampledToken>> first = sample_children(
+        step.sampler, logits, job_.sampling, static_cast<uint64_t>(job_.prompt.size()), job_.n);
+    if (!first.ok()) return first.status();
+    for (int32_t i = 0; i < job_.n; ++i) {
+      if (absl::Status status = add_token(i, (*first)[i], forest); !status.ok()) return status;
+      ++step.generated;
+    }
+  } else {
+    SamplingParams params = job_.sampling;
+    for (int32_t i = 0; i < static_cast<int32_t>(branches_.size()); ++i) {
+      Branch& branch = branches_[i];
+      if (!branch.live) continue;
+      const std::span<const float> logits = step.next_logits();
+      params.seed = branch.seed;
+      // The sampler's step counter is the new token's position: draws replay exactly.
+      const TreeNode& node = forest.tree().node(branch.node);
+      const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
+      absl::StatusOr<SampledToken> sampled = step.sampler.sample(logits, params, position);
+      if (!sampled.ok()) return sampled.status();
+      if (absl::Status status = add_token(i, *sampled, forest); !status.ok()) return status;
+      ++step.generated;
+    }
+  }
+  if (live_branches_ == 0) finish_job(forest);
+  return absl::OkStatus();
+}
+
+absl::Status GenerateWork::add_token(int32_t index, const SampledToken& sampled, Forest& forest) {
+  Branch& branch = branches_[index];
+  TokenDelta delta =
+      branch.stream->add(sampled, branch.stream->generated() + 1 >= job_.max_tokens);
+  const bool ended = delta.finish != FinishReason::kNone;
+  events_->push({.branch = index, .delta = std::move(delta)});
+  if (!ended) {
+    branch.pending = sampled;
+    return absl::OkStatus();
+  }
+  branch.live = false;
+  --live_branches_;
+  // The branch's KV is of no further use: its pages go back now, not at the job's end.
+  forest.release(branch.node);
+  return absl::OkStatus();
+}
+
+void GenerateWork::finish_job(Forest& forest) {
+  (void)forest;
+  finished_ = true;
+  events_->finish(absl::OkStatus());
+}
+
+void GenerateWork::abort(const absl::Status& status, Forest& forest) {
+  const FinishReason reason =
+      status.ok() ? FinishReason::kNone : FinishReason::kCancelled;
+  if (branches_.empty()) {
+    if (prompt_node_ >= 0) forest.release(prompt_node_);
+  }
+  for (size_t i = 0; i < branches_.size(); ++i) {
+    Branch& branch = branches_[i];
+    if (!branch.live) continue;
+    branch.live = false;
+    events_->push({.branch = static_cast<int32_t>(i), .delta = branch.stream->end(reason)});
+    forest.release(branch.node);
+  }
+  live_branches_ = 0;
+  finished_ = true;
+  events_->finish(status);
+}
+
+}  // namespace deft::engine

@@ -1,0 +1,70 @@
+// A Generate job as engine work: n samples from one prompt, i.e. a depth-1 tree. The prompt is
+// placed in the forest (sharing any live prefix) and prefilled, in chunks when the step budget
+// is short; its last row branches n ways (sample_children), and every step then decodes the
+// pending token of every live branch. A finished branch frees its node's pages at once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "engine/event_queue.h"
+#include "engine/work.h"
+
+namespace deft::engine {
+
+struct GenerateJob {
+  std::vector<TokenId> prompt;  // validated: non-empty, ids inside the vocabulary
+  int32_t n = 1;                // branches
+  int32_t max_tokens = 1;       // per branch
+  SamplingParams sampling;      // its stop_token_ids end a branch (reason kStop)
+  StreamLimits limits;          // stop strings, ignore_eos, top lists
+};
+
+struct GenerateEvent {
+  int32_t branch = 0;
+  TokenDelta delta;
+};
+using GenerateEvents = EventQueue<GenerateEvent>;
+
+class GenerateWork final : public Work {
+ public:
+  GenerateWork(GenerateJob job, std::shared_ptr<GenerateEvents> events,
+               const Tokenizer& tokenizer, int32_t page_tokens);
+
+  int64_t pending_pages(const Forest& forest) const override;
+  int64_t max_step_rows() const override;
+  absl::Status add_rows(StepContext& step) override;
+  absl::Status take_logits(StepContext& step) override;
+  bool finished() const override { return finished_; }
+  bool cancelled() const override { return events_->cancelled(); }
+  void abort(const absl::Status& status, Forest& forest) override;
+
+  // KV pages the job may hold at its peak (admission's worst case).
+  static int64_t max_pages(const GenerateJob& job, int32_t page_tokens);
+
+ private:
+  struct Branch {
+    NodeId node = -1;
+    SampledToken pending;  // sampled, not yet run through the model
+    uint64_t seed = 0;
+    std::unique_ptr<TokenStream> stream;
+    bool live = true;
+  };
+  absl::Status add_token(int32_t index, const SampledToken& sampled, Forest& forest);
+  void finish_job(Forest& forest);
+
+  GenerateJob job_;
+  std::shared_ptr<GenerateEvents> events_;
+  const Tokenizer& tokenizer_;
+  int32_t page_tokens_;
+  NodeId prompt_node_ = -1;
+  int64_t prefilled_ = -1;  // prompt tokens with KV; -1 until placed
+  bool in_step_ = false;    // rows were added this step
+  std::vector<Branch> branches_;
+  int32_t live_branches_ = 0;
+  bool finished_ = false;
+};
+
+}  // namespace deft::engine

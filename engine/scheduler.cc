@@ -1,0 +1,226 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace deft::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+Scheduler::Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokenizer& tokenizer)
+    : options_(options),
+      runner_(runner),
+      tokenizer_(tokenizer),
+      kv_({.page_tokens = options.page_tokens, .num_pages = options.kv_pages}),
+      forest_(&kv_),
+      planner_(options.planner),
+      step_(forest_, sampler_, tokenizer, runner.vocab_size()) {}
+
+Scheduler::~Scheduler() {
+  abort_all(absl::UnavailableError("the engine stopped"));
+  refuse_queued(absl::UnavailableError("the engine stopped"));
+}
+
+absl::Status Scheduler::submit(std::unique_ptr<Work> work) {
+  absl::Status status = admissible(*work);
+  if (!status.ok()) {
+    work->abort(status, forest_);
+    return status;
+  }
+  queued_.push_back(std::move(work));
+  return absl::OkStatus();
+}
+
+absl::Status Scheduler::admissible(const Work& work) const {
+  const int64_t pages = work.pending_pages(forest_);
+  if (pages > options_.kv_pages) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the request may need ", pages, " KV pages but the KV pool has ",
+                     options_.kv_pages, " pages of ", options_.page_tokens, " tokens"));
+  }
+  if (work.max_step_rows() > options_.max_step_tokens) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the request needs steps of ", work.max_step_rows(),
+                     " query rows but max_step_tokens is ", options_.max_step_tokens));
+  }
+  if (static_cast<int32_t>(queued_.size()) >= options_.max_queued_works) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("too many requests: ", queued_.size(),
+                     " are waiting for admission (max_queued_jobs ", options_.max_queued_works,
+                     ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Scheduler::open_session(uint64_t id, std::shared_ptr<SessionEvents> events) {
+  if (static_cast<int32_t>(sessions_.size()) >= options_.sessions.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "too many sessions: ", sessions_.size(), " are open (max_sessions ",
+        options_.sessions.max_sessions, ")"));
+  }
+  sessions_[id] = std::make_shared<Session>(id, std::move(events), options_.sessions, tokenizer_,
+                                            options_.page_tokens);
+  return absl::OkStatus();
+}
+
+void Scheduler::session_command(uint64_t id, SessionCommand command) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second->closing()) {
+    const absl::Status status =
+        absl::NotFoundError(absl::StrCat("no open session ", id));
+    if (command.reply != nullptr) command.reply->finish(status);
+    return;
+  }
+  it->second->enqueue(std::move(command));
+}
+
+void Scheduler::close_session(uint64_t id) {
+  auto it = sessions_.find(id);
+  if (it != sessions_.end()) it->second->begin_close();
+}
+
+int64_t Scheduler::committed_pages() const {
+  int64_t pages = kv_.used_pages();
+  for (const auto& work : live_) pages += work->pending_pages(forest_);
+  return pages;
+}
+
+void Scheduler::end_live(size_t index, const absl::Status& status) {
+  if (!live_[index]->finished()) live_[index]->abort(status, forest_);
+  live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(index));
+}
+
+void Scheduler::prepare() {
+  // 1. Cancellations free KV now.
+  for (auto it = queued_.begin(); it != queued_.end();) {
+    if ((*it)->cancelled()) {
+      (*it)->abort(absl::CancelledError("cancelled by the client"), forest_);
+      it = queued_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (size_t i = live_.size(); i-- > 0;) {
+    if (live_[i]->cancelled()) end_live(i, absl::CancelledError("cancelled by the client"));
+  }
+  // 2. Sessions: closed ones go once their command has ended; the others start commands.
+  pump_sessions();
+  // 3. Admission, FIFO, under the KV pool.
+  int64_t committed = committed_pages();
+  while (!queued_.empty()) {
+    const int64_t pages = queued_.front()->pending_pages(forest_);
+    if (committed + pages > options_.kv_pages) break;
+    committed += pages;
+    live_.push_back(std::move(queued_.front()));
+    queued_.pop_front();
+  }
+}
+
+void Scheduler::pump_sessions() {
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    Session& session = *it->second;
+    if (session.closing() && !session.busy()) {
+      session.close(forest_, absl::OkStatus());
+      it = sessions_.erase(it);
+      continue;
+    }
+    if (!session.busy()) {
+      std::unique_ptr<Work> work = session.next_work(forest_);
+      // A refused work answers its command with the error (submit aborts it).
+      if (work != nullptr) (void)submit(std::move(work));
+      if (session.closing() && !session.busy()) {
+        session.close(forest_, absl::OkStatus());
+        it = sessions_.erase(it);
+        continue;
+      }
+    }
+    ++it;
+  }
+}
+
+std::optional<StepStats> Scheduler::step() {
+  if (live_.empty()) return std::nullopt;
+  const Clock::time_point start = Clock::now();
+  StepStats stats;
+  step_.clear();
+  step_.budget = options_.max_step_tokens;
+  // Rotate who goes first, so a short budget is shared fairly across steps.
+  const size_t count = live_.size();
+  const size_t first = rotation_++ % count;
+  std::vector<size_t> order;
+  order.reserve(count);
+  for (size_t k = 0; k < count; ++k) order.push_back((first + k) % count);
+  absl::Status status;
+  for (size_t index : order) {
+    const size_t rows_before = step_.tokens.size();
+    status = live_[index]->add_rows(step_);
+    if (!status.ok()) break;
+    if (step_.tokens.size() > rows_before) ++stats.works;
+  }
+  if (status.ok() && !step_.tokens.empty()) {
+    const TreeQueries trees[] = {{&forest_.tree(), step_.queries}};
+    const Clock::time_point plan_start = Clock::now();
+    status = planner_.plan(trees, plan_);
+    stats.plan_seconds = seconds_since(plan_start);
+    if (status.ok()) {
+      logits_.resize(step_.logit_rows.size() * static_cast<size_t>(runner_.vocab_size()));
+      const StepBatch batch{.plan = &plan_, .tokens = step_.tokens,
+                            .logit_rows = step_.logit_rows};
+      const Clock::time_point forward_start = Clock::now();
+      status = runner_.forward(batch, logits_);
+      stats.forward_seconds = seconds_since(forward_start);
+      stats.kv_tokens_read = plan_.io.kv_tokens_read;
+    }
+    if (status.ok()) {
+      step_.logits = logits_;
+      for (size_t index : order) {
+        if (absl::Status taken = live_[index]->take_logits(step_); !taken.ok()) {
+          spdlog::error("engine: a request failed: {}", taken.ToString());
+          live_[index]->abort(absl::InternalError(taken.message()), forest_);
+        }
+      }
+    }
+  }
+  if (!status.ok()) {
+    // An engine bug or a runner failure: the works of this step cannot go on.
+    spdlog::error("engine: step failed, ending {} requests: {}", live_.size(), status.ToString());
+    for (size_t i = live_.size(); i-- > 0;) {
+      end_live(i, absl::InternalError(absl::StrCat("engine step failed: ", status.message())));
+    }
+  }
+  for (size_t i = live_.size(); i-- > 0;) {
+    if (live_[i]->finished()) live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  stats.rows = static_cast<int64_t>(step_.tokens.size());
+  stats.logit_rows = static_cast<int64_t>(step_.logit_rows.size());
+  stats.generated = step_.generated;
+  stats.step_seconds = seconds_since(start);
+  step_.clear();
+  if (stats.rows == 0) return std::nullopt;
+  return stats;
+}
+
+void Scheduler::refuse_queued(const absl::Status& status) {
+  for (auto& work : queued_) work->abort(status, forest_);
+  queued_.clear();
+}
+
+void Scheduler::abort_all(const absl::Status& status) {
+  for (size_t i = live_.size(); i-- > 0;) end_live(i, status);
+  for (auto& [id, session] : sessions_) session->begin_close();
+  refuse_queued(status);
+  for (auto& [id, session] : sessions_) session->close(forest_, status);
+  sessions_.clear();
+}
+
+}  // namespace deft::engine

@@ -1,0 +1,310 @@
+#include "engine/session_work.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace deft::engine {
+namespace {
+
+int64_t pages_for(int64_t tokens, int32_t page_tokens) {
+  return (tokens + page_tokens - 1) / page_tokens;
+}
+
+using Logits = Session::Logits;
+
+Logits copy_row(std::span<const float> row) {
+  return std::make_shared<const std::vector<float>>(row.begin(), row.end());
+}
+
+// create (a new node for a prompt, sharing any live prefix) and extend (a run appended to a
+// leaf): prefilled in chunks under the step budget; the node keeps the last row's logits.
+class PrefillWork final : public SessionWork {
+ public:
+  using SessionWork::SessionWork;
+
+  int64_t pending_pages(const Forest& forest) const override {
+    const auto total = static_cast<int64_t>(command_.tokens.size());
+    if (node_ < 0) {
+      if (command_.kind == SessionCommand::Kind::kCreate) {
+        return pages_for(total, session_->page_tokens());
+      }
+      const TreeNode& node = forest.tree().node(command_.node);
+      return pages_for(static_cast<int64_t>(node.tokens.size()) + total,
+                       session_->page_tokens()) -
+             forest.node_pages(command_.node);
+    }
+    const TreeNode& node = forest.tree().node(node_);
+    return pages_for(static_cast<int64_t>(node.tokens.size()) + total - next_,
+                     session_->page_tokens()) -
+           forest.node_pages(node_);
+  }
+  int64_t max_step_rows() const override { return 1; }
+
+  absl::Status add_rows(StepContext& step) override {
+    in_step_ = false;
+    if (node_ < 0) {
+      if (command_.kind == SessionCommand::Kind::kCreate) {
+        const PromptPlacement placement = step.forest.place_prompt(command_.tokens);
+        node_ = placement.node;
+        next_ = placement.shared;
+      } else {
+        node_ = command_.node;
+        next_ = 0;
+      }
+    }
+    const auto total = static_cast<int64_t>(command_.tokens.size());
+    const int64_t count = std::min(total - next_, step.budget);
+    if (count <= 0) return absl::OkStatus();
+    const bool last = next_ + count == total;
+    if (absl::Status status =
+            step.add_run(node_, std::span(command_.tokens).subspan(next_, count),
+                         last ? StepContext::Logits::kLast : StepContext::Logits::kNone);
+        !status.ok()) {
+      return status;
+    }
+    next_ += count;
+    in_step_ = last;
+    return absl::OkStatus();
+  }
+
+  absl::Status take_logits(StepContext& step) override {
+    if (!in_step_) return absl::OkStatus();
+    Logits logits = copy_row(step.next_logits());
+    SessionEvent event{.request_id = command_.request_id, .node = node_};
+    if (command_.kind == SessionCommand::Kind::kCreate) {
+      session_->adopt(node_, std::move(logits));  // the placement's hold becomes the session's
+      event.kind = SessionEvent::Kind::kCreated;
+    } else {
+      session_->set_logits(node_, std::move(logits));
+      const TreeNode& node = step.forest.tree().node(node_);
+      event.kind = SessionEvent::Kind::kExtended;
+      event.length = node.depth_begin + static_cast<int64_t>(node.tokens.size());
+    }
+    session_->events().push(std::move(event));
+    done();
+    return absl::OkStatus();
+  }
+
+ protected:
+  void release_held(Forest& forest) override {
+    // A created node not yet handed to the session; an extended node keeps its new tokens
+    // (their KV is valid, but its logits are stale: drop them by truncating the run).
+    if (command_.kind == SessionCommand::Kind::kCreate) {
+      if (node_ >= 0) forest.release(node_);
+    } else if (node_ >= 0 && next_ > 0 && forest.tree().contains(node_)) {
+      const TreeNode& node = forest.tree().node(node_);
+      (void)forest.tree().truncate(node_, static_cast<int64_t>(node.tokens.size()) - next_);
+    }
+  }
+
+ private:
+  NodeId node_ = -1;
+  int64_t next_ = 0;  // tokens of the run appended so far (create: from the shared prefix)
+  bool in_step_ = false;
+};
+
+// decode: every listed leaf generates in place, all in the same steps. Each step samples the
+// next token of every live node from its current logits, streams it, and runs it through the
+// model so the node's KV and logits always cover all its tokens.
+class DecodeWork final : public SessionWork {
+ public:
+  DecodeWork(std::shared_ptr<Session> session, SessionCommand command)
+      : SessionWork(std::move(session), std::move(command)) {
+    for (NodeId node : command_.nodes) {
+      nodes_.push_back({.node = node,
+                        .seed = branch_seed(command_.sampling.seed, static_cast<uint64_t>(node)),
+                        .stream = std::make_unique<TokenStream>(session_->tokenizer(),
+                                                                &command_.limits)});
+    }
+  }
+
+  int64_t pending_pages(const Forest& forest) const override {
+    int64_t pending = 0;
+    for (const Live& live : nodes_) {
+      if (live.done) continue;
+      const TreeNode& node = forest.tree().node(live.node);
+      const int64_t left = command_.max_tokens - live.stream->generated();
+      pending += pages_for(static_cast<int64_t>(node.tokens.size()) + left,
+                           session_->page_tokens()) -
+                 forest.node_pages(live.node);
+    }
+    return std::max<int64_t>(pending, 0);
+  }
+  int64_t max_step_rows() const override { return static_cast<int64_t>(nodes_.size()); }
+
+  absl::Status add_rows(StepContext& step) override {
+    in_step_ = false;
+    int64_t live = 0;
+    for (const Live& node : nodes_) live += node.done ? 0 : 1;
+    if (live == 0 || step.budget < live) return absl::OkStatus();
+    SamplingParams params = command_.sampling;
+    for (Live& live_node : nodes_) {
+      if (live_node.done) continue;
+      const TreeNode& node = step.forest.tree().node(live_node.node);
+      const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
+      params.seed = live_node.seed;
+      absl::StatusOr<SampledToken> sampled =
+          step.sampler.sample(*session_->node_logits(live_node.node), params, position);
+      if (!sampled.ok()) return sampled.status();
+      TokenDelta delta = live_node.stream->add(
+          *sampled, live_node.stream->generated() + 1 >= command_.max_tokens);
+      live_node.ending = delta.finish != FinishReason::kNone;
+      ++step.generated;
+      session_->events().push({.request_id = command_.request_id,
+                               .kind = SessionEvent::Kind::kDecoded,
+                               .node = live_node.node,
+                               .delta = std::move(delta)});
+      if (absl::Status status = step.add_run(live_node.node, std::span(&sampled->token, 1));
+          !status.ok()) {
+        return status;
+      }
+    }
+    in_step_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status take_logits(StepContext& step) override {
+    if (!in_step_) return absl::OkStatus();
+    bool all_done = true;
+    for (Live& live_node : nodes_) {
+      if (live_node.done) continue;
+      session_->set_logits(live_node.node, copy_row(step.next_logits()));
+      live_node.done = live_node.ending;
+      all_done = all_done && live_node.done;
+    }
+    if (all_done) done();
+    return absl::OkStatus();
+  }
+
+ protected:
+  void release_held(Forest& forest) override {
+    (void)forest;
+    for (Live& live_node : nodes_) {
+      if (live_node.done) continue;
+      session_->events().push({.request_id = command_.request_id,
+                               .kind = SessionEvent::Kind::kDecoded,
+                               .node = live_node.node,
+                               .delta = live_node.stream->end(FinishReason::kCancelled)});
+    }
+  }
+
+ private:
+  struct Live {
+    NodeId node = -1;
+    uint64_t seed = 0;
+    std::unique_ptr<TokenStream> stream;
+    bool ending = false;  // its last sampled token ended it; done once that token ran
+    bool done = false;
+  };
+  std::vector<Live> nodes_;
+  bool in_step_ = false;
+};
+
+// score: the continuation runs under a temporary child of the node (its KV freed at the end);
+// token i's log-probability comes from the row before it (the node's own logits for i = 0).
+class ScoreWork final : public SessionWork {
+ public:
+  using SessionWork::SessionWork;
+
+  int64_t pending_pages(const Forest& forest) const override {
+    const auto total = static_cast<int64_t>(command_.tokens.size());
+    if (child_ < 0) return pages_for(total, session_->page_tokens());
+    return pages_for(total, session_->page_tokens()) - forest.node_pages(child_);
+  }
+  int64_t max_step_rows() const override { return 1; }
+
+  absl::Status add_rows(StepContext& step) override {
+    rows_ = 0;
+    if (child_ < 0) {
+      absl::StatusOr<std::vector<NodeId>> child = step.forest.branch(command_.node, 1);
+      if (!child.ok()) return child.status();
+      child_ = child->front();
+      const std::vector<float>& logits = *session_->node_logits(command_.node);
+      logprobs_.push_back(raw_logprob(logits, command_.tokens[0]));
+    }
+    // Every token but the last needs its row's logits (for the next token's log-probability).
+    const auto total = static_cast<int64_t>(command_.tokens.size());
+    const int64_t count = std::min(total - 1 - next_, step.budget);
+    if (count <= 0) {
+      if (next_ == total - 1) finish_score(step.forest);
+      return absl::OkStatus();
+    }
+    if (absl::Status status = step.add_run(
+            child_, std::span(command_.tokens).subspan(next_, count), StepContext::Logits::kAll);
+        !status.ok()) {
+      return status;
+    }
+    rows_ = count;
+    return absl::OkStatus();
+  }
+
+  absl::Status take_logits(StepContext& step) override {
+    for (int64_t i = 0; i < rows_; ++i) {
+      ++next_;
+      logprobs_.push_back(raw_logprob(step.next_logits(), command_.tokens[next_]));
+    }
+    rows_ = 0;
+    if (next_ == static_cast<int64_t>(command_.tokens.size()) - 1) finish_score(step.forest);
+    return absl::OkStatus();
+  }
+
+ protected:
+  void release_held(Forest& forest) override {
+    if (child_ >= 0) forest.release(child_);
+    child_ = -1;
+  }
+
+ private:
+  void finish_score(Forest& forest) {
+    if (finished_) return;
+    release_held(forest);
+    double total = 0.0;
+    for (float logprob : logprobs_) total += logprob;
+    session_->events().push({.request_id = command_.request_id,
+                             .kind = SessionEvent::Kind::kScored,
+                             .node = command_.node,
+                             .logprob = total,
+                             .token_logprobs = std::move(logprobs_)});
+    done();
+  }
+
+  NodeId child_ = -1;
+  int64_t next_ = 0;  // continuation tokens run so far
+  int64_t rows_ = 0;  // rows added this step
+  std::vector<float> logprobs_;
+};
+
+}  // namespace
+
+void SessionWork::abort(const absl::Status& status, Forest& forest) {
+  release_held(forest);
+  if (command_.reply != nullptr) {
+    command_.reply->finish(status);
+  } else {
+    session_->error(command_.request_id, status);
+  }
+  finished_ = true;
+  session_->command_done();
+}
+
+float raw_logprob(std::span<const float> logits, TokenId token) {
+  float max_logit = -INFINITY;
+  for (float logit : logits) max_logit = std::max(max_logit, logit);
+  double sum = 0.0;
+  for (float logit : logits) sum += std::exp(static_cast<double>(logit) - max_logit);
+  return static_cast<float>(static_cast<double>(logits[token]) - max_logit - std::log(sum));
+}
+
+std::unique_ptr<Work> make_prefill_work(std::shared_ptr<Session> session, SessionCommand command) {
+  return std::make_unique<PrefillWork>(std::move(session), std::move(command));
+}
+std::unique_ptr<Work> make_decode_work(std::shared_ptr<Session> session, SessionCommand command) {
+  return std::make_unique<DecodeWork>(std::move(session), std::move(command));
+}
+std::unique_ptr<Work> make_score_work(std::shared_ptr<Session> session, SessionCommand command) {
+  return std::make_unique<ScoreWork>(std::move(session), std::move(command));
+}
+
+}  // namespace deft::engine

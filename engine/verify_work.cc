@@ -1,0 +1,144 @@
+// verify: speculative decoding over the network. The drafted token tree runs under the
+// session node in one step (one tree-attention pass: each entry sees the node's path and its
+// own drafted ancestors); engine/draft_acceptance.h picks the accepted path from the target
+// logits; the accepted path's KV is kept as a chain under the node (its last node becomes a
+// session node with the logits after it) and every other drafted entry is freed.
+//
+// Entries are laid out as nodes of the forest: a maximal chain of drafted entries (each the
+// only child of the one before) shares one node, so a Medusa-style tree of t entries costs far
+// fewer than t pages, and the accepted path ends inside at most one node, which is truncated.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "engine/draft_acceptance.h"
+#include "engine/session_work.h"
+
+namespace deft::engine {
+namespace {
+
+int64_t pages_for(int64_t tokens, int32_t page_tokens) {
+  return (tokens + page_tokens - 1) / page_tokens;
+}
+
+class VerifyWork final : public SessionWork {
+ public:
+  VerifyWork(std::shared_ptr<Session> session, SessionCommand command)
+      : SessionWork(std::move(session), std::move(command)) {
+    const size_t n = command_.tokens.size();
+    children_.assign(n, 0);
+    for (int32_t parent : command_.parents) {
+      if (parent >= 0) ++children_[static_cast<size_t>(parent)];
+    }
+  }
+
+  // At worst every entry starts a node.
+  int64_t pending_pages(const Forest& forest) const override {
+    (void)forest;
+    if (in_step_ || finished_) return 0;
+    return static_cast<int64_t>(command_.tokens.size()) *
+           pages_for(1, session_->page_tokens());
+  }
+  int64_t max_step_rows() const override { return static_cast<int64_t>(command_.tokens.size()); }
+
+  absl::Status add_rows(StepContext& step) override {
+    const size_t n = command_.tokens.size();
+    if (in_step_ || step.budget < static_cast<int64_t>(n)) return absl::OkStatus();
+    node_of_.assign(n, -1);
+    index_of_.assign(n, 0);
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t parent = command_.parents[i];
+      NodeId node = -1;
+      if (parent >= 0 && children_[static_cast<size_t>(parent)] == 1) {
+        node = node_of_[static_cast<size_t>(parent)];  // continues the parent's chain
+      } else {
+        const NodeId under = parent < 0 ? command_.node : node_of_[static_cast<size_t>(parent)];
+        absl::StatusOr<std::vector<NodeId>> child = step.forest.branch(under, 1);
+        if (!child.ok()) return child.status();
+        node = child->front();
+        created_.push_back(node);
+      }
+      node_of_[i] = node;
+      index_of_[i] = static_cast<int32_t>(step.forest.tree().node(node).tokens.size());
+      if (absl::Status status = step.add_run(node, std::span(&command_.tokens[i], 1));
+          !status.ok()) {
+        return status;
+      }
+    }
+    in_step_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status take_logits(StepContext& step) override {
+    if (!in_step_) return absl::OkStatus();
+    const size_t n = command_.tokens.size();
+    const auto vocab = static_cast<size_t>(step.vocab_size);
+    std::vector<float> logits((n + 1) * vocab);
+    const std::vector<float>& anchor = *session_->node_logits(command_.node);
+    std::copy(anchor.begin(), anchor.end(), logits.begin());
+    for (size_t i = 0; i < n; ++i) {
+      const std::span<const float> row = step.next_logits();
+      std::copy(row.begin(), row.end(), logits.begin() + static_cast<ptrdiff_t>((i + 1) * vocab));
+    }
+    const TreeNode& anchor_node = step.forest.tree().node(command_.node);
+    const auto first_position =
+        static_cast<uint64_t>(anchor_node.depth_begin + anchor_node.tokens.size());
+    const DraftTree tree{.tokens = command_.tokens,
+                         .parents = command_.parents,
+                         .draft_probs = command_.draft_probs};
+    absl::StatusOr<Acceptance> acceptance =
+        accept_draft_tree(tree, logits, step.vocab_size, command_.sampling, first_position);
+    if (!acceptance.ok()) return acceptance.status();
+
+    VerifyOutcome outcome;
+    outcome.bonus_token = acceptance->bonus_token;
+    outcome.accepted_entries = acceptance->accepted_entries;
+    for (int32_t entry : acceptance->accepted_entries) {
+      outcome.accepted.push_back(command_.tokens[static_cast<size_t>(entry)]);
+    }
+    // Keep the accepted path: release every drafted node (the path's stay alive through the
+    // last one, which the session adopts), then cut the last node after the accepted entry.
+    Forest& forest = step.forest;
+    outcome.node = command_.node;
+    if (!acceptance->accepted_entries.empty()) {
+      const auto last = static_cast<size_t>(acceptance->accepted_entries.back());
+      const NodeId leaf = node_of_[last];
+      forest.hold(leaf);
+      release_held(forest);
+      if (absl::Status status = forest.tree().truncate(leaf, index_of_[last] + 1); !status.ok()) {
+        return status;
+      }
+      const auto row = std::span<const float>(logits).subspan((last + 1) * vocab, vocab);
+      session_->adopt(leaf, std::make_shared<const std::vector<float>>(row.begin(), row.end()));
+      outcome.node = leaf;
+    } else {
+      release_held(forest);
+    }
+    command_.reply->push(std::move(outcome));
+    command_.reply->finish(absl::OkStatus());
+    in_step_ = false;
+    done();
+    return absl::OkStatus();
+  }
+
+ protected:
+  void release_held(Forest& forest) override {
+    // Children before parents, so each release frees its node at once.
+    for (auto it = created_.rbegin(); it != created_.rend(); ++it) forest.release(*it);
+    created_.clear();
+  }
+
+ private:
+  std::vector<int32_t> children_;  // drafted children per entry
+  std::vector<NodeId> node_of_;    // the node holding each entry
+  std::vector<int32_t> index_of_;  // the entry's token index in that node
+  std::vector<NodeId> created_;    // nodes this work created (each held once)
+  bool in_step_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Work> make_verify_work(std::shared_ptr<Session> session, SessionCommand command) {
+  return std::make_unique<VerifyWork>(std::move(session), std::move(command));
+}
+
+}  // namespace deft::engine

@@ -1,0 +1,78 @@
+// One unit of engine work that needs forward passes: a Generate job, a RunTree job, or one
+// command of a tree session (create, extend, decode, score, verify). The Scheduler admits
+// works in FIFO order under the KV capacity and, every step, lets each live work add query
+// rows under the step's token budget, runs one forward pass for all of them, and hands each
+// work the logits of the rows it asked for. All of it runs on the engine thread.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/attention_planner.h"
+#include "engine/forest.h"
+#include "engine/sampler.h"
+#include "engine/token_stream.h"
+#include "engine/tokenizer.h"
+
+namespace deft::engine {
+
+// The step being built, and later its logits.
+class StepContext {
+ public:
+  StepContext(Forest& forest, Sampler& sampler, const Tokenizer& tokenizer, int32_t vocab_size)
+      : forest(forest), sampler(sampler), tokenizer(tokenizer), vocab_size(vocab_size) {}
+
+  Forest& forest;
+  Sampler& sampler;
+  const Tokenizer& tokenizer;
+  const int32_t vocab_size;
+  int64_t budget = 0;     // query rows the step can still take
+  int64_t generated = 0;  // tokens sampled this step (metrics)
+
+  enum class Logits : uint8_t { kNone, kLast, kAll };
+  // Appends `tokens` to leaf `node` and adds one query row per token, asking for the logits
+  // of no row, the last row, or every row. Fails (nothing added) when KV is short.
+  absl::Status add_run(NodeId node, std::span<const TokenId> tokens, Logits logits = Logits::kLast);
+
+  // Rows of the step, for the planner and the runner.
+  std::vector<QueryToken> queries;
+  std::vector<TokenId> tokens;
+  std::vector<int32_t> logit_rows;
+
+  // After the forward pass: the logits, taken by the works in the order they asked.
+  std::span<const float> logits;
+  std::span<const float> next_logits();
+
+  void clear();
+
+ private:
+  size_t logit_cursor_ = 0;
+};
+
+class Work {
+ public:
+  virtual ~Work() = default;
+
+  // KV pages this work may still allocate at worst, beyond the pages it holds now. The
+  // scheduler admits a work only while the used pages plus every live work's pending pages
+  // fit the pool, so no live work ever runs out of KV.
+  virtual int64_t pending_pages(const Forest& forest) const = 0;
+  // Query rows its largest single step needs (admission checks it fits the step budget).
+  virtual int64_t max_step_rows() const = 0;
+
+  // Adds this step's rows (none is fine, e.g. when the budget is short).
+  virtual absl::Status add_rows(StepContext& step) = 0;
+  // Takes the logits of the rows it added, in order (exactly as many as it asked for).
+  virtual absl::Status take_logits(StepContext& step) = 0;
+
+  virtual bool finished() const = 0;
+  // Its client cancelled or went away (polled before every step).
+  virtual bool cancelled() const = 0;
+  // Ends the work early or after a failure; releases its nodes and tells its client.
+  // Called at most once; not called for a work that finished by itself.
+  virtual void abort(const absl::Status& status, Forest& forest) = 0;
+};
+
+}  // namespace deft::engine
