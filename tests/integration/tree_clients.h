@@ -81,7 +81,8 @@ class TestSession {
   uint64_t session_id() const { return session_id_; }
   bool stream_ended() const { return ended_; }
   grpc::ClientContext& context() { return context_; }
-  // Half-closes and returns the final status (responses still unread fail the test).
+  // Half-closes and returns the final status (responses still unread fail the test, but for
+  // a `closed` confirmation of the half-close).
   grpc::Status finish();
 
  private:

@@ -623,7 +623,9 @@ TEST_F(TreeRpcTest, SessionExtendDecodeAndScoreEqualGenerate) {
 }
 
 TEST_F(TreeRpcTest, SessionSamplingIsSeededPerNode) {
-  const std::vector<int32_t> prompt = story_prompt(*stub_);
+  // Random tokens: after the story's own words the default model is too sure of itself for
+  // samples to differ.
+  const std::vector<int32_t> prompt = {1, 40, 41, 42, 43};
   v1::SamplingParams sampling;
   sampling.set_temperature(1.0f);
   sampling.set_seed(4242);
