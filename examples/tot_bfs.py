@@ -11,7 +11,8 @@ The server keeps the whole search tree's KV; this client only sends commands. Pe
   3. evaluate: the model scores, after each child, an evaluation suffix (" This step is
      correct.") against a contrast suffix (" This step is wrong."); the value of the child is
      the difference of the two log-probabilities (score commands keep nothing);
-  4. keep the best w children as the next frontier and prune the rest (their KV is freed).
+  4. keep the best w children as the next frontier (a path whose text repeats a better one's
+     counts once) and prune the rest (their KV is freed).
 The best path's text is printed at the end. The default model (models/default) is a tiny
 Llama trained on one short story: its steps read like text, its judgement is not smart.
 
@@ -69,14 +70,14 @@ def _import_client():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", default="127.0.0.1:50051", help="deft-server HOST:PORT")
-    parser.add_argument("--prompt", default="Once upon a time there was a tree that grew "
-                        "beside a river.", help="the problem / story start")
+    parser.add_argument("--prompt", default="The child asked the tree a question.",
+                        help="the problem / story start")
     parser.add_argument("--depth", type=int, default=3, help="search depth (steps)")
     parser.add_argument("--branch", type=int, default=3, help="children per frontier node (k)")
     parser.add_argument("--keep", type=int, default=2, help="nodes kept per depth (w)")
     parser.add_argument("--step-tokens", type=int, default=16, help="max tokens per step")
     parser.add_argument("--delimiter", default=".", help="a step ends with this text")
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--evaluation", default=" This step is correct.",
                         help="the suffix whose log-probability rates a step")
@@ -100,6 +101,13 @@ def main() -> int:
             step_of = {root: args.prompt}
             value_of = {root: 0.0}
             ended = set()  # nodes whose step ended with EOS: not expanded again
+
+            def path_text(node):
+                steps_back = []
+                while node is not None:
+                    steps_back.append(step_of[node])
+                    node = parent[node]
+                return "".join(reversed(steps_back))
             frontier = [root]
             for depth in range(1, args.depth + 1):
                 open_nodes = [node for node in frontier if node not in ended]
@@ -128,23 +136,31 @@ def main() -> int:
                                                   else "")
                     if step.finish_reason == "eos":
                         ended.add(child)
+                # Best first; a path whose text repeats a better one's is a duplicate (a
+                # confident model samples the same step often): kept once.
                 ranked = sorted(children, key=lambda node: -value_of[node])
-                frontier = ranked[:args.keep]
+                frontier, seen = [], set()
+                for node in ranked:
+                    text = path_text(node)
+                    if len(frontier) < args.keep and text not in seen:
+                        frontier.append(node)
+                    seen.add(text)
                 print(f"depth {depth}: {len(ranked)} candidates, keeping {len(frontier)}")
-                for rank, node in enumerate(ranked):
-                    mark = "keep " if rank < args.keep else "prune"
+                for node in ranked:
+                    mark = "keep " if node in frontier else "prune"
                     print(f"  {mark} node {node:3d} (parent {parent[node]:3d}) value "
                           f"{value_of[node]:+8.3f} [{steps[node].finish_reason}] "
                           f"{step_of[node]!r}")
-                for node in ranked[args.keep:]:
-                    session.prune(node)
+                for node in ranked:
+                    if node not in frontier:
+                        session.prune(node)
             best = max(frontier, key=lambda node: value_of[node])
             path = [best]
             while parent[path[-1]] is not None:
                 path.append(parent[path[-1]])
             path.reverse()
             print("best path: " + " ".join(str(node) for node in path))
-            print("best text: " + "".join(step_of[node] for node in path))
+            print("best text: " + path_text(best))
     return 0
 
 
