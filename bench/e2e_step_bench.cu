@@ -3,11 +3,12 @@
 // on models/llama_cuda.h, for DeFT-Flatten (the planner's default, adaptive B) and the
 // sequence baseline (planner default split-KV chunks) in the same run:
 //   fewshot_p4000_b20_s100: a 4000-token prompt prefilled, 20 branches decoding one token each
-//     per step for 100 steps (greedy: argmax of each branch's logits on the host);
+//     per step for 100 steps (greedy, sampled on the GPU: forward_sampled);
 //   specdec_p6000_t64: a 6000-token prefix prefilled, then steps verifying the 64-token Medusa
-//     tree (SpecDecReplay, accept lengths of the trace's first record); argmax of every tree
-//     row on the host (what a greedy verifier compares), the trace decides what is accepted.
-// One step = tree bookkeeping + planning + forward() + sampling. Each scenario runs twice per
+//     tree (SpecDecReplay, accept lengths of the trace's first record); the greedy token of
+//     every tree row (what a greedy verifier compares), the trace decides what is accepted.
+// One step = tree bookkeeping + planning + forward_sampled() (LM head and greedy sampling on
+// the GPU; only token ids come back) + reading the tokens. Each scenario runs twice per
 // method: with StepTiming::kTotal (the step's wall time and GPU time from two CUDA events) and
 // with StepTiming::kPhases (events after every launch: attention / GEMMs / other kernels /
 // copies). Host parts by steady_clock. The first kWarmupSteps steps of each run are excluded.
@@ -26,7 +27,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bench/bench_result.h"
@@ -57,7 +57,6 @@ constexpr int kWarmupSteps = 3;
 constexpr int32_t kPageTokens = 16;
 constexpr int32_t kNumPages = 1024;        // 16384 KV slots: 2 GiB of KV at these shapes
 constexpr int32_t kPrefillChunk = 2048;    // query rows per prefill forward
-constexpr int kSampleThreads = 8;
 
 void must(const absl::Status& status, const char* what) {
   if (!status.ok()) {
@@ -89,51 +88,8 @@ models::ModelConfig llama3_8b_config() {
   return c;
 }
 
-// Argmax of each row (ties to the lower id), rows split over up to kSampleThreads threads.
-// Returns false when a row holds a NaN.
-bool argmax_rows(const float* logits, int32_t rows, int32_t vocab, std::vector<TokenId>& out) {
-  out.assign(rows, 0);
-  std::vector<char> bad(rows, 0);
-  const auto work = [&](int32_t begin, int32_t end) {
-    for (int32_t r = begin; r < end; ++r) {
-      const float* x = logits + static_cast<size_t>(r) * vocab;
-      float lane[8];
-      for (int l = 0; l < 8; ++l) lane[l] = -INFINITY;
-      bool nan = false;
-      int32_t i = 0;
-      for (; i + 8 <= vocab; i += 8) {
-        for (int l = 0; l < 8; ++l) {
-          lane[l] = x[i + l] > lane[l] ? x[i + l] : lane[l];
-          nan |= x[i + l] != x[i + l];
-        }
-      }
-      float best = -INFINITY;
-      for (int l = 0; l < 8; ++l) best = std::max(best, lane[l]);
-      for (; i < vocab; ++i) {
-        best = std::max(best, x[i]);
-        nan |= x[i] != x[i];
-      }
-      int32_t index = 0;
-      while (index < vocab && x[index] != best) ++index;
-      out[r] = index;
-      bad[r] = nan || index == vocab;
-    }
-  };
-  const int threads = std::min<int32_t>(kSampleThreads, rows);
-  if (threads <= 1) {
-    work(0, rows);
-  } else {
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back(work, rows * t / threads, rows * (t + 1) / threads);
-    }
-    for (std::thread& thread : pool) thread.join();
-  }
-  return std::none_of(bad.begin(), bad.end(), [](char b) { return b != 0; });
-}
-
 struct StepRecord {
-  double total_us = 0;     // wall: bookkeeping + planning + forward + sampling
+  double total_us = 0;     // wall: bookkeeping + planning + forward_sampled + reading tokens
   double bookkeeping_us = 0, plan_us = 0, sample_us = 0;
   double forward_wall_us = 0;
   models::StepTimes gpu;   // ms, from the runner's events
@@ -154,7 +110,7 @@ class Bench {
  public:
   Bench(models::LlamaCudaRunner& runner, const models::ModelConfig& config)
       : runner_(runner), config_(config) {
-    logits_host_.reset(sizeof(float) * size_t{256} * config.vocab_size);
+    greedy_.temperature = 0.0f;
     const size_t embed_bytes = size_t{2} * config.vocab_size * config.hidden_size;
     weight_read_bytes_ = runner.weight_bytes() - embed_bytes;
     kv_token_bytes_ = int64_t{2} * config.num_hidden_layers * config.kv_size() * 2;
@@ -197,15 +153,22 @@ class Bench {
     const int32_t rows = static_cast<int32_t>(queries.size());
     logit_rows_.resize(rows);
     for (int32_t r = 0; r < rows; ++r) logit_rows_[r] = r;
-    float* logits = logits_host_.as<float>();
+    sampling_rows_.assign(rows, {.params = &greedy_, .step = 0});
+    sampled_.resize(rows);
     t = Clock::now();
-    must(runner_.forward({.plan = &plan_, .tokens = tokens, .logit_rows = logit_rows_},
-                         {logits, static_cast<size_t>(rows) * config_.vocab_size}),
-         "forward");
+    const absl::Status sampled = runner_.forward_sampled(
+        {.plan = &plan_, .tokens = tokens, .logit_rows = logit_rows_}, sampling_rows_, sampled_);
     rec.forward_wall_us = us_since(t);
     rec.gpu = runner_.last_step_times();
+    // INTERNAL: a NaN / inf logit (the row is reported, not sampled); anything else is fatal.
+    if (sampled.code() == absl::StatusCode::kInternal) {
+      finite = false;
+    } else {
+      must(sampled, "forward_sampled");
+    }
     t = Clock::now();
-    finite &= argmax_rows(logits, rows, config_.vocab_size, rec.argmax);
+    rec.argmax.resize(rows);
+    for (int32_t r = 0; r < rows; ++r) rec.argmax[r] = sampled.ok() ? sampled_[r].token : 0;
     rec.sample_us = us_since(t);
     rec.total_us = us_since(t0);
 
@@ -302,7 +265,9 @@ class Bench {
   models::ModelConfig config_;
   AttentionPlan plan_;
   std::vector<int32_t> logit_rows_;
-  kernels::PinnedHostBuffer logits_host_;
+  engine::SamplingParams greedy_;  // temperature 0 (set in the constructor)
+  std::vector<engine::RowSampling> sampling_rows_;
+  std::vector<engine::SampledToken> sampled_;
   size_t weight_read_bytes_ = 0;
   int64_t kv_token_bytes_ = 0;
 };
@@ -401,7 +366,11 @@ int main(int argc, char** argv) {
       const Samples p_total = stat(ph, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
       const Samples p_attn = stat(ph, [](const StepRecord& s) { return s.gpu.attention_ms * 1e3; });
       const Samples p_gemm = stat(ph, [](const StepRecord& s) { return s.gpu.gemm_ms * 1e3; });
-      const Samples p_other = stat(ph, [](const StepRecord& s) { return s.gpu.other_ms * 1e3; });
+      const Samples p_other = stat(ph, [](const StepRecord& s) {
+        return (s.gpu.other_ms + s.gpu.sampling_ms) * 1e3;
+      });
+      const Samples p_sampling =
+          stat(ph, [](const StepRecord& s) { return s.gpu.sampling_ms * 1e3; });
       const Samples p_copy = stat(ph, [](const StepRecord& s) { return s.gpu.copy_ms * 1e3; });
       const Samples p_wall = stat(ph, [](const StepRecord& s) { return s.total_us; });
       double tokens = 0, time_us = 0;
@@ -459,10 +428,12 @@ int main(int argc, char** argv) {
             {"attention", p_attn.median},
             {"gemm", p_gemm.median},
             {"other_kernels", p_other.median},
+            {"of_which_gpu_sampling", p_sampling.median},
             {"copies_inputs_plan_logits", p_copy.median},
             {"step_wall_with_phase_events", p_wall.median}}},
-          {"sampling", "greedy argmax of every logit row on the host (fp32 logits downloaded, "
-                       "8 threads)"},
+          {"sampling", "greedy on the GPU (forward_sampled: kernels/sampling.h, one block per "
+                       "row after the LM head); only token ids and logprobs downloaded; "
+                       "host_sampling_argmax = reading the tokens"},
       };
       rows.push_back(row);
     }

@@ -46,14 +46,14 @@ int64_t GenerateWork::pending_pages(const Forest& forest) const {
   return std::max<int64_t>(pending, 0);
 }
 
+void GenerateWork::start(Forest& forest) {
+  const PromptPlacement placement = forest.place_prompt(job_.prompt);
+  prompt_node_ = placement.node;
+  prefilled_ = placement.shared;
+}
+
 absl::Status GenerateWork::add_rows(StepContext& step) {
   in_step_ = false;
-  Forest& forest = step.forest;
-  if (prefilled_ < 0) {
-    const PromptPlacement placement = forest.place_prompt(job_.prompt);
-    prompt_node_ = placement.node;
-    prefilled_ = placement.shared;
-  }
   const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
   if (prefilled_ < prompt_size) {
     // Prefill, in chunks when the step budget is short; logits from the last chunk only.

@@ -35,6 +35,7 @@ class GenerateWork final : public Work {
 
   int64_t pending_pages(const Forest& forest) const override;
   int64_t max_step_rows() const override;
+  void start(Forest& forest) override;
   absl::Status add_rows(StepContext& step) override;
   absl::Status take_logits(StepContext& step) override;
   bool finished() const override { return finished_; }

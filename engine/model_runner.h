@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "engine/attention_planner.h"
+#include "engine/sampler.h"
 #include "engine/sequence_tree.h"
 
 namespace deft::engine {
@@ -24,6 +25,12 @@ struct StepBatch {
   // Query rows whose next-token logits are wanted, in the order their logits are written;
   // usually ascending (e.g. the last row of a prefill run, every row of a decode step).
   std::span<const int32_t> logit_rows;
+};
+
+// How to sample one logit row: the branch's params and the draw's step (engine::Sampler::sample).
+struct RowSampling {
+  const SamplingParams* params = nullptr;
+  uint64_t step = 0;
 };
 
 // Static facts of a loaded model the engine plans with.
@@ -49,6 +56,26 @@ class ModelRunner {
   // vocabulary, a slot outside the cache, a negative position, a logit row outside the plan,
   // or a `logits` span of the wrong size; the KV cache is then untouched.
   virtual absl::Status forward(const StepBatch& batch, std::span<float> logits) = 0;
+
+  // forward() then one sampled token per logit row (rows[i] for batch.logit_rows[i]); a backend
+  // that samples on its device overrides it so only tokens come back. The default runs forward()
+  // into a host buffer and engine::Sampler on each row. INVALID_ARGUMENT for `rows` or `out` not
+  // one per logit row, a row without params, or bad params (validate_sampling_params), before
+  // anything runs; INTERNAL for a row with a NaN / +inf logit or no finite logit (the KV cache
+  // then holds the step's K/V).
+  virtual absl::Status forward_sampled(const StepBatch& batch, std::span<const RowSampling> rows,
+                                       std::span<SampledToken> out);
+
+  // Attention time of the last step in seconds (all layers), or < 0 when it was not timed.
+  // time_attention(true) asks the next steps to time it (a backend may charge a little for
+  // that: the server samples it now and then for its attention-share metric).
+  virtual void time_attention(bool on) { (void)on; }
+  virtual double last_attention_seconds() const { return -1.0; }
 };
+
+// The argument checks of forward_sampled (for backends that override it): sizes, params present
+// and valid for `vocab_size`. INVALID_ARGUMENT naming the row.
+absl::Status check_row_sampling(const StepBatch& batch, std::span<const RowSampling> rows,
+                                std::span<const SampledToken> out, int32_t vocab_size);
 
 }  // namespace deft::engine

@@ -123,6 +123,7 @@ void Scheduler::prepare() {
     committed += pages;
     live_.push_back(std::move(queued_.front()));
     queued_.pop_front();
+    live_.back()->start(forest_);
   }
 }
 
@@ -176,9 +177,16 @@ std::optional<StepStats> Scheduler::step() {
       logits_.resize(step_.logit_rows.size() * static_cast<size_t>(runner_.vocab_size()));
       const StepBatch batch{.plan = &plan_, .tokens = step_.tokens,
                             .logit_rows = step_.logit_rows};
+      // Attention is timed on every 16th step (the CUDA runner charges a little for it).
+      const bool timed = step_count_++ % 16 == 0;
+      if (timed) runner_.time_attention(true);
       const Clock::time_point forward_start = Clock::now();
       status = runner_.forward(batch, logits_);
       stats.forward_seconds = seconds_since(forward_start);
+      if (timed) {
+        stats.attention_seconds = runner_.last_attention_seconds();
+        runner_.time_attention(false);
+      }
       stats.kv_tokens_read = plan_.io.kv_tokens_read;
     }
     if (status.ok()) {

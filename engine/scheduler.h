@@ -49,6 +49,7 @@ struct StepStats {
   int64_t kv_tokens_read = 0;
   double plan_seconds = 0;
   double forward_seconds = 0;
+  double attention_seconds = -1;  // of the forward, when timed (every 16th step)
   double step_seconds = 0;
 };
 
@@ -107,6 +108,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Work>> queued_;
   std::vector<std::unique_ptr<Work>> live_;
   size_t rotation_ = 0;
+  int64_t step_count_ = 0;
   std::unordered_map<uint64_t, std::shared_ptr<Session>> sessions_;
 };
 

@@ -42,18 +42,19 @@ class PrefillWork final : public SessionWork {
   }
   int64_t max_step_rows() const override { return 1; }
 
+  void start(Forest& forest) override {
+    if (command_.kind == SessionCommand::Kind::kCreate) {
+      const PromptPlacement placement = forest.place_prompt(command_.tokens);
+      node_ = placement.node;
+      next_ = placement.shared;
+    } else {
+      node_ = command_.node;
+      next_ = 0;
+    }
+  }
+
   absl::Status add_rows(StepContext& step) override {
     in_step_ = false;
-    if (node_ < 0) {
-      if (command_.kind == SessionCommand::Kind::kCreate) {
-        const PromptPlacement placement = step.forest.place_prompt(command_.tokens);
-        node_ = placement.node;
-        next_ = placement.shared;
-      } else {
-        node_ = command_.node;
-        next_ = 0;
-      }
-    }
     const auto total = static_cast<int64_t>(command_.tokens.size());
     const int64_t count = std::min(total - next_, step.budget);
     if (count <= 0) return absl::OkStatus();

@@ -94,14 +94,14 @@ NodeProgress TreeSearchWork::progress(int32_t id) const {
           .path_tokens = live.path_tokens};
 }
 
+void TreeSearchWork::start(Forest& forest) {
+  const PromptPlacement placement = forest.place_prompt(job_.prompt);
+  live_[0]->node = placement.node;
+  prefilled_ = placement.shared;
+}
+
 absl::Status TreeSearchWork::add_rows(StepContext& step) {
   in_step_ = false;
-  Forest& forest = step.forest;
-  if (prefilled_ < 0) {
-    const PromptPlacement placement = forest.place_prompt(job_.prompt);
-    live_[0]->node = placement.node;
-    prefilled_ = placement.shared;
-  }
   const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
   if (prefilled_ < prompt_size) {
     const int64_t count = std::min(prompt_size - prefilled_, step.budget);

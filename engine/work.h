@@ -62,6 +62,9 @@ class Work {
   // Query rows its largest single step needs (admission checks it fits the step budget).
   virtual int64_t max_step_rows() const = 0;
 
+  // Called once, between steps, when the work is admitted: place prompts in the forest here
+  // (a placement may split nodes, which must not happen while a step's rows are being built).
+  virtual void start(Forest& forest) { (void)forest; }
   // Adds this step's rows (none is fine, e.g. when the budget is short).
   virtual absl::Status add_rows(StepContext& step) = 0;
   // Takes the logits of the rows it added, in order (exactly as many as it asked for).

@@ -1,5 +1,7 @@
 #include "models/llama_cpu.h"
 
+#include <chrono>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -244,6 +246,7 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
   if (rows == 0) return absl::OkStatus();
 
   const int32_t hidden = config_.hidden_size;
+  double attention_seconds = 0.0;
   const int32_t heads = config_.num_attention_heads;
   const int32_t kv_heads = config_.num_key_value_heads;
   const int32_t head_dim = config_.head_dim;
@@ -292,7 +295,10 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
       std::memcpy(v_cache + slot * kv_size, v_.data() + static_cast<size_t>(r) * kv_size,
                   sizeof(float) * kv_size);
     }
+    const auto attention_start = std::chrono::steady_clock::now();
     kernels::deft_attention_cpu(view, dims, q_.data(), k_cache, v_cache, attn_.data());
+    attention_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                       attention_start).count();
     linear(attn_.data(), rows, q_size, layer.o_proj, layer.o_bias, hidden, proj_.data());
     for (size_t i = 0; i < n * hidden; ++i) hidden_[i] += proj_[i];
 
@@ -307,6 +313,7 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
     linear(gate_.data(), rows, intermediate, layer.down_proj, {}, hidden, proj_.data());
     for (size_t i = 0; i < n * hidden; ++i) hidden_[i] += proj_[i];
   }
+  attention_seconds_ = attention_seconds;
 
   // Final norm and LM head, only for the rows whose logits are wanted.
   const int32_t logit_rows = static_cast<int32_t>(batch.logit_rows.size());

@@ -34,12 +34,15 @@ class LlamaCpuRunner final : public engine::ModelRunner {
   const engine::ModelInfo& info() const override { return info_; }
   const ModelConfig& config() const { return config_; }
   absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override;
+  // Always timed (a clock read per layer).
+  double last_attention_seconds() const override { return attention_seconds_; }
 
   // Bytes of fp32 weights and of the KV cache held.
   size_t weight_bytes() const;
   size_t kv_cache_bytes() const;
 
  private:
+  double attention_seconds_ = -1.0;
   struct Layer;
   LlamaCpuRunner() = default;
 

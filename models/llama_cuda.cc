@@ -16,6 +16,7 @@
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
+#include "kernels/sampling.h"
 #include "kernels/tree_attention_generic.h"
 #include "models/llama_checkpoint.h"
 #include "spdlog/spdlog.h"
@@ -118,6 +119,10 @@ struct LlamaCudaRunner::State {
   DeviceBuffer logits;     // fp32 [kLogitRowsPerChunk][vocab]
   DeviceBuffer step_ints;  // tokens | positions | slots | logit rows
   PinnedHostBuffer step_ints_host;
+  // forward_sampled: per logit row params in, SampledRow (+ top lists) out; the weights
+  // workspace is allocated on the first step that samples (kLogitRowsPerChunk rows).
+  DeviceBuffer sampling_params, sampled, sampled_top, sampling_workspace;
+  PinnedHostBuffer sampling_params_host, sampled_host, sampled_top_host;
   kernels::DevicePlan plan;
   kernels::DeftAttentionBuffers partials;
   kernels::AttentionDims dims;
@@ -126,7 +131,7 @@ struct LlamaCudaRunner::State {
   size_t weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
 
   // Step timing (set_step_timing): events[i] ends interval i, which belongs to phase[i].
-  enum Phase { kAttention, kGemm, kOther, kCopy };
+  enum Phase { kAttention, kGemm, kOther, kCopy, kSampling };
   StepTiming timing = StepTiming::kOff;
   std::vector<cudaEvent_t> events;
   std::vector<Phase> phase;
@@ -168,6 +173,7 @@ struct LlamaCudaRunner::State {
         double* sum = phase[i] == kAttention ? &times.attention_ms
                       : phase[i] == kGemm    ? &times.gemm_ms
                       : phase[i] == kOther   ? &times.other_ms
+                      : phase[i] == kSampling ? &times.sampling_ms
                                              : &times.copy_ms;
         *sum += ms;
       }
@@ -379,11 +385,18 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.logits.reset(static_cast<size_t>(kLogitRowsPerChunk) * c.vocab_size * sizeof(float));
   s.step_ints.reset(rows * 4 * sizeof(int32_t));
   s.step_ints_host.reset(rows * 4 * sizeof(int32_t));
+  s.sampling_params.reset(rows * sizeof(kernels::RowSamplingParams));
+  s.sampling_params_host.reset(rows * sizeof(kernels::RowSamplingParams));
+  s.sampled.reset(rows * sizeof(kernels::SampledRow));
+  s.sampled_host.reset(rows * sizeof(kernels::SampledRow));
+  s.sampled_top.reset(rows * kernels::kSamplingMaxTopLogprobs * sizeof(kernels::SampledTop));
+  s.sampled_top_host.reset(rows * kernels::kSamplingMaxTopLogprobs * sizeof(kernels::SampledTop));
   // DeFT partials for up to two entries per query row to start with; they grow on demand.
   if (s.deft_kernels) s.partials.reserve(static_cast<int32_t>(2 * rows), s.dims);
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
                        s.attn.bytes() + s.gate_up.bytes() + s.act.bytes() + s.logits.bytes() +
-                       s.step_ints.bytes() +
+                       s.step_ints.bytes() + s.sampling_params.bytes() + s.sampled.bytes() +
+                       s.sampled_top.bytes() +
                        (s.deft_kernels ? 2 * rows * (c.q_size() + c.num_attention_heads) * 4 : 0);
 
   // The KV pool from what is left.
@@ -437,9 +450,34 @@ size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_byt
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
 void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
+void LlamaCudaRunner::time_attention(bool on) {
+  state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;
+}
+double LlamaCudaRunner::last_attention_seconds() const {
+  return state_->times.valid && state_->timing == StepTiming::kPhases
+             ? state_->times.attention_ms * 1e-3
+             : -1.0;
+}
 const StepTimes& LlamaCudaRunner::last_step_times() const { return state_->times; }
 
 absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<float> logits) {
+  return run_step(batch, logits, {}, {});
+}
+
+absl::Status LlamaCudaRunner::forward_sampled(const engine::StepBatch& batch,
+                                              std::span<const engine::RowSampling> rows,
+                                              std::span<engine::SampledToken> out) {
+  if (absl::Status status = engine::check_row_sampling(batch, rows, out, config_.vocab_size);
+      !status.ok()) {
+    return status;
+  }
+  return run_step(batch, {}, rows, out);
+}
+
+absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span<float> logits,
+                                       std::span<const engine::RowSampling> sampling,
+                                       std::span<engine::SampledToken> sampled) {
+  const bool sample = !sampling.empty();
   if (batch.plan == nullptr) return absl::InvalidArgumentError("llama_cuda: step without a plan");
   const engine::AttentionPlan& plan = *batch.plan;
   const int32_t rows = plan.num_queries;
@@ -485,7 +523,7 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
                                                      " query rows"));
     }
   }
-  if (logits.size() != static_cast<size_t>(logit_rows) * vocab) {
+  if (!sample && logits.size() != static_cast<size_t>(logit_rows) * vocab) {
     return absl::InvalidArgumentError(absl::StrCat("llama_cuda: logits hold ", logits.size(),
                                                    " floats, expected ", logit_rows, " rows x ",
                                                    vocab));
@@ -499,6 +537,28 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
   }
   s.times = StepTimes{};
   if (rows == 0) return absl::OkStatus();
+  bool any_top_logprobs = false;
+  if (sample) {
+    bool any_draw = false;
+    auto* params = s.sampling_params_host.as<kernels::RowSamplingParams>();
+    for (int32_t i = 0; i < logit_rows; ++i) {
+      const engine::SamplingParams& p = *sampling[i].params;
+      params[i] = {.temperature = p.temperature,
+                   .top_k = p.top_k,
+                   .top_p = p.top_p,
+                   .top_logprobs = p.top_logprobs,
+                   .seed = p.seed,
+                   .step = sampling[i].step};
+      any_draw |= p.temperature != 0.0f && p.top_k != 1;
+      any_top_logprobs |= p.top_logprobs > 0;
+    }
+    const size_t workspace_bytes = kernels::sampling_workspace_bytes(
+        std::min(kLogitRowsPerChunk, logit_rows), vocab);
+    if (any_draw && s.sampling_workspace.bytes() < workspace_bytes) {
+      s.sampling_workspace.reset(
+          kernels::sampling_workspace_bytes(kLogitRowsPerChunk, vocab));
+    }
+  }
 
   const ModelConfig& c = config_;
   const int32_t hidden = c.hidden_size;
@@ -522,6 +582,11 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
   const int32_t* d_positions = d_tokens + rows;
   const int32_t* d_slots = d_tokens + 2 * rows;
   const int32_t* d_logit_rows = d_tokens + 3 * rows;
+  if (sample && logit_rows > 0) {
+    DEFT_CUDA_CHECK(cudaMemcpyAsync(s.sampling_params.data(), s.sampling_params_host.data(),
+                                    sizeof(kernels::RowSamplingParams) * logit_rows,
+                                    cudaMemcpyHostToDevice, s.stream));
+  }
   s.plan.upload(plan.view(), s.stream);
   if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
   s.mark(State::kCopy);
@@ -580,15 +645,65 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
       s.gemm(static_cast<const char*>(s.normed.data()) + row_bytes * begin, lm_head, count, hidden,
              vocab, s.logits.data(), true, false);
       s.mark(State::kGemm);
+      if (sample) {
+        kernels::launch_sample_rows(
+            {.num_rows = count, .vocab_size = vocab, .row_stride = vocab}, s.logits.as<float>(),
+            s.sampling_params.as<kernels::RowSamplingParams>() + begin,
+            s.sampling_workspace.as<float>(), s.sampled.as<kernels::SampledRow>() + begin,
+            s.sampled_top.as<kernels::SampledTop>() +
+                static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
+            s.stream);
+        s.mark(State::kSampling);
+        continue;
+      }
       DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data() + static_cast<size_t>(begin) * vocab,
                                       s.logits.data(), sizeof(float) * count * vocab,
                                       cudaMemcpyDeviceToHost, s.stream));
+      s.mark(State::kCopy);
+    }
+    if (sample) {
+      DEFT_CUDA_CHECK(cudaMemcpyAsync(s.sampled_host.data(), s.sampled.data(),
+                                      sizeof(kernels::SampledRow) * logit_rows,
+                                      cudaMemcpyDeviceToHost, s.stream));
+      if (any_top_logprobs) {
+        DEFT_CUDA_CHECK(cudaMemcpyAsync(
+            s.sampled_top_host.data(), s.sampled_top.data(),
+            sizeof(kernels::SampledTop) * kernels::kSamplingMaxTopLogprobs * logit_rows,
+            cudaMemcpyDeviceToHost, s.stream));
+      }
       s.mark(State::kCopy);
     }
   }
   s.mark_end(State::kCopy);
   DEFT_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   s.collect_times();
+  if (sample) {
+    const auto* rows_out = s.sampled_host.as<kernels::SampledRow>();
+    const auto* tops = s.sampled_top_host.as<kernels::SampledTop>();
+    for (int32_t i = 0; i < logit_rows; ++i) {
+      const kernels::SampledRow& row = rows_out[i];
+      if (row.status != kernels::kSampledOk) {
+        return absl::InternalError(absl::StrCat(
+            "llama_cuda: logit row ", i, " (query row ", batch.logit_rows[i], "): ",
+            row.status == kernels::kSampledNonFiniteLogit
+                ? absl::StrCat("sampling: logit of token ", row.error_token, " is ",
+                               row.error_logit)
+                : std::string("sampling: every logit of the row is -inf")));
+      }
+      const engine::SamplingParams& p = *sampling[i].params;
+      engine::SampledToken& token = sampled[i];
+      token.token = row.token;
+      token.logprob = row.logprob;
+      token.stop = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), row.token) !=
+                   p.stop_token_ids.end();
+      token.top_logprobs.clear();
+      const kernels::SampledTop* top =
+          tops + static_cast<size_t>(i) * kernels::kSamplingMaxTopLogprobs;
+      for (int32_t j = 0; j < row.num_top; ++j) {
+        token.top_logprobs.push_back({top[j].token, top[j].logprob});
+      }
+    }
+  }
   return absl::OkStatus();
 }
 

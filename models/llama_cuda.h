@@ -7,7 +7,8 @@
 //              the step's plan (uploaded once, reused by every layer) -> O GEMM accumulated
 //              into the residual (beta = 1) -> RMSNorm -> gate/up GEMM -> SiLU·mul -> down GEMM
 //              accumulated into the residual
-//   final RMSNorm of the logit rows only (gathered) -> LM head GEMM (fp32 out) -> host.
+//   final RMSNorm of the logit rows only (gathered) -> LM head GEMM (fp32 out) -> host
+//   (forward) or GPU sampling and only the tokens to the host (forward_sampled).
 // GEMMs are cuBLAS (bf16/fp16 in, fp32 accumulate). GPU memory is planned at load from the free
 // memory: weights, activations for `max_batch_rows` query rows, then the KV pool.
 #pragma once
@@ -47,7 +48,8 @@ struct StepTimes {
   double attention_ms = 0;  // DeFT / generic attention launches (both stages)
   double gemm_ms = 0;       // cuBLAS GEMMs (QKV, O, gate/up, down, LM head)
   double other_ms = 0;      // embedding, RMSNorms, RoPE + KV write, SiLU·mul
-  double copy_ms = 0;       // step inputs and plan upload, logits download
+  double copy_ms = 0;       // step inputs and plan upload, logits (or sampled tokens) download
+  double sampling_ms = 0;   // GPU sampling (forward_sampled)
   bool valid = false;       // false when the last step ran with kOff (or had no rows)
 };
 
@@ -72,6 +74,11 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   const engine::ModelInfo& info() const override { return info_; }
   const ModelConfig& config() const { return config_; }
   absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override;
+  // Samples on the GPU (kernels/sampling.h) right after the LM head: the logits never leave
+  // the device; tokens, logprobs and asked-for top logprobs come back.
+  absl::Status forward_sampled(const engine::StepBatch& batch,
+                               std::span<const engine::RowSampling> rows,
+                               std::span<engine::SampledToken> out) override;
 
   size_t weight_bytes() const;
   size_t activation_bytes() const;
@@ -81,6 +88,10 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   bool uses_deft_kernels() const;
 
   void set_step_timing(StepTiming timing);
+  // time_attention(true): the next steps run with StepTiming::kPhases (a few µs of host time
+  // per launch), so last_attention_seconds() reports their attention time.
+  void time_attention(bool on) override;
+  double last_attention_seconds() const override;
   // Times of the last forward() under the timing mode set then.
   const StepTimes& last_step_times() const;
 
@@ -88,6 +99,10 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   struct State;  // device buffers, cuBLAS handle, stream (CUDA types stay out of this header)
   LlamaCudaRunner();
   absl::Status finish_setup(const LlamaCudaOptions& options);
+  // forward() when `sampling` is empty, forward_sampled() otherwise (then `logits` is unused).
+  absl::Status run_step(const engine::StepBatch& batch, std::span<float> logits,
+                        std::span<const engine::RowSampling> sampling,
+                        std::span<engine::SampledToken> sampled);
 
   ModelConfig config_;
   engine::ModelInfo info_;

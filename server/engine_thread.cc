@@ -185,6 +185,7 @@ void EngineThread::run() {
         metrics_->record_step({.step_seconds = stats->step_seconds,
                                .plan_seconds = stats->plan_seconds,
                                .forward_seconds = stats->forward_seconds,
+                               .attention_seconds = stats->attention_seconds,
                                .prompt_tokens = stats->rows - stats->generated,
                                .generated_tokens = stats->generated,
                                .kv_tokens_read = stats->kv_tokens_read});

@@ -22,6 +22,9 @@
 #include "engine/tokenizer.h"
 #include "models/dtype.h"
 #include "models/llama_cpu.h"
+#ifdef DEFT_HAVE_CUDA
+#include "models/llama_cuda.h"
+#endif
 #include "models/model_config.h"
 #include "server/deft_service.h"
 #include "server/engine_thread.h"
@@ -112,14 +115,43 @@ int main(int argc, char** argv) {
   if (!tokenizer.ok()) return fail(1, absl::StrCat("tokenizer: ", tokenizer.status().message()));
   if ((*tokenizer)->eos_ids().empty()) (*tokenizer)->set_eos_ids(model_config->eos_token_ids);
   const int64_t kv_slots = int64_t{config.kv_pages} * config.page_tokens;
-  absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> runner =
-      deft::models::LlamaCpuRunner::load(dir, kv_slots);
-  if (!runner.ok()) return fail(1, absl::StrCat("model: ", runner.status().message()));
+  std::unique_ptr<deft::engine::ModelRunner> runner;
+  std::string backend = "cpu";
+  size_t weight_bytes = 0;
+#ifdef DEFT_HAVE_CUDA
+  if (config.backend != "cpu") {
+    absl::StatusOr<std::unique_ptr<deft::models::LlamaCudaRunner>> cuda =
+        deft::models::LlamaCudaRunner::load(
+            dir, {.num_kv_slots = kv_slots, .page_tokens = config.page_tokens,
+                  .max_batch_rows = config.max_step_tokens});
+    if (cuda.ok()) {
+      weight_bytes = (*cuda)->weight_bytes();
+      runner = std::move(*cuda);
+      backend = "cuda";
+    } else if (config.backend == "cuda" ||
+               cuda.status().code() != absl::StatusCode::kFailedPrecondition) {
+      return fail(1, absl::StrCat("model (cuda backend): ", cuda.status().message()));
+    } else {
+      spdlog::info("backend auto: {}; using the CPU backend", cuda.status().ToString());
+    }
+  }
+#else
+  if (config.backend == "cuda") {
+    return fail(2, "backend cuda: this build has no CUDA (configure with CUDA to use it)");
+  }
+#endif
+  if (runner == nullptr) {
+    absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> cpu =
+        deft::models::LlamaCpuRunner::load(dir, kv_slots);
+    if (!cpu.ok()) return fail(1, absl::StrCat("model: ", cpu.status().message()));
+    weight_bytes = (*cpu)->weight_bytes();
+    runner = std::move(*cpu);
+  }
   spdlog::info(
-      "model: {} ({}, {} layers, vocab {}, {} KV slots, {:.1f} MB weights) on the CPU "
+      "model: {} ({}, {} layers, vocab {}, {} KV slots, {:.1f} MB weights) on the {} "
       "backend, loaded in {:.2f} s",
       dir.string(), model_config->architecture, model_config->num_hidden_layers,
-      model_config->vocab_size, kv_slots, (*runner)->weight_bytes() / 1e6,
+      model_config->vocab_size, kv_slots, weight_bytes / 1e6, backend,
       seconds_since(load_start));
 
   deft::server::ModelFacts facts{
@@ -132,7 +164,7 @@ int main(int argc, char** argv) {
       .num_q_heads = model_config->num_attention_heads,
       .num_kv_heads = model_config->num_key_value_heads,
       .dtype = std::string(deft::models::dtype_name(model_config->torch_dtype)),
-      .backend = "cpu",
+      .backend = backend,
   };
 
   // Declared before the engine: the engine reports to it until it stops.
@@ -163,7 +195,7 @@ int main(int argc, char** argv) {
     return fail(2, std::string(status.message()));
   }
   absl::StatusOr<std::unique_ptr<deft::server::EngineThread>> engine =
-      deft::server::EngineThread::start(engine_options, std::move(*runner), **tokenizer, &metrics);
+      deft::server::EngineThread::start(engine_options, std::move(runner), **tokenizer, &metrics);
   if (!engine.ok()) return fail(1, std::string(engine.status().message()));
 
   // ---- gRPC ----

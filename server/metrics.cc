@@ -46,7 +46,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   kv_pages_free_ = &gauge(r, "deft_kv_pages_free", "KV cache pages free");
   forward_share_ = &gauge(r, "deft_step_forward_share",
                           "Share of the last step spent in the model forward pass (attention "
-                          "included; the runners do not time attention separately yet)");
+                          "included)");
+  attention_share_ = &gauge(r, "deft_step_attention_share",
+                            "Share of a recent step spent in attention (sampled every 16 steps)");
   plan_share_ = &gauge(r, "deft_step_plan_share",
                        "Share of the last step spent planning attention (QKV preparation)");
   step_latency_ =
@@ -85,6 +87,9 @@ void ServerMetrics::record_step(const StepRecord& step) {
   if (step.step_seconds > 0) {
     forward_share_->Set(step.forward_seconds / step.step_seconds);
     plan_share_->Set(step.plan_seconds / step.step_seconds);
+    if (step.attention_seconds >= 0) {
+      attention_share_->Set(step.attention_seconds / step.step_seconds);
+    }
   }
   {
     std::lock_guard lock(window_mutex_);

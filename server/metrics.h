@@ -26,6 +26,7 @@ struct StepRecord {
   double step_seconds = 0;     // the whole step: planning, forward, sampling, streaming
   double plan_seconds = 0;     // attention planning (host)
   double forward_seconds = 0;  // ModelRunner::forward
+  double attention_seconds = -1;  // of which attention, when the runner timed it
   int64_t prompt_tokens = 0;   // prefilled this step
   int64_t generated_tokens = 0;
   int64_t kv_tokens_read = 0;  // the plan's KV IO (per layer and KV head)
@@ -63,6 +64,7 @@ class ServerMetrics {
   prometheus::Gauge* kv_pages_used_ = nullptr;
   prometheus::Gauge* kv_pages_free_ = nullptr;
   prometheus::Gauge* forward_share_ = nullptr;
+  prometheus::Gauge* attention_share_ = nullptr;
   prometheus::Gauge* plan_share_ = nullptr;
   prometheus::Histogram* step_latency_ = nullptr;
 

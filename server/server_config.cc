@@ -51,6 +51,8 @@ const std::vector<Field>& fields() {
        "most nodes one TreeSession holds (each keeps its next-token logits)"},
       {"max_verify_entries", &ServerConfig::max_verify_entries,
        "most drafted tokens in one Verify"},
+      {"backend", &ServerConfig::backend,
+       "auto (CUDA when built with it and a GPU is visible, else CPU) | cpu | cuda"},
       {"plan", &ServerConfig::plan,
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
       {"chunk_tokens", &ServerConfig::chunk_tokens,
@@ -244,6 +246,10 @@ absl::Status validate_config(const ServerConfig& config) {
   engine::PlanKind kind;
   if (absl::Status status = engine::parse_plan_kind(config.plan, &kind); !status.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("config: plan: ", status.message()));
+  }
+  if (config.backend != "auto" && config.backend != "cpu" && config.backend != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: backend \"", config.backend, "\" is not one of auto, cpu, cuda"));
   }
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   bool known_level = false;

@@ -1,0 +1,317 @@
+// The engine Scheduler end to end on the embedded default model (CPU backend): continuous
+// batching of many jobs equals running each alone, prefix reuse, tree sessions (create,
+// extend, decode, branch, score, prune, close) against Generate, Verify of the model's own
+// greedy continuation, RunTree replay, and the KV pool back to empty after everything.
+#include "engine/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "engine/generate_work.h"
+#include "engine/tree_search_work.h"
+#include "models/llama_cpu.h"
+
+namespace deft::engine {
+namespace {
+
+constexpr int32_t kPageTokens = 8;
+constexpr int32_t kPages = 1024;
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+        load_tokenizer(DEFT_SOURCE_DIR "/models/default");
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    tokenizer_ = std::move(*tokenizer);
+    absl::StatusOr<std::unique_ptr<models::LlamaCpuRunner>> runner = models::LlamaCpuRunner::load(
+        DEFT_SOURCE_DIR "/models/default", int64_t{kPages} * kPageTokens);
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    runner_ = std::move(*runner);
+    scheduler_ = make_scheduler(/*max_step_tokens=*/256);
+  }
+
+  std::unique_ptr<Scheduler> make_scheduler(int32_t max_step_tokens) {
+    SchedulerOptions options{.page_tokens = kPageTokens, .kv_pages = kPages,
+                             .max_step_tokens = max_step_tokens};
+    return std::make_unique<Scheduler>(options, *runner_, *tokenizer_);
+  }
+
+  // Steps (at least once) until `done` holds (or a step limit, which fails the test).
+  void run_until(Scheduler& scheduler, const std::function<bool()>& done) {
+    for (int i = 0; i < 5000; ++i) {
+      scheduler.prepare();
+      (void)scheduler.step();
+      if (done()) break;
+    }
+    ASSERT_TRUE(done()) << "the scheduler did not finish";
+  }
+
+  std::vector<TokenId> encode(const std::string& text) {
+    return *tokenizer_->encode(text, /*add_bos=*/true, /*parse_special=*/false);
+  }
+
+  std::shared_ptr<GenerateEvents> submit_generate(Scheduler& scheduler,
+                                                  std::vector<TokenId> prompt, int32_t n,
+                                                  int32_t max_tokens) {
+    auto events = std::make_shared<GenerateEvents>();
+    GenerateJob job{.prompt = std::move(prompt), .n = n, .max_tokens = max_tokens,
+                    .sampling = {.temperature = 0.0f}};
+    EXPECT_TRUE(scheduler
+                    .submit(std::make_unique<GenerateWork>(std::move(job), events, *tokenizer_,
+                                                           kPageTokens))
+                    .ok());
+    return events;
+  }
+
+  // Every branch's tokens, once the job has finished.
+  static std::vector<std::vector<TokenId>> branches(GenerateEvents& events, int32_t n) {
+    std::vector<std::vector<TokenId>> out(static_cast<size_t>(n));
+    std::vector<GenerateEvent> batch;
+    while (events.next(batch, std::chrono::milliseconds(0))) {
+      for (const GenerateEvent& event : batch) {
+        out[event.branch].insert(out[event.branch].end(), event.delta.ids.begin(),
+                                 event.delta.ids.end());
+      }
+      batch.clear();
+    }
+    EXPECT_TRUE(events.final_status().ok()) << events.final_status();
+    return out;
+  }
+
+  std::vector<std::vector<TokenId>> generate_alone(std::vector<TokenId> prompt, int32_t n,
+                                                   int32_t max_tokens) {
+    std::unique_ptr<Scheduler> alone = make_scheduler(256);
+    std::shared_ptr<GenerateEvents> events = submit_generate(*alone, prompt, n, max_tokens);
+    run_until(*alone, [&] { return events->finished(); });
+    return branches(*events, n);
+  }
+
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<models::LlamaCpuRunner> runner_;
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+TEST_F(SchedulerTest, SixteenConcurrentJobsEqualEachAlone) {
+  const std::vector<std::string> texts = {
+      "Once upon a time", "The little fox", "Once upon a time there was", "The king said",
+      "In the forest", "Once upon a time there was a tree", "The river", "A mathematician",
+      "She walked to", "The little fox ran", "Every morning", "The old man", "Under the bridge",
+      "The king said to the", "Once", "In the forest there was a"};
+  std::vector<std::shared_ptr<GenerateEvents>> events;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    events.push_back(submit_generate(*scheduler_, encode(texts[i]), 1 + static_cast<int32_t>(i % 3), 10));
+  }
+  run_until(*scheduler_, [&] {
+    for (const auto& e : events) {
+      if (!e->finished()) return false;
+    }
+    return true;
+  });
+  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  for (size_t i = 0; i < texts.size(); ++i) {
+    SCOPED_TRACE(texts[i]);
+    const int32_t n = 1 + static_cast<int32_t>(i % 3);
+    EXPECT_EQ(branches(*events[i], n), generate_alone(encode(texts[i]), n, 10));
+  }
+}
+
+TEST_F(SchedulerTest, ChunkedPrefillUnderASmallBudgetGivesTheSameTokens) {
+  std::unique_ptr<Scheduler> small = make_scheduler(/*max_step_tokens=*/5);
+  const std::vector<TokenId> prompt = encode("Once upon a time there was a tree that grew beside");
+  std::shared_ptr<GenerateEvents> events = submit_generate(*small, prompt, 2, 8);
+  std::shared_ptr<GenerateEvents> other = submit_generate(*small, encode("The king said"), 3, 8);
+  run_until(*small, [&] { return events->finished() && other->finished(); });
+  EXPECT_EQ(branches(*events, 2), generate_alone(prompt, 2, 8));
+  EXPECT_EQ(small->kv().used_pages(), 0);
+}
+
+TEST_F(SchedulerTest, SessionCommandsMatchGenerate) {
+  auto events = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler_->open_session(1, events).ok());
+  const std::vector<TokenId> prompt = encode("Once upon a time");
+  std::vector<SessionEvent> seen;
+  const auto command = [&](SessionCommand c) {
+    const size_t before = seen.size();
+    scheduler_->session_command(1, std::move(c));
+    run_until(*scheduler_, [&] {
+      std::vector<SessionEvent> batch;
+      events->next(batch, std::chrono::milliseconds(0));
+      seen.insert(seen.end(), batch.begin(), batch.end());
+      // A command is done when its last answer arrived (decode: every node finished).
+      for (size_t i = before; i < seen.size(); ++i) {
+        if (seen[i].kind != SessionEvent::Kind::kDecoded) return true;
+        if (seen[i].delta.finish != FinishReason::kNone) return true;
+      }
+      return false;
+    });
+    return seen.back();
+  };
+  SessionEvent created = command({.kind = SessionCommand::Kind::kCreate, .request_id = 1,
+                                  .tokens = prompt});
+  ASSERT_EQ(created.kind, SessionEvent::Kind::kCreated) << created.error;
+  const NodeId root = created.node;
+
+  // decode == Generate (greedy).
+  const std::vector<std::vector<TokenId>> expected = generate_alone(prompt, 1, 12);
+  SessionEvent decoded = command({.kind = SessionCommand::Kind::kDecode, .request_id = 2,
+                                  .nodes = {root}, .sampling = {.temperature = 0.0f},
+                                  .max_tokens = 12});
+  std::vector<TokenId> decoded_ids;
+  for (const SessionEvent& e : seen) {
+    if (e.request_id == 2) decoded_ids.insert(decoded_ids.end(), e.delta.ids.begin(), e.delta.ids.end());
+  }
+  EXPECT_EQ(decoded_ids, expected[0]);
+
+  // score of that continuation from a branch == the logprobs greedy decoding reported.
+  SessionEvent branched = command({.kind = SessionCommand::Kind::kBranch, .request_id = 3,
+                                   .node = root, .k = 2});
+  ASSERT_EQ(branched.kind, SessionEvent::Kind::kBranched) << branched.error;
+  ASSERT_EQ(branched.children.size(), 2u);
+  // The decoded root is inner now: extending it is refused, nothing changes.
+  SessionEvent refused = command({.kind = SessionCommand::Kind::kExtend, .request_id = 4,
+                                  .node = root, .tokens = {5}});
+  EXPECT_EQ(refused.kind, SessionEvent::Kind::kError);
+  EXPECT_EQ(refused.error.code(), absl::StatusCode::kFailedPrecondition);
+  SessionEvent unknown = command({.kind = SessionCommand::Kind::kPrune, .request_id = 5,
+                                  .node = 12345});
+  EXPECT_EQ(unknown.error.code(), absl::StatusCode::kNotFound);
+
+  // extend a child with text, then decode == Generate on prompt + decoded + text.
+  const NodeId child = branched.children[0];
+  std::vector<TokenId> more = encode(" there was a tree");
+  more.erase(more.begin());  // no BOS inside
+  SessionEvent extended = command({.kind = SessionCommand::Kind::kExtend, .request_id = 6,
+                                   .node = child, .tokens = more});
+  ASSERT_EQ(extended.kind, SessionEvent::Kind::kExtended) << extended.error;
+  EXPECT_EQ(extended.length,
+            static_cast<int64_t>(prompt.size() + decoded_ids.size() + more.size()));
+  std::vector<TokenId> full = prompt;
+  full.insert(full.end(), decoded_ids.begin(), decoded_ids.end());
+  full.insert(full.end(), more.begin(), more.end());
+  SessionEvent scored = command({.kind = SessionCommand::Kind::kScore, .request_id = 7,
+                                 .node = branched.children[1], .tokens = more});
+  ASSERT_EQ(scored.kind, SessionEvent::Kind::kScored) << scored.error;
+  EXPECT_EQ(scored.token_logprobs.size(), more.size());
+  EXPECT_LT(scored.logprob, 0.0);
+  const std::vector<std::vector<TokenId>> expected_more = generate_alone(full, 1, 6);
+  command({.kind = SessionCommand::Kind::kDecode, .request_id = 8, .nodes = {child},
+           .sampling = {.temperature = 0.0f}, .max_tokens = 6});
+  std::vector<TokenId> more_ids;
+  for (const SessionEvent& e : seen) {
+    if (e.request_id == 8) more_ids.insert(more_ids.end(), e.delta.ids.begin(), e.delta.ids.end());
+  }
+  EXPECT_EQ(more_ids, expected_more[0]);
+
+  // A second session on the same prompt shares its KV, and closing both frees everything.
+  const int32_t used = scheduler_->kv().used_pages();
+  auto other_events = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler_->open_session(2, other_events).ok());
+  scheduler_->session_command(2, {.kind = SessionCommand::Kind::kCreate, .request_id = 1,
+                                  .tokens = prompt});
+  run_until(*scheduler_, [&] { return !scheduler_->has_live() && scheduler_->queued() == 0; });
+  EXPECT_LE(scheduler_->kv().used_pages(), used + 1);
+  scheduler_->close_session(2);
+  command({.kind = SessionCommand::Kind::kPrune, .request_id = 9, .node = child});
+  command({.kind = SessionCommand::Kind::kClose, .request_id = 10});
+  run_until(*scheduler_, [&] { return scheduler_->sessions() == 0; });
+  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  EXPECT_TRUE(scheduler_->forest().tree().check_invariants());
+}
+
+TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
+  const std::vector<TokenId> prompt = encode("Once upon a time");
+  const std::vector<TokenId> greedy = generate_alone(prompt, 1, 10)[0];
+  ASSERT_EQ(greedy.size(), 10u);
+  auto events = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler_->open_session(3, events).ok());
+  scheduler_->session_command(3, {.kind = SessionCommand::Kind::kCreate, .request_id = 1,
+                                  .tokens = prompt});
+  run_until(*scheduler_, [&] { return !scheduler_->has_live() && scheduler_->queued() == 0; });
+  std::vector<SessionEvent> batch;
+  events->next(batch, std::chrono::milliseconds(0));
+  ASSERT_EQ(batch.size(), 1u);
+  const NodeId node = batch[0].node;
+
+  // A chain of the first 8 greedy tokens, with a wrong sibling at every level.
+  SessionCommand verify{.kind = SessionCommand::Kind::kVerify, .node = node,
+                        .sampling = {.temperature = 0.0f}};
+  int32_t parent = -1;
+  for (int i = 0; i < 8; ++i) {
+    verify.tokens.push_back((greedy[i] + 7) % 512);  // wrong
+    verify.parents.push_back(parent);
+    verify.tokens.push_back(greedy[i]);
+    verify.parents.push_back(parent);
+    parent = static_cast<int32_t>(verify.tokens.size()) - 1;
+  }
+  auto reply = std::make_shared<VerifyReply>();
+  verify.reply = reply;
+  scheduler_->session_command(3, std::move(verify));
+  run_until(*scheduler_, [&] { return reply->finished(); });
+  std::vector<VerifyOutcome> outcome;
+  reply->next(outcome, std::chrono::milliseconds(0));
+  ASSERT_EQ(outcome.size(), 1u) << reply->final_status();
+  EXPECT_EQ(outcome[0].accepted, std::vector<TokenId>(greedy.begin(), greedy.begin() + 8));
+  EXPECT_EQ(outcome[0].bonus_token, greedy[8]);
+
+  // The committed leaf continues exactly like plain greedy decoding.
+  scheduler_->session_command(3, {.kind = SessionCommand::Kind::kDecode, .request_id = 2,
+                                  .nodes = {outcome[0].node},
+                                  .sampling = {.temperature = 0.0f}, .max_tokens = 2});
+  run_until(*scheduler_, [&] { return !scheduler_->has_live() && scheduler_->queued() == 0; });
+  std::vector<TokenId> next;
+  batch.clear();
+  events->next(batch, std::chrono::milliseconds(0));
+  for (const SessionEvent& e : batch) next.insert(next.end(), e.delta.ids.begin(), e.delta.ids.end());
+  EXPECT_EQ(next, std::vector<TokenId>(greedy.begin() + 8, greedy.end()));
+
+  scheduler_->close_session(3);
+  run_until(*scheduler_, [&] { return scheduler_->sessions() == 0; });
+  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+}
+
+TEST_F(SchedulerTest, RunTreeFinishesReplaysAndFreesItsKv) {
+  const auto run = [&](Scheduler& scheduler) {
+    auto events = std::make_shared<TreeSearchEvents>();
+    TreeSearchJob job{.prompt = encode("Once upon a time"),
+                      .policy = {.branch_factor = 3, .every_tokens = 4, .max_depth = 2,
+                                 .keep_best = 2},
+                      .sampling = {.temperature = 0.0f},
+                      .max_tokens = 12};
+    EXPECT_TRUE(scheduler
+                    .submit(std::make_unique<TreeSearchWork>(std::move(job), events, *tokenizer_,
+                                                             kPageTokens))
+                    .ok());
+    run_until(scheduler, [&] { return events->finished(); });
+    std::vector<TreeSearchEvent> all;
+    events->next(all, std::chrono::milliseconds(0));
+    EXPECT_TRUE(events->final_status().ok()) << events->final_status();
+    return all;
+  };
+  const std::vector<TreeSearchEvent> first = run(*scheduler_);
+  ASSERT_FALSE(first.empty());
+  const TreeSearchEvent& result = first.back();
+  ASSERT_EQ(result.kind, TreeSearchEvent::Kind::kFinished);
+  // 3 children of the prompt, 2 kept x 3 children at depth 2; 1 pruned at depth 1.
+  EXPECT_EQ(result.nodes.size(), 1u + 3u + 6u);
+  int pruned = 0;
+  for (const TreeSearchEvent& e : first) pruned += e.kind == TreeSearchEvent::Kind::kPruned;
+  EXPECT_EQ(pruned, 1);
+  ASSERT_EQ(result.best_path.size(), 3u);
+  EXPECT_EQ(result.best_path[0], 0);
+  int64_t path_tokens = 0;
+  for (int32_t id : result.best_path) {
+    if (id != 0) path_tokens += static_cast<int64_t>(result.nodes[id].tokens.size());
+  }
+  EXPECT_EQ(path_tokens, 12);
+  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  const std::vector<TreeSearchEvent> second = run(*scheduler_);
+  ASSERT_EQ(second.back().kind, TreeSearchEvent::Kind::kFinished);
+  EXPECT_EQ(second.back().best_path, result.best_path);
+  EXPECT_EQ(second.back().best_text, result.best_text);
+}
+
+}  // namespace
+}  // namespace deft::engine
