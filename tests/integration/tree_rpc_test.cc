@@ -512,6 +512,47 @@ TEST_F(TreeRpcTest, RunTreeCancelMidStreamFreesKv) {
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
+TEST_F(TreeRpcTest, RunTreeLeavesStopAtAStopString) {
+  const std::vector<int32_t> prompt = story_prompt(*stub_);
+  const std::string text = greedy(*stub_, prompt, 30).text;
+  ASSERT_GE(text.size(), 20u);
+  const std::string stop = text.substr(text.size() / 2, 3);
+  v1::RunTreeRequest request = tree_request(prompt, 2, 4, 2, 0, 30);
+  request.mutable_sampling()->add_stop(stop);
+  const TreeRun run = run_tree(*stub_, request);
+  const auto nodes = check_tree(run, request);
+  int stopped = 0;
+  for (const auto& [id, node] : nodes) {
+    if (id == 0) continue;
+    EXPECT_EQ(node.tokens().text().find(stop), std::string::npos)
+        << "node " << id << " text '" << node.tokens().text() << "' holds the stop '" << stop
+        << "'";
+    stopped += node.finish_reason() == v1::FINISH_REASON_STOP ? 1 : 0;
+  }
+  EXPECT_GT(stopped, 0) << "the greedy branch meets the stop string";
+}
+
+TEST_F(TreeRpcTest, RunTreeAbruptClientDisconnectFreesKv) {
+  const std::filesystem::path log = std::filesystem::temp_directory_path() /
+                                    ("deft-cli-tree-" + std::to_string(getpid()) + ".log");
+  const pid_t cli =
+      spawn({DEFT_CLI_BINARY, "--server", server_->address(), "tree", "--branch-factor", "3",
+             "--every-tokens", "40", "--max-depth", "3", "--keep-best", "2", "--max-tokens", "3000",
+             "--ignore-eos", "Once upon a time"},
+            log);
+  ASSERT_GT(cli, 0);
+  const auto deadline = std::chrono::steady_clock::now() + seconds(20);
+  while (server_->metrics()["deft_kv_pages_used"] == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_GT(server_->metrics()["deft_kv_pages_used"], 0);
+  kill(cli, SIGKILL);
+  EXPECT_EQ(wait_exit(cli, seconds(10)), -1);
+  std::filesystem::remove(log);
+  // TearDown checks that the job is gone and its pages are back.
+}
+
 // ---- TreeSession --------------------------------------------------------------------------
 
 TEST_F(TreeRpcTest, SessionEveryCommand) {
@@ -618,6 +659,57 @@ TEST_F(TreeRpcTest, SessionExtendDecodeAndScoreEqualGenerate) {
   const int32_t twin = session.create(prompt).created_node();
   EXPECT_NE(twin, root);
   EXPECT_EQ(session.decode_greedy({twin}, 10).nodes[twin].ids, reference.ids);
+  EXPECT_TRUE(session.close().closed());
+  EXPECT_TRUE(session.finish().ok());
+}
+
+TEST_F(TreeRpcTest, SessionDecodeStopsLikeGenerate) {
+  const std::vector<int32_t> prompt = story_prompt(*stub_);
+  const std::string text = greedy(*stub_, prompt, 30).text;
+  ASSERT_GE(text.size(), 20u);
+  v1::GenerateRequest request = greedy_request(prompt, 30);
+  request.mutable_sampling()->set_ignore_eos(false);
+  request.mutable_sampling()->add_stop(text.substr(text.size() / 2, 3));
+  const GenerateRun reference = run_generate(*stub_, request);
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const StreamedTokens& expected = reference.branches.at(0);
+  EXPECT_EQ(expected.finish, v1::FINISH_REASON_STOP);
+
+  TestSession session(*stub_);
+  const int32_t root = session.create(prompt).created_node();
+  const v1::SessionResponse branched = session.branch(root, 2);
+  ASSERT_TRUE(branched.has_branched());
+  const std::vector<int32_t> children(branched.branched().children().begin(),
+                                      branched.branched().children().end());
+  const TestSession::Decoded decoded = session.decode(children, request.sampling());
+  ASSERT_FALSE(decoded.error) << decoded.error->message();
+  for (const int32_t child : children) {
+    SCOPED_TRACE(child);
+    EXPECT_EQ(decoded.nodes.at(child).ids, expected.ids);
+    EXPECT_EQ(decoded.nodes.at(child).text, expected.text);
+    EXPECT_EQ(decoded.nodes.at(child).finish, v1::FINISH_REASON_STOP);
+  }
+  EXPECT_TRUE(session.close().closed());
+  EXPECT_TRUE(session.finish().ok());
+}
+
+TEST_F(TreeRpcTest, SessionExtendAnEmptyChildEqualsGenerate) {
+  const std::vector<int32_t> prompt = story_prompt(*stub_);
+  const std::vector<int32_t> extension = tokenize(*stub_, " The child", false);
+  TestSession session(*stub_);
+  const int32_t root = session.create(prompt).created_node();
+  const v1::SessionResponse branched = session.branch(root, 2);
+  ASSERT_TRUE(branched.has_branched());
+  const int32_t child = branched.branched().children(0);
+  const v1::SessionResponse extended = session.extend(child, extension);
+  ASSERT_TRUE(extended.has_extended()) << extended.DebugString();
+  EXPECT_EQ(extended.extended().node(), child);
+  const TestSession::Decoded decoded = session.decode_greedy({child}, 8);
+  ASSERT_FALSE(decoded.error) << decoded.error->message();
+  EXPECT_EQ(decoded.nodes.at(child).ids, greedy(*stub_, concat(prompt, extension), 8).ids);
+  // The other child still starts right after the prompt.
+  const int32_t other = branched.branched().children(1);
+  EXPECT_EQ(session.decode_greedy({other}, 8).nodes[other].ids, greedy(*stub_, prompt, 8).ids);
   EXPECT_TRUE(session.close().closed());
   EXPECT_TRUE(session.finish().ok());
 }
@@ -908,6 +1000,42 @@ TEST_F(TreeRpcTest, VerifyStopsAtTheFirstRejection) {
   EXPECT_TRUE(session.finish().ok());
 }
 
+TEST_F(TreeRpcTest, VerifyUnderAnEmptyChildAndAnExtendedChild) {
+  const std::vector<int32_t> prompt = story_prompt(*stub_);
+  const std::vector<int32_t> g = greedy(*stub_, prompt, 8).ids;
+  TestSession session(*stub_);
+  const int32_t root = session.create(prompt).created_node();
+  const v1::SessionResponse branched = session.branch(root, 2);
+  ASSERT_TRUE(branched.has_branched());
+  const int32_t empty = branched.branched().children(0);
+  const int32_t extended = branched.branched().children(1);
+  v1::VerifyResponse under_empty;
+  ASSERT_TRUE(
+      verify(*stub_,
+             verify_request(session.session_id(), empty, {g[0], g[1], g[2], g[3]}, {-1, 0, 1, 2}),
+             &under_empty)
+          .ok());
+  EXPECT_EQ(std::vector<int32_t>(under_empty.accepted().begin(), under_empty.accepted().end()),
+            slice(g, 0, 4));
+  EXPECT_EQ(under_empty.bonus_token(), g[4]);
+  ASSERT_TRUE(session.extend(extended, {g[0], g[1]}).has_extended());
+  v1::VerifyResponse under_extended;
+  ASSERT_TRUE(
+      verify(*stub_,
+             verify_request(session.session_id(), extended, {g[2], wrong(g[2]), g[3]}, {-1, -1, 0}),
+             &under_extended)
+          .ok());
+  EXPECT_EQ(
+      std::vector<int32_t>(under_extended.accepted().begin(), under_extended.accepted().end()),
+      slice(g, 2, 4));
+  EXPECT_EQ(std::vector<int32_t>(under_extended.accepted_entries().begin(),
+                                 under_extended.accepted_entries().end()),
+            (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(under_extended.bonus_token(), g[4]);
+  EXPECT_TRUE(session.close().closed());
+  EXPECT_TRUE(session.finish().ok());
+}
+
 TEST_F(TreeRpcTest, VerifyBadInputs) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   TestSession session(*stub_);
@@ -1071,10 +1199,23 @@ TEST_F(TreeRpcTest, SixteenConcurrentMixedJobsEqualEachAlone) {
     const v1::SessionResponse branched = session.branch(root, 2);
     const std::vector<int32_t> children(branched.branched().children().begin(),
                                         branched.branched().children().end());
+    std::vector<int32_t> greedy_ids;
     for (const auto& [node, tokens] : session.decode_greedy(children, 8).nodes) {
       append_ids(&out.ids, tokens.ids);
+      greedy_ids = tokens.ids;
     }
     out.scores.push_back(session.score(root, {5, 6, 7}).scored().logprob());
+    // A verify under the root of its own greedy continuation, with a wrong sibling.
+    const std::vector<int32_t> drafted = concat(slice(greedy_ids, 0, 4), {7});
+    v1::VerifyResponse verified;
+    const grpc::Status status = verify(
+        stub, verify_request(session.session_id(), root, drafted, {-1, 0, 1, 2, -1}), &verified);
+    out.ids += " verify " + status.error_message();
+    const std::vector<int32_t> accepted(verified.accepted().begin(), verified.accepted().end());
+    EXPECT_EQ(accepted, slice(greedy_ids, 0, 4)) << "job " << j;
+    EXPECT_EQ(verified.bonus_token(), greedy_ids.size() > 4 ? greedy_ids[4] : -1) << "job " << j;
+    append_ids(&out.ids, accepted);
+    out.ids += " bonus " + std::to_string(verified.bonus_token());
     session.close();
     session.finish();
     return out;
@@ -1213,6 +1354,38 @@ TEST(TreeRpcLimits, OverLimitTreesAreRefused) {
   EXPECT_EQ(decoded.nodes.at(root).ids.size(), 20u);
   EXPECT_TRUE(session.close().closed());
   EXPECT_TRUE(session.finish().ok());
+  EXPECT_EQ(server.wait_metric("deft_kv_pages_used", 0), 0);
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+}
+
+TEST(TreeRpcLimits, SessionsOverMaxSessionsAreRefusedAtOnce) {
+  ServerProcess server({"--max-sessions", "2"});
+  ASSERT_TRUE(server.running());
+  auto stub = server.stub();
+  TestSession first(*stub);
+  TestSession second(*stub);
+  ASSERT_TRUE(first.create({1, 5, 6}).has_created_node());
+  ASSERT_TRUE(second.create({1, 5, 7}).has_created_node());
+  {
+    // The third session's stream ends with RESOURCE_EXHAUSTED; its command is never answered.
+    TestSession third(*stub, seconds(10));
+    const auto start = std::chrono::steady_clock::now();
+    v1::SessionRequest create;
+    create.mutable_create()->mutable_prompt()->mutable_tokens()->add_ids(1);
+    const std::vector<v1::SessionResponse> responses = third.call(create, /*expect_end=*/true);
+    EXPECT_TRUE(responses.empty() || responses.back().has_error());
+    expect_status(third.finish(), grpc::StatusCode::RESOURCE_EXHAUSTED, "max_sessions");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(5))
+        << "the refusal waited for the client to half-close (or for the deadline)";
+  }
+  // The open sessions are untouched; once one closes, a new one opens.
+  EXPECT_TRUE(first.close().closed());
+  EXPECT_TRUE(first.finish().ok());
+  TestSession fourth(*stub);
+  EXPECT_TRUE(fourth.create({1, 5, 8}).has_created_node());
+  EXPECT_FALSE(second.decode_greedy({second.create({1, 9}).created_node()}, 3).error);
+  EXPECT_TRUE(second.finish().ok());
+  EXPECT_TRUE(fourth.finish().ok());
   EXPECT_EQ(server.wait_metric("deft_kv_pages_used", 0), 0);
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
 }
