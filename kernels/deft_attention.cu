@@ -144,6 +144,8 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
       {host_plan.entry_query, i32(sizes.num_entries), 0},
       {host_plan.query_entry_begin, i32(sizes.num_queries + 1), 0},
       {host_plan.query_entries, i32(sizes.num_entries), 0},
+      {host_plan.prefill_runs,
+       static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
   };
   const size_t used[] = {i32(host_plan.num_kv_indices),
                          i32(host_plan.num_tasks),
@@ -153,7 +155,9 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
                          static_cast<size_t>(std::max(host_plan.num_mask_words, 0)) * 8,
                          i32(host_plan.num_entries),
                          i32(host_plan.num_queries + 1),
-                         i32(host_plan.num_entries)};
+                         i32(host_plan.num_entries),
+                         static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) *
+                             sizeof(PrefillRun)};
   size_t total = 0;
   for (Section& section : sections) {
     section.offset = total;
@@ -206,7 +210,10 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
   device_view_.entry_query = reinterpret_cast<const int32_t*>(at(6));
   device_view_.query_entry_begin = reinterpret_cast<const int32_t*>(at(7));
   device_view_.query_entries = reinterpret_cast<const int32_t*>(at(8));
+  device_view_.prefill_runs = reinterpret_cast<const PrefillRun*>(at(9));
 
+  host_prefill_runs_.assign(host_plan.prefill_runs,
+                            host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));
   max_task_entries_ = 0;
   for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
     max_task_entries_ = std::max(
@@ -249,9 +256,12 @@ void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_tas
     fail("task too large", max_task_entries);
   }
   if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
-  const bool run_stage2 = stage2 == DeftStage2::kAlways ||
-                          (stage2 == DeftStage2::kIfMerging &&
-                           device_plan.num_entries > device_plan.num_queries);
+  // Known on the host only when every query has an entry (num_entries > num_queries): a plan
+  // with prefill runs (rows without entries) always runs it.
+  const bool run_stage2 =
+      stage2 == DeftStage2::kAlways ||
+      (stage2 == DeftStage2::kIfMerging && (device_plan.num_entries > device_plan.num_queries ||
+                                            device_plan.num_prefill_runs > 0));
   const auto run = [&](auto type_tag, auto head_dim_tag) {
     using T = decltype(type_tag);
     launch_typed<T, decltype(head_dim_tag)::value>(device_plan, max_task_entries, dims, q, k_cache,

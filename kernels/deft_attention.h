@@ -11,6 +11,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "kernels/attention_params.h"
 #include "kernels/device_buffer.h"
@@ -57,6 +59,8 @@ class DevicePlan {
   const AttentionPlanView& view() const { return device_view_; }
   // Largest entry count of any task: sizes stage 1's grid.
   int32_t max_task_entries() const { return max_task_entries_; }
+  // Host copy of the plan's prefill runs: sizes launch_prefill_attention's grid.
+  std::span<const PrefillRun> prefill_runs() const { return host_prefill_runs_; }
 
  private:
   PinnedHostBuffer staging_;
@@ -65,6 +69,7 @@ class DevicePlan {
   bool upload_pending_ = false;
   AttentionPlanView device_view_;
   int32_t max_task_entries_ = 0;
+  std::vector<PrefillRun> host_prefill_runs_;
 
   void upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
                        cudaStream_t stream);
@@ -91,7 +96,7 @@ bool deft_attention_supported(const AttentionDims& dims);
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
 
 // Whether launch_deft_attention runs stage 2. kIfMerging: when the plan's counts say a query has
-// two partials (num_entries > num_queries). A padded plan (DevicePlan::upload_padded) carries
+// two partials (num_entries > num_queries, or the plan has prefill runs). A padded plan (DevicePlan::upload_padded) carries
 // capacities, not counts, so its caller decides from the step's own counts: kAlways or kNever.
 // Stage 2 is correct whenever it runs (a query with one partial returns at once).
 enum class DeftStage2 { kIfMerging, kAlways, kNever };

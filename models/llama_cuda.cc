@@ -17,6 +17,7 @@
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
+#include "kernels/prefill_attention.h"
 #include "kernels/sampling.h"
 #include "kernels/tree_attention_generic.h"
 #include "models/llama_checkpoint.h"
@@ -163,6 +164,7 @@ struct LlamaCudaRunner::State {
   PinnedHostBuffer sampling_params_host, sampled_host, sampled_top_host;
   kernels::DevicePlan plan;
   kernels::DeftAttentionBuffers partials;
+  kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes
   kernels::AttentionDims dims;
   bool deft_kernels = false;
   DeviceBuffer cublas_workspace;
@@ -357,7 +359,12 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                      dtype, q.data(), layer.k_cache.data(), layer.v_cache.data(),
                                      partials.partial_out(), partials.partial_lse(), attn.data(),
                                      stream, launch.stage2);
-    } else {
+      // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
+      // graph step: those have no prefill runs).
+      kernels::launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims,
+                                        dtype, q.data(), layer.k_cache.data(),
+                                        layer.v_cache.data(), prefill_scratch, attn.data(), stream);
+    } else {  // the generic kernel runs the plan's tasks and prefill runs
       kernels::launch_tree_attention_generic(device_plan.view(), dims, dtype, q.data(),
                                              layer.k_cache.data(), layer.v_cache.data(),
                                              attn.data(), stream);
@@ -754,13 +761,25 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                                                      ", outside [0, ", info_.num_kv_slots, ")"));
     }
   }
+  for (const kernels::PrefillRun& run : plan.prefill_runs) {
+    if (run.num_rows <= 0 || run.row_begin < 0 || run.row_begin + run.num_rows > rows ||
+        run.prefix_tokens < 0 || run.kv_begin < 0 ||
+        int64_t{run.kv_begin} + run.prefix_tokens + run.num_rows >
+            static_cast<int64_t>(plan.kv_slots.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "llama_cuda: prefill run (rows ", run.row_begin, " + ", run.num_rows, ", keys ",
+          run.kv_begin, " + ", run.prefix_tokens, " + ", run.num_rows, ") outside the plan's ",
+          rows, " rows and ", plan.kv_slots.size(), " KV indices"));
+    }
+  }
   s.times = StepTimes{};
   if (rows == 0) return absl::OkStatus();
   bool any_top_logprobs = false;
   // Graph steps: decode-sized, no per-launch events (kPhases runs eagerly).
   const bool graph_step = s.use_graphs && s.timing != StepTiming::kPhases &&
                           rows <= kMaxGraphRows && pow2_bucket(rows) <= s.max_rows &&
-                          logit_rows <= kMaxGraphRows && pow2_bucket(logit_rows) <= s.max_rows;
+                          logit_rows <= kMaxGraphRows && pow2_bucket(logit_rows) <= s.max_rows &&
+                          plan.prefill_runs.empty();
   State::StepGraph* graph = nullptr;
   int32_t launch_rows = rows, launch_logit_rows = logit_rows;
   if (graph_step) {
