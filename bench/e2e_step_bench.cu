@@ -126,6 +126,7 @@ class Bench {
     const models::CudaGraphStats& now = runner_.cuda_graph_stats();
     return {.graph_steps = now.graph_steps - before.graph_steps,
             .captures = now.captures - before.captures,
+            .capture_us = now.capture_us - before.capture_us,
             .eager_steps = now.eager_steps - before.eager_steps,
             .cached_graphs = now.cached_graphs};
   }
@@ -479,6 +480,8 @@ int main(int argc, char** argv) {
              {{"on", graphs},
               {"graph_steps", total.graphs.graph_steps},
               {"captures", total.graphs.captures},
+            {"capture_and_instantiate_us_mean",
+             total.graphs.captures > 0 ? total.graphs.capture_us / total.graphs.captures : 0.0},
               {"eager_steps", total.graphs.eager_steps},
               {"cached_graphs", total.graphs.cached_graphs},
               {"note", "counts over the whole run (prefill chunks and warm-up steps included)"},

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -893,6 +894,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     ++s.graph_stats.eager_steps;
   } else {
     if (graph->exec == nullptr) {
+      const auto capture_start = std::chrono::steady_clock::now();
       cudaGraph_t captured = nullptr;
       DEFT_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
       s.launch_step(config_, launch);
@@ -902,6 +904,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       graph->partial_out = s.partials.partial_out();
       graph->workspace = s.sampling_workspace.data();
       ++s.graph_stats.captures;
+      s.graph_stats.capture_us += std::chrono::duration<double, std::micro>(
+                                      std::chrono::steady_clock::now() - capture_start)
+                                      .count();
       spdlog::debug(
           "llama_cuda: captured the graph of {} rows, {} logit rows, {} tasks, {} row slices{}{}",
           graph->key.rows, graph->key.logit_rows, graph->key.tasks, graph->key.row_slices,

@@ -50,6 +50,7 @@ struct LlamaCudaOptions {
 struct CudaGraphStats {
   int64_t graph_steps = 0;  // steps replayed from a graph (the capturing step included)
   int64_t captures = 0;     // graphs captured: a new bucket, or a bucket's plan outgrew its buffers
+  double capture_us = 0;    // host time of those captures and instantiations, summed
   int64_t eager_steps = 0;  // steps launched one by one (graphs off, kPhases, too large, or the
                             // first step of a bucket, which runs the padded launches uncaptured)
   int32_t cached_graphs = 0;

@@ -144,12 +144,13 @@ void print(const char* what, const Agreement& a, const CudaGraphStats& stats) {
   std::printf(
       "[cuda graphs] %s: %lld steps, %lld rows: max relative logit difference graph vs eager "
       "%.3g (bound %.3g), greedy tokens identical %lld / %lld (thin margin %lld), %lld "
-      "bit-identical repeats; graph runner: %lld graph steps, %lld captures, %lld eager steps, "
-      "%d cached\n",
+      "bit-identical repeats; graph runner: %lld graph steps, %lld captures (%.0f us each), "
+      "%lld eager steps, %d cached\n",
       what, static_cast<long long>(a.steps), static_cast<long long>(a.rows), a.worst_relative,
       kBf16Bound, static_cast<long long>(a.tokens_same), static_cast<long long>(a.rows),
       static_cast<long long>(a.tokens_thin_margin), static_cast<long long>(a.repeats),
       static_cast<long long>(stats.graph_steps), static_cast<long long>(stats.captures),
+      stats.captures > 0 ? stats.capture_us / stats.captures : 0.0,
       static_cast<long long>(stats.eager_steps), stats.cached_graphs);
 }
 
