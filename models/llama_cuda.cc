@@ -17,6 +17,7 @@
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
 #include "kernels/sampling.h"
+#include "kernels/skinny_gemm.h"
 #include "kernels/tree_attention_generic.h"
 #include "models/llama_checkpoint.h"
 #include "spdlog/spdlog.h"
@@ -127,6 +128,7 @@ struct LlamaCudaRunner::State {
   kernels::DeftAttentionBuffers partials;
   kernels::AttentionDims dims;
   bool deft_kernels = false;
+  bool skinny_gemm = true;  // set_skinny_gemm
 
   size_t weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
 
@@ -196,8 +198,16 @@ struct LlamaCudaRunner::State {
   State& operator=(const State&) = delete;
 
   // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
+  // Steps of up to kSkinnyGemmMaxRows rows (decode) stream the weights through the skinny GEMM
+  // (faster than cuBLAS there: bench/results/skinny_gemm-h100-*.json), larger ones use cuBLAS.
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
             bool y_fp32, bool accumulate) const {
+    const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
+    if (skinny_gemm && rows <= kernels::kSkinnyGemmMaxRows &&
+        kernels::skinny_gemm_supported(dims, x, w)) {
+      kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
+      return;
+    }
     const float alpha = 1.0f;
     const float beta = accumulate ? 1.0f : 0.0f;
     // Column-major view: y^T [out x rows] = w^T' [out x in] * x^T [in x rows].
@@ -450,6 +460,7 @@ size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_byt
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
 void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
+void LlamaCudaRunner::set_skinny_gemm(bool on) { state_->skinny_gemm = on; }
 void LlamaCudaRunner::time_attention(bool on) {
   state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;
 }
