@@ -16,7 +16,7 @@
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
-//                  [--gemm auto|cublas]   (auto: the skinny GEMM for steps it fits; the default)
+//                  [--gemm cublas|skinny]   (skinny: kernels/skinny_gemm.h for <= 64-row steps)
 // Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_runtime_api.h>
 
@@ -288,7 +288,7 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50;
-  std::string gemm = "auto";  // auto: skinny GEMM for decode steps; cublas: cuBLAS only
+  std::string gemm = "cublas";  // cublas: the runner's default; skinny: skinny GEMM for <= 64 rows
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--workloads") workloads = argv[i + 1];
@@ -309,7 +309,7 @@ int main(int argc, char** argv) {
                    .max_batch_rows = kPrefillChunk},
           1, "llama3-8b-random");
   must(runner.status(), "runner");
-  (*runner)->set_skinny_gemm(gemm != "cublas");
+  (*runner)->set_skinny_gemm(gemm == "skinny");
   std::printf("random Llama-3-8B-shaped model ready in %.1f s, %.2f GB weights\n",
               us_since(t_load) / 1e6, (*runner)->weight_bytes() / 1e9);
 
@@ -409,7 +409,7 @@ int main(int argc, char** argv) {
       row.floor_us = floor.median;
       row.extra = {
           {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
-          {"gemm", gemm == "cublas" ? "cuBLAS" : "skinny GEMM (<= 64 rows), cuBLAS otherwise"},
+          {"gemm", gemm == "skinny" ? "skinny GEMM (<= 64 rows), cuBLAS otherwise" : "cuBLAS"},
           {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
           {"queries_per_step", c.spec ? trace->tree_size() : 20},
           {"tokens_per_s", tokens_per_s},

@@ -84,9 +84,12 @@ struct Params {
   bool y_fp32, accumulate;
 };
 
-// kCols: mma columns of 8 x rows (rows <= 8 * kCols); kStages: K chunks in flight per thread.
-template <typename T, int kCols, int kStages>
+// kCols: mma columns of 8 x rows (rows <= 8 * kCols); kStages: K chunks of w in flight per
+// thread; kXDepth: chunks of x loaded ahead (x comes from L1/L2: its latency must not sit
+// between a chunk's mma and the next w load). kStages % kXDepth == 0 (ring slots by stage).
+template <typename T, int kCols, int kStages, int kXDepth>
 __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_kernel(const Params p) {
+  static_assert(kStages % kXDepth == 0);
   extern __shared__ float tile[];  // [8 * kCols][kTileStride]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -102,23 +105,26 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_kernel(const Params p
   const T* w = static_cast<const T*>(p.w);
   const T* w_lo = w + static_cast<int64_t>(lo_ok ? row_lo : 0) * p.in + k_first;
   const T* w_hi = w + static_cast<int64_t>(hi_ok ? row_hi : 0) * p.in + k_first;
-  const T* x = static_cast<const T*>(p.x) + k_first;
-  const T* x_col[kCols];
-  bool x_ok[kCols];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    const int m = c * 8 + g;
-    x_ok[c] = m < p.rows;
-    x_col[c] = x + static_cast<int64_t>(x_ok[c] ? m : 0) * p.in;
-  }
+  // Column c of x is row 8c + g; rows past p.rows are read as zeros.
+  const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(g) * p.in + k_first;
+  const int64_t x_col_step = int64_t{8} * p.in;
+  const int x_cols_ok = p.rows > g ? (p.rows - g + 7) / 8 : 0;  // columns c with 8c + g < rows
 
   float acc[kCols][4];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
 
-  uint4 a_lo[kStages], a_hi[kStages];
   const auto k_ok = [&](int chunk) {
     return chunk < chunk_count && k_first + chunk * kChunk < p.in;
+  };
+  uint4 a_lo[kStages], a_hi[kStages];
+  uint4 b[kXDepth][kCols];
+  const auto load_x = [&](uint4(&slot)[kCols], int chunk) {
+    const bool ok = k_ok(chunk);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      slot[c] = load_cached(x + c * x_col_step + chunk * kChunk, ok && c < x_cols_ok);
+    }
   };
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
@@ -126,25 +132,25 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_kernel(const Params p
     a_lo[s] = load_stream(w_lo + s * kChunk, ok && lo_ok);
     a_hi[s] = load_stream(w_hi + s * kChunk, ok && hi_ok);
   }
+#pragma unroll
+  for (int d = 0; d < kXDepth; ++d) load_x(b[d], d);
   for (int base = 0; base < chunk_count; base += kStages) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       const int chunk = base + s;
+      uint4(&bx)[kCols] = b[s % kXDepth];
       if (chunk < chunk_count) {
-        const bool ok = k_first + chunk * kChunk < p.in;
-        uint4 b[kCols];
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) b[c] = load_cached(x_col[c] + chunk * kChunk, ok && x_ok[c]);
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
-          mma_16816<T>(acc[c], a_lo[s].x, a_hi[s].x, a_lo[s].y, a_hi[s].y, b[c].x, b[c].y);
-          mma_16816<T>(acc[c], a_lo[s].z, a_hi[s].z, a_lo[s].w, a_hi[s].w, b[c].z, b[c].w);
+          mma_16816<T>(acc[c], a_lo[s].x, a_hi[s].x, a_lo[s].y, a_hi[s].y, bx[c].x, bx[c].y);
+          mma_16816<T>(acc[c], a_lo[s].z, a_hi[s].z, a_lo[s].w, a_hi[s].w, bx[c].z, bx[c].w);
         }
       }
       const int next = chunk + kStages;
       const bool ok = k_ok(next);
       a_lo[s] = load_stream(w_lo + next * kChunk, ok && lo_ok);
       a_hi[s] = load_stream(w_hi + next * kChunk, ok && hi_ok);
+      load_x(bx, chunk + kXDepth);
     }
   }
 
@@ -200,10 +206,12 @@ int sm_count() {
 
 template <typename T, int kCols>
 void launch_cols(const Params& p, int split, cudaStream_t stream) {
-  // Stages: as many 16-byte loads in flight as registers allow beside kCols * 4 accumulators
-  // (2 CTAs of 256 threads per SM: 128 registers a thread).
-  constexpr int kStages = kCols <= 4 ? 8 : 6;
-  const auto kernel = skinny_gemm_kernel<T, kCols, kStages>;
+  // Registers (2 CTAs of 256 threads per SM: 128 a thread) hold kCols * 4 accumulators,
+  // kStages * 8 words of w in flight and kXDepth * kCols * 4 words of x.
+  // (ptxas -v: no spills with these).
+  constexpr int kStages = kCols <= 2 ? 8 : kCols == 4 ? 6 : 4;
+  constexpr int kXDepth = kCols == 1 ? 4 : kCols <= 4 ? 2 : 1;
+  const auto kernel = skinny_gemm_kernel<T, kCols, kStages, kXDepth>;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((p.out + kSlabRows - 1) / kSlabRows, split, 1);
   config.blockDim = dim3(kThreads, 1, 1);
@@ -243,13 +251,14 @@ bool skinny_gemm_supported(const SkinnyGemmDims& dims, const void* x, const void
 }
 
 int32_t skinny_gemm_auto_split(const SkinnyGemmDims& dims) {
-  // Enough CTAs for two per SM (16 warps, each with kStages x 512 bytes of w in flight), but
-  // K slices of at least 8 chunks (256 elements) so the pipeline fills.
+  // About 1.5 CTAs per SM, clusters of at most 6 (bench/results/skinny_gemm-h100-*.json sweep:
+  // QKV and O shapes were fastest at 192 CTAs, clusters of 8 were slow), K slices of at least
+  // 8 chunks (256 elements) so the pipeline fills.
   const int slabs = (dims.out + kSlabRows - 1) / kSlabRows;
   const int chunks = (dims.in + kChunk - 1) / kChunk;
-  int split = (2 * sm_count() + slabs - 1) / slabs;
+  int split = (3 * sm_count() / 2 + slabs / 2) / slabs;
   split = std::min(split, std::max(1, chunks / 8));
-  return std::clamp(split, 1, kMaxSplit);
+  return std::clamp(split, 1, 6);
 }
 
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,

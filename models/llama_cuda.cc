@@ -128,7 +128,7 @@ struct LlamaCudaRunner::State {
   kernels::DeftAttentionBuffers partials;
   kernels::AttentionDims dims;
   bool deft_kernels = false;
-  bool skinny_gemm = true;  // set_skinny_gemm
+  bool skinny_gemm = false;  // set_skinny_gemm
 
   size_t weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
 
@@ -198,8 +198,9 @@ struct LlamaCudaRunner::State {
   State& operator=(const State&) = delete;
 
   // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
-  // Steps of up to kSkinnyGemmMaxRows rows (decode) stream the weights through the skinny GEMM
-  // (faster than cuBLAS there: bench/results/skinny_gemm-h100-*.json), larger ones use cuBLAS.
+  // With skinny_gemm on, steps of up to kSkinnyGemmMaxRows rows (decode) stream the weights
+  // through kernels/skinny_gemm.h, larger ones use cuBLAS. Off by default: on the H100 cuBLAS
+  // was as fast or faster on every Llama-3-8B shape (bench/results/skinny_gemm-h100-*.json).
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
             bool y_fp32, bool accumulate) const {
     const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};

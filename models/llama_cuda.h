@@ -88,8 +88,8 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   bool uses_deft_kernels() const;
 
   void set_step_timing(StepTiming timing);
-  // Decode steps (<= kernels::kSkinnyGemmMaxRows rows) run their GEMMs on the skinny GEMM
-  // (kernels/skinny_gemm.h) when on (the default), on cuBLAS when off (benchmarks compare).
+  // On: decode steps (<= kernels::kSkinnyGemmMaxRows rows) run their GEMMs on the skinny GEMM
+  // (kernels/skinny_gemm.h); off (the default): every GEMM on cuBLAS. Benchmarks compare.
   void set_skinny_gemm(bool on);
   // time_attention(true): the next steps run with StepTiming::kPhases (a few µs of host time
   // per launch), so last_attention_seconds() reports their attention time.
