@@ -100,6 +100,8 @@ kernels::AttentionPlanView AttentionPlan::view() const {
   v.entry_query = entry_query.data();
   v.query_entry_begin = query_entry_begin.data();
   v.query_entries = query_entries.data();
+  v.num_prefill_runs = static_cast<int32_t>(prefill_runs.size());
+  v.prefill_runs = prefill_runs.data();
   return v;
 }
 
@@ -114,6 +116,7 @@ void AttentionPlan::clear() {
   entry_query.clear();
   query_entry_begin.clear();
   query_entries.clear();
+  prefill_runs.clear();
   query_position.clear();
   query_slot.clear();
   io = PlanIo{};
@@ -142,6 +145,7 @@ class PlanBuilder {
       plan_->query_position.push_back(static_cast<int32_t>(tree->depth(q.node, q.token_index)));
       plan_->query_slot.push_back(tree->kv()->slot(tree->kv_key(q.node), q.token_index));
     }
+    if (options_.min_prefill_run > 0) take_prefill_runs(*tree);
     if (queries_.row.empty()) return absl::OkStatus();
     if (options_.kind == PlanKind::kSequence) {
       add_sequence_tasks(*tree);
@@ -174,9 +178,59 @@ class PlanBuilder {
     for (int32_t t = 0; t < plan_->num_tasks(); ++t) {
       io.kv_tokens_read += plan_->task_kv_end[t] - plan_->task_kv_begin[t];
     }
+    for (const kernels::PrefillRun& run : plan_->prefill_runs) {
+      io.kv_tokens_read += run.prefix_tokens + run.num_rows;
+    }
   }
 
  private:
+  // Moves every run of >= min_prefill_run queries that are consecutive tokens of one node on
+  // consecutive rows out of queries_ into a PrefillRun; the other queries stay for the tasks.
+  void take_prefill_runs(const SequenceTree& tree) {
+    const int32_t n = static_cast<int32_t>(queries_.row.size());
+    int32_t kept = 0;
+    for (int32_t i = 0; i < n;) {
+      int32_t j = i + 1;
+      while (j < n && queries_.node[j] == queries_.node[i] &&
+             queries_.token_index[j] == queries_.token_index[j - 1] + 1 &&
+             queries_.row[j] == queries_.row[j - 1] + 1) {
+        ++j;
+      }
+      if (j - i >= options_.min_prefill_run) {
+        add_prefill_run(tree, queries_.node[i], queries_.token_index[i], j - i, queries_.row[i]);
+      } else {
+        for (int32_t k = i; k < j; ++k, ++kept) {
+          queries_.row[kept] = queries_.row[k];
+          queries_.node[kept] = queries_.node[k];
+          queries_.token_index[kept] = queries_.token_index[k];
+        }
+      }
+      i = j;
+    }
+    queries_.row.resize(kept);
+    queries_.node.resize(kept);
+    queries_.token_index.resize(kept);
+  }
+
+  // Tokens [first, first + count) of `node` on rows [row, row + count): keys are the node's
+  // proper ancestors in full, then the node's tokens [0, first + count).
+  void add_prefill_run(const SequenceTree& tree, NodeId node, int32_t first, int32_t count,
+                       int32_t row) {
+    const KvCacheManager& kv = *tree.kv();
+    const int32_t kv_begin = static_cast<int32_t>(plan_->kv_slots.size());
+    path_.clear();
+    for (NodeId id = tree.node(node).parent; id != -1; id = tree.node(id).parent) {
+      path_.push_back(id);
+    }
+    for (auto it = path_.rbegin(); it != path_.rend(); ++it) {
+      append_slots(kv, tree.kv_key(*it), static_cast<int32_t>(tree.node(*it).tokens.size()));
+    }
+    append_slots(kv, tree.kv_key(node), first + count);
+    const int32_t keys = static_cast<int32_t>(plan_->kv_slots.size()) - kv_begin;
+    plan_->prefill_runs.push_back(
+        {.row_begin = row, .num_rows = count, .kv_begin = kv_begin, .prefix_tokens = keys - count});
+  }
+
   // Validates the queries and numbers them depth-first (node rank, then token index).
   absl::Status order_queries(const SequenceTree& tree, std::span<const QueryToken> queries,
                              int32_t row_base) {
@@ -481,6 +535,11 @@ absl::Status AttentionPlanner::plan(std::span<const TreeQueries> trees, Attentio
   if (options_.chunk_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "planner: chunk_tokens must be >= 1 (or 0: adaptive), got ", options_.chunk_tokens));
+  }
+  if (options_.min_prefill_run < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "planner: min_prefill_run must be >= 0 (0: no prefill runs), got ",
+        options_.min_prefill_run));
   }
   if (options_.max_unmasked_queries < 1) {
     return absl::InvalidArgumentError(absl::StrCat(

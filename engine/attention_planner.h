@@ -39,6 +39,14 @@ struct PlannerOptions {
   int32_t chunk_tokens = 0;
   // Cap on the queries of a task that needs no mask (masked tasks hold <= kMaskWordBits).
   int32_t max_unmasked_queries = 256;
+  // Prefill runs: at least this many queries that are consecutive tokens of one node on
+  // consecutive query rows (a prompt, an extension) become one PrefillRun of the plan, run by the
+  // tiled prefill kernel (kernels/prefill_attention.h) instead of DeFT tasks with bit masks. 0
+  // (the default) keeps every query in the tasks. Every executor of a plan (deft_attention_cpu,
+  // the DeFT + prefill kernels of the CUDA runner, the generic GPU kernel) runs both parts; 64 is
+  // where a run's masked 64-query groups start to cost more than a causal tile
+  // (bench/results/prefill-h100-*.json).
+  int32_t min_prefill_run = 0;
 };
 
 // The chunk size B used when PlannerOptions::chunk_tokens is 0, for a tree whose step has
@@ -66,7 +74,8 @@ struct TreeQueries {
 
 // The paper's IO quantities for one plan.
 struct PlanIo {
-  int64_t kv_tokens_read = 0;     // sum over tasks of their KV run (per KV head, per layer)
+  int64_t kv_tokens_read = 0;     // sum over tasks of their KV run, plus each prefill run's
+                                  // keys (per KV head, per layer)
   int64_t query_chunk_pairs = 0;  // entries: partial results written by stage 1
   int64_t mask_words = 0;         // 64-bit mask words read
   int64_t tasks = 0;
@@ -85,6 +94,9 @@ struct AttentionPlan {
   std::vector<int32_t> entry_query;
   std::vector<int32_t> query_entry_begin;  // num_queries + 1
   std::vector<int32_t> query_entries;
+  // Runs of new tokens executed by the prefill kernel (PlannerOptions::min_prefill_run); their
+  // keys are ranges of kv_slots and their rows have no entries.
+  std::vector<kernels::PrefillRun> prefill_runs;
   // Per query row: its RoPE position (depth) and KV slot of its own token.
   std::vector<int32_t> query_position;
   std::vector<int32_t> query_slot;

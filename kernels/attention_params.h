@@ -34,10 +34,25 @@ inline constexpr int32_t kMaskWordBits = 64;
 // entry. Stage 2 merges, for each query q, the partials of entries
 // query_entries[query_entry_begin[q] .. query_entry_begin[q + 1]).
 //
+// Prefill runs (optional, num_prefill_runs may be 0): a run is `num_rows` consecutive new tokens
+// of one node on the consecutive query rows [row_begin, row_begin + num_rows). Its keys are
+// kv_slots[kv_begin .. kv_begin + prefix_tokens + num_rows): first everything the run's first
+// token sees before itself (ancestors and earlier tokens of its node), then the run's own slots.
+// Row i of the run sees keys [0, prefix_tokens + i] (causal among the run's tokens). A run's rows
+// have no entries: launch_prefill_attention (kernels/prefill_attention.h) computes them, while
+// the tasks compute every other row.
+//
 // Masks: task_mask_begin[t] == -1 means every entry of the task sees every token of its run.
 // Otherwise the task has at most kMaskWordBits entries and mask_words[task_mask_begin[t] + i]
 // is the visibility word of its i-th KV token: bit j set <=> entry task_entry_begin[t] + j sees it.
 // Every entry of a task sees at least one token of that task's run.
+struct PrefillRun {
+  int32_t row_begin = 0;
+  int32_t num_rows = 0;
+  int32_t kv_begin = 0;
+  int32_t prefix_tokens = 0;
+};
+
 struct AttentionPlanView {
   int32_t num_queries = 0;
   int32_t num_tasks = 0;
@@ -54,6 +69,9 @@ struct AttentionPlanView {
   const int32_t* entry_query = nullptr;        // [num_entries]
   const int32_t* query_entry_begin = nullptr;  // [num_queries + 1]
   const int32_t* query_entries = nullptr;      // [num_entries]
+
+  int32_t num_prefill_runs = 0;
+  const PrefillRun* prefill_runs = nullptr;  // [num_prefill_runs]
 };
 
 }  // namespace deft::kernels

@@ -70,8 +70,10 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   DEFT_CUDA_CHECK_LAUNCH();
 
   // Stage 2 spans every query (a launch shape fixed by the plan's size); queries with a single
-  // partial return at once. Skipped entirely when no query has two partials.
-  if (plan.num_entries > plan.num_queries) {
+  // partial return at once. Skipped entirely when no query has two partials: known on the host
+  // only when every query has an entry (num_entries > num_queries), so a plan with prefill runs
+  // (rows without entries) always runs it.
+  if (plan.num_entries > plan.num_queries || plan.num_prefill_runs > 0) {
     const dim3 grid2(static_cast<unsigned>(plan.num_queries),
                      static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
                                            detail::kStage2Warps));
@@ -125,6 +127,8 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
       {host_plan.entry_query, i32(host_plan.num_entries), 0},
       {host_plan.query_entry_begin, i32(host_plan.num_queries + 1), 0},
       {host_plan.query_entries, i32(host_plan.num_entries), 0},
+      {host_plan.prefill_runs,
+       static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
   };
   size_t total = 0;
   for (Section& section : sections) {
@@ -160,7 +164,10 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
   device_view_.entry_query = reinterpret_cast<const int32_t*>(at(6));
   device_view_.query_entry_begin = reinterpret_cast<const int32_t*>(at(7));
   device_view_.query_entries = reinterpret_cast<const int32_t*>(at(8));
+  device_view_.prefill_runs = reinterpret_cast<const PrefillRun*>(at(9));
 
+  host_prefill_runs_.assign(host_plan.prefill_runs,
+                            host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));
   max_task_entries_ = 0;
   for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
     max_task_entries_ = std::max(

@@ -601,7 +601,12 @@ __global__ void __launch_bounds__(kStage2Threads)
   const int query = blockIdx.x;
   const int begin = plan.query_entry_begin[query];
   const int count = plan.query_entry_begin[query + 1] - begin;
-  if (count <= 1) return;  // written by stage 1 directly
+  if (count <= 1) {  // written by stage 1 directly (or a prefill run's row: no entry)
+    // One CTA waits for stage 1 whatever the plan, so this grid never completes before stage 1
+    // (work after it in the stream relies on that even when no query needs a merge).
+    if (blockIdx.x == 0 && blockIdx.y == 0) wait_for_prerequisite_grid();
+    return;
+  }
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int head = blockIdx.y * kStage2Warps + warp;

@@ -11,6 +11,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "kernels/attention_params.h"
 #include "kernels/device_buffer.h"
@@ -36,6 +38,8 @@ class DevicePlan {
   const AttentionPlanView& view() const { return device_view_; }
   // Largest entry count of any task: sizes stage 1's grid.
   int32_t max_task_entries() const { return max_task_entries_; }
+  // Host copy of the plan's prefill runs: sizes launch_prefill_attention's grid.
+  std::span<const PrefillRun> prefill_runs() const { return host_prefill_runs_; }
 
  private:
   PinnedHostBuffer staging_;
@@ -44,6 +48,7 @@ class DevicePlan {
   bool upload_pending_ = false;
   AttentionPlanView device_view_;
   int32_t max_task_entries_ = 0;
+  std::vector<PrefillRun> host_prefill_runs_;
 };
 
 // Scratch for stage 1's partial results: [num_entries][num_q_heads][head_dim] + LSE, fp32.

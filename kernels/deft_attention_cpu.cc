@@ -1,5 +1,7 @@
 #include "kernels/deft_attention_cpu.h"
 
+#include "kernels/prefill_attention_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -26,8 +28,26 @@ void check_dims(const AttentionDims& dims) {
   }
 }
 
-// The reduction map must be consistent: query q's entries are exactly the entries whose row is q.
+// Rows of the plan's prefill runs (computed by prefill_attention_cpu, never by tasks).
+std::vector<bool> prefill_rows(const AttentionPlanView& plan) {
+  std::vector<bool> in_run(static_cast<size_t>(plan.num_queries), false);
+  for (int32_t run = 0; run < plan.num_prefill_runs; ++run) {
+    const PrefillRun& r = plan.prefill_runs[run];
+    if (r.row_begin < 0 || r.num_rows < 0 || r.row_begin + r.num_rows > plan.num_queries) {
+      die("prefill run rows outside the plan (run, row_begin)", run, r.row_begin);
+    }
+    for (int32_t i = 0; i < r.num_rows; ++i) {
+      if (in_run[r.row_begin + i]) die("row in two prefill runs (run, row)", run, r.row_begin + i);
+      in_run[r.row_begin + i] = true;
+    }
+  }
+  return in_run;
+}
+
+// The reduction map must be consistent: query q's entries are exactly the entries whose row is q;
+// a query has entries unless it is a row of a prefill run, and then it has none.
 void check_reduction_map(const AttentionPlanView& plan) {
+  const std::vector<bool> in_run = prefill_rows(plan);
   if (plan.query_entry_begin[0] != 0 ||
       plan.query_entry_begin[plan.num_queries] != plan.num_entries) {
     die("query_entry_begin does not span [0, num_entries)", plan.query_entry_begin[0],
@@ -36,7 +56,12 @@ void check_reduction_map(const AttentionPlanView& plan) {
   for (int32_t query = 0; query < plan.num_queries; ++query) {
     const int32_t begin = plan.query_entry_begin[query];
     const int32_t end = plan.query_entry_begin[query + 1];
-    if (end <= begin) die("query has no partial result (query, first entry)", query, begin);
+    if (end <= begin && !in_run[query]) {
+      die("query has no partial result (query, first entry)", query, begin);
+    }
+    if (end > begin && in_run[query]) {
+      die("query of a prefill run has task entries (query, first entry)", query, begin);
+    }
     for (int32_t i = begin; i < end; ++i) {
       const int32_t entry = plan.query_entries[i];
       if (entry < 0 || entry >= plan.num_entries) die("query_entries out of range", i, entry);
@@ -149,6 +174,7 @@ void deft_attention_stage2_cpu(const AttentionPlanView& plan, const AttentionDim
   for (int32_t query = 0; query < plan.num_queries; ++query) {
     const int32_t begin = plan.query_entry_begin[query];
     const int32_t end = plan.query_entry_begin[query + 1];
+    if (end == begin) continue;  // a prefill run's row
     for (int32_t head = 0; head < dims.num_q_heads; ++head) {
       const auto lse_of = [&](int32_t i) {
         return partial_lse[static_cast<size_t>(plan.query_entries[i]) * dims.num_q_heads + head];
@@ -182,6 +208,7 @@ void deft_attention_cpu(const AttentionPlanView& plan, const AttentionDims& dims
   deft_attention_stage1_cpu(plan, dims, q, k_cache, v_cache, partial_out.data(),
                             partial_lse.data());
   deft_attention_stage2_cpu(plan, dims, partial_out.data(), partial_lse.data(), out, lse_out);
+  prefill_attention_cpu(plan, dims, q, k_cache, v_cache, out, lse_out);
 }
 
 }  // namespace deft::kernels

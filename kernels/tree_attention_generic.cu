@@ -83,6 +83,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       }
     }
   }
+  // A row of a prefill run (no entries): keys [0, prefix_tokens + i] of the run's key list.
+  for (int32_t run = 0; run < plan.num_prefill_runs; ++run) {
+    const PrefillRun r = plan.prefill_runs[run];
+    if (query < r.row_begin || query >= r.row_begin + r.num_rows) continue;
+    const int32_t keys = r.prefix_tokens + (query - r.row_begin) + 1;
+    for (int32_t k = 0; k < keys; ++k) {
+      const int64_t base =
+          int64_t{plan.kv_slots[r.kv_begin + k]} * kv_stride + int64_t{kv_head} * dims.head_dim;
+      float score = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int32_t d = lane + 32 * j;
+        if (d < dims.head_dim) score += q_reg[j] * to_float(k_cache[base + d]);
+      }
+      for (int offset = 16; offset > 0; offset /= 2) {
+        score += __shfl_xor_sync(0xffffffffu, score, offset);
+      }
+      const float new_max = fmaxf(running_max, score);
+      const float rescale = expf(running_max - new_max);
+      const float weight = expf(score - new_max);
+      running_sum = running_sum * rescale + weight;
+      running_max = new_max;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int32_t d = lane + 32 * j;
+        if (d < dims.head_dim) acc[j] = acc[j] * rescale + weight * to_float(v_cache[base + d]);
+      }
+    }
+    break;
+  }
   T* out_row = out + item * dims.head_dim;
   const float inv_sum = running_sum > 0.0f ? 1.0f / running_sum : 0.0f;
 #pragma unroll
@@ -102,7 +132,7 @@ void launch_tree_attention_generic(const AttentionPlanView& device_plan, const A
     std::abort();
   }
   const int64_t items = int64_t{device_plan.num_queries} * dims.num_q_heads;
-  if (items == 0 || device_plan.num_tasks == 0) return;
+  if (items == 0 || (device_plan.num_tasks == 0 && device_plan.num_prefill_runs == 0)) return;
   const int blocks = static_cast<int>((items + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (dtype == DType::kBf16) {
     tree_attention_generic_kernel<__nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(

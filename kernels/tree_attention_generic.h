@@ -1,7 +1,8 @@
 // A plain GPU executor of an AttentionPlanView for the shapes the DeFT kernels are not built
 // for (head_dim other than 64/128: the tiny test checkpoints and the embedded default model).
 // One warp per (query, q head) walks that query's entries and their tasks' visible KV tokens
-// with an online softmax: no partials, no stage 2, no tensor cores. Same contract and the same
+// with an online softmax (rows of the plan's prefill runs walk their run's keys): no partials,
+// no stage 2, no tensor cores. Same contract and the same
 // CPU twin as the DeFT kernels (kernels/deft_attention_cpu.h: deft_attention_cpu); correctness
 // only: real models run the DeFT kernels.
 #pragma once

@@ -16,6 +16,7 @@
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
+#include "kernels/prefill_attention.h"
 #include "kernels/sampling.h"
 #include "kernels/skinny_gemm.h"
 #include "kernels/tree_attention_generic.h"
@@ -126,6 +127,7 @@ struct LlamaCudaRunner::State {
   PinnedHostBuffer sampling_params_host, sampled_host, sampled_top_host;
   kernels::DevicePlan plan;
   kernels::DeftAttentionBuffers partials;
+  kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes
   kernels::AttentionDims dims;
   bool deft_kernels = false;
   bool skinny_gemm = false;  // set_skinny_gemm
@@ -547,6 +549,17 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                                                      ", outside [0, ", info_.num_kv_slots, ")"));
     }
   }
+  for (const kernels::PrefillRun& run : plan.prefill_runs) {
+    if (run.num_rows <= 0 || run.row_begin < 0 || run.row_begin + run.num_rows > rows ||
+        run.prefix_tokens < 0 || run.kv_begin < 0 ||
+        int64_t{run.kv_begin} + run.prefix_tokens + run.num_rows >
+            static_cast<int64_t>(plan.kv_slots.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "llama_cuda: prefill run (rows ", run.row_begin, " + ", run.num_rows, ", keys ",
+          run.kv_begin, " + ", run.prefix_tokens, " + ", run.num_rows, ") outside the plan's ",
+          rows, " rows and ", plan.kv_slots.size(), " KV indices"));
+    }
+  }
   s.times = StepTimes{};
   if (rows == 0) return absl::OkStatus();
   bool any_top_logprobs = false;
@@ -623,7 +636,11 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     if (s.deft_kernels) {
       kernels::launch_deft_attention(s.plan, s.dims, s.dtype, s.q.data(), layer.k_cache.data(),
                                      layer.v_cache.data(), s.partials, s.attn.data(), s.stream);
-    } else {
+      // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel.
+      kernels::launch_prefill_attention(s.plan.view(), s.plan.prefill_runs(), s.dims, s.dtype,
+                                        s.q.data(), layer.k_cache.data(), layer.v_cache.data(),
+                                        s.prefill_scratch, s.attn.data(), s.stream);
+    } else {  // the generic kernel runs the plan's tasks and prefill runs
       kernels::launch_tree_attention_generic(s.plan.view(), s.dims, s.dtype, s.q.data(),
                                              layer.k_cache.data(), layer.v_cache.data(),
                                              s.attn.data(), s.stream);

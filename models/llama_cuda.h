@@ -3,7 +3,8 @@
 // fp32 checkpoints are rounded to bf16), with q/k/v fused into one [q+2kv, hidden] matrix and
 // gate/up into one [2*intermediate, hidden] matrix. One step:
 //   embedding gather -> fp32 residual stream
-//   per layer: RMSNorm -> QKV GEMM -> bias + RoPE + KV write (one kernel) -> DeFT attention on
+//   per layer: RMSNorm -> QKV GEMM -> bias + RoPE + KV write (one kernel) -> DeFT attention (+ the
+//              prefill kernel for the plan's prefill runs) on
 //              the step's plan (uploaded once, reused by every layer) -> O GEMM accumulated
 //              into the residual (beta = 1) -> RMSNorm -> gate/up GEMM -> SiLU·mul -> down GEMM
 //              accumulated into the residual

@@ -1,12 +1,12 @@
-// deft-cli: a command-line client of deft-server.
+// deft-cli: a command-line client of deft-server (`deft-cli --help` lists the commands).
 //
-//   deft-cli [--server HOST:PORT] info
-//   deft-cli [--server HOST:PORT] health
-//   deft-cli [--server HOST:PORT] tokenize [--bos] TEXT
-//   deft-cli [--server HOST:PORT] detokenize ID...
-//   deft-cli [--server HOST:PORT] generate [--n N] [--max-tokens M] [--temperature T]
-//            [--top-k K] [--top-p P] [--seed S] [--stop STR]... [--ignore-eos] PROMPT
+//   deft-cli [--server HOST:PORT] info | health | tokenize | detokenize | generate
+//   deft-cli [--server HOST:PORT] tree [POLICY] [SAMPLING] PROMPT      (RunTree)
+//   deft-cli [--server HOST:PORT] session [SCRIPT]                     (TreeSession)
+//   deft-cli [--server HOST:PORT] verify --tokens ... --parents ... PROMPT  (Verify)
 //
+// The tree, session and verify commands live in cli_tree.cc, cli_session.cc, cli_verify.cc;
+// shared flag parsing and printing in cli_common.cc.
 // Exit 0 on success, 1 when the server answers with an error (its code and message printed),
 // 2 on a usage error.
 #include <grpcpp/grpcpp.h>
@@ -22,51 +22,18 @@
 #include "absl/strings/str_join.h"
 #include "deft/v1/deft.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "server/cli_common.h"
+#include "server/cli_session.h"
+#include "server/cli_tree.h"
+#include "server/cli_verify.h"
 
 namespace {
 
 namespace v1 = deft::v1;
-
-const char kUsage[] =
-    "usage: deft-cli [--server HOST:PORT] COMMAND [ARGS]\n"
-    "  --server HOST:PORT   deft-server address (default 127.0.0.1:50051)\n"
-    "commands:\n"
-    "  info                 the model and the server's limits (ModelInfo)\n"
-    "  health               the grpc.health.v1 status\n"
-    "  tokenize [--bos] TEXT\n"
-    "  detokenize ID...\n"
-    "  generate [--n N] [--max-tokens M] [--temperature T] [--top-k K] [--top-p P]\n"
-    "           [--seed S] [--stop STR]... [--ignore-eos] PROMPT\n"
-    "           n samples from one prompt; each branch's text streams as it is decoded and\n"
-    "           is printed whole at the end\n";
-
-int usage_error(const std::string& message) {
-  std::fprintf(stderr, "deft-cli: %s\n%s", message.c_str(), kUsage);
-  return 2;
-}
-
-int rpc_error(const char* rpc, const grpc::Status& status) {
-  std::fprintf(stderr, "deft-cli: %s failed: code %d: %s\n", rpc,
-               static_cast<int>(status.error_code()), status.error_message().c_str());
-  return 1;
-}
-
-const char* finish_name(v1::FinishReason reason) {
-  switch (reason) {
-    case v1::FINISH_REASON_LENGTH:
-      return "length";
-    case v1::FINISH_REASON_STOP:
-      return "stop";
-    case v1::FINISH_REASON_EOS:
-      return "eos";
-    case v1::FINISH_REASON_PRUNED:
-      return "pruned";
-    case v1::FINISH_REASON_CANCELLED:
-      return "cancelled";
-    default:
-      return "?";
-  }
-}
+namespace cli = deft::cli;
+using deft::cli::finish_name;
+using deft::cli::rpc_error;
+using deft::cli::usage_error;
 
 int info(v1::Deft::Stub& stub) {
   grpc::ClientContext context;
@@ -127,49 +94,33 @@ int detokenize(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
 int generate(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
   v1::GenerateRequest request;
   request.set_n(1);
-  v1::SamplingParams* sampling = request.mutable_sampling();
-  std::vector<std::string> prompt;
+  cli::PromptArgs prompt_args;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
-    const bool has_value = i + 1 < args.size();
-    bool ok = true;
-    if (arg == "--n" && has_value) {
+    std::string error;
+    const cli::FlagParse sampling = cli::parse_sampling_flag(args, &i, request.mutable_sampling());
+    if (sampling == cli::FlagParse::kParsed) continue;
+    if (sampling == cli::FlagParse::kBadValue) {
+      return usage_error(absl::StrCat("generate: bad or missing value for ", arg));
+    }
+    if (cli::parse_prompt_ids_flag(args, &i, &prompt_args, &error)) {
+      if (!error.empty()) return usage_error("generate: " + error);
+      continue;
+    }
+    if (arg == "--n" && i + 1 < args.size()) {
       int32_t n = 0;
-      ok = absl::SimpleAtoi(args[++i], &n);
+      if (!absl::SimpleAtoi(args[++i], &n)) return usage_error("generate: bad value for --n");
       request.set_n(n);
-    } else if (arg == "--max-tokens" && has_value) {
-      int32_t value = 0;
-      ok = absl::SimpleAtoi(args[++i], &value);
-      sampling->set_max_tokens(value);
-    } else if (arg == "--temperature" && has_value) {
-      float value = 0;
-      ok = absl::SimpleAtof(args[++i], &value);
-      sampling->set_temperature(value);
-    } else if (arg == "--top-k" && has_value) {
-      int32_t value = 0;
-      ok = absl::SimpleAtoi(args[++i], &value);
-      sampling->set_top_k(value);
-    } else if (arg == "--top-p" && has_value) {
-      float value = 0;
-      ok = absl::SimpleAtof(args[++i], &value);
-      sampling->set_top_p(value);
-    } else if (arg == "--seed" && has_value) {
-      uint64_t value = 0;
-      ok = absl::SimpleAtoi(args[++i], &value);
-      sampling->set_seed(value);
-    } else if (arg == "--ignore-eos") {
-      sampling->set_ignore_eos(true);
-    } else if (arg == "--stop" && has_value) {
-      sampling->add_stop(args[++i]);
     } else if (arg.rfind("--", 0) == 0) {
       return usage_error(absl::StrCat("generate: unknown or incomplete option ", arg));
     } else {
-      prompt.push_back(arg);
+      prompt_args.text.push_back(arg);
     }
-    if (!ok) return usage_error(absl::StrCat("generate: bad value for ", arg));
   }
-  if (prompt.size() != 1) return usage_error("generate takes one PROMPT argument");
-  request.mutable_prompt()->set_text(prompt[0]);
+  std::string error;
+  std::optional<v1::Prompt> prompt = cli::make_prompt(prompt_args, &error);
+  if (!prompt) return usage_error("generate: " + error);
+  *request.mutable_prompt() = std::move(*prompt);
 
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
@@ -206,7 +157,7 @@ int main(int argc, char** argv) {
   std::string server = "127.0.0.1:50051";
   while (!args.empty() && args[0].rfind("--", 0) == 0) {
     if (args[0] == "--help") {
-      std::fputs(kUsage, stdout);
+      std::fputs(cli::kUsage, stdout);
       return 0;
     }
     if (args[0] != "--server" || args.size() < 2) {
@@ -218,6 +169,12 @@ int main(int argc, char** argv) {
   if (args.empty()) return usage_error("no command");
   const std::string command = args[0];
   args.erase(args.begin());
+  for (const std::string& arg : args) {
+    if (arg == "--help") {
+      std::fputs(cli::kUsage, stdout);
+      return 0;
+    }
+  }
 
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
@@ -227,5 +184,8 @@ int main(int argc, char** argv) {
   if (command == "tokenize") return tokenize(*stub, args);
   if (command == "detokenize") return detokenize(*stub, args);
   if (command == "generate") return generate(*stub, args);
+  if (command == "tree") return cli::tree_command(*stub, args);
+  if (command == "session") return cli::session_command(*stub, args);
+  if (command == "verify") return cli::verify_command(*stub, args);
   return usage_error(absl::StrCat("unknown command '", command, "'"));
 }

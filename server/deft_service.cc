@@ -511,7 +511,9 @@ grpc::Status DeftService::tree_session(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   auto events = std::make_shared<engine::SessionEvents>();
-  const uint64_t session = engine_.open_session(events);
+  const absl::StatusOr<uint64_t> opened = engine_.open_session(events);
+  if (!opened.ok()) return to_grpc(opened.status());
+  const uint64_t session = *opened;
   spdlog::debug("TreeSession: session {} opened", session);
   // One thread writes what the engine answers; this one reads the client's commands.
   std::atomic<bool> client_gone{false};

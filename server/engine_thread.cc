@@ -1,5 +1,7 @@
 #include "server/engine_thread.h"
 
+#include <future>
+
 #include "absl/strings/str_cat.h"
 #include "server/metrics.h"
 #include "spdlog/spdlog.h"
@@ -70,15 +72,17 @@ std::shared_ptr<engine::TreeSearchEvents> EngineThread::run_tree(engine::TreeSea
   return events;
 }
 
-uint64_t EngineThread::open_session(std::shared_ptr<engine::SessionEvents> events) {
+absl::StatusOr<uint64_t> EngineThread::open_session(
+    std::shared_ptr<engine::SessionEvents> events) {
   const uint64_t id = next_session_id_.fetch_add(1);
-  if (!post([id, events](engine::Scheduler& scheduler) {
-        if (absl::Status status = scheduler.open_session(id, events); !status.ok()) {
-          events->finish(status);
-        }
+  auto opened = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> result = opened->get_future();
+  if (!post([id, events, opened](engine::Scheduler& scheduler) {
+        opened->set_value(scheduler.open_session(id, events));
       })) {
-    events->finish(shutting_down());
+    return shutting_down();
   }
+  if (absl::Status status = result.get(); !status.ok()) return status;
   return id;
 }
 

@@ -60,9 +60,9 @@ class EngineThread {
   // status and no event.
   std::shared_ptr<engine::GenerateEvents> generate(engine::GenerateJob job);
   std::shared_ptr<engine::TreeSearchEvents> run_tree(engine::TreeSearchJob job);
-  // A new session (its id is in the returned pair); RESOURCE_EXHAUSTED ends `events` when too
-  // many are open.
-  uint64_t open_session(std::shared_ptr<engine::SessionEvents> events);
+  // Opens a session and returns its id once the engine has it: RESOURCE_EXHAUSTED when too
+  // many are open, UNAVAILABLE when shutting down.
+  absl::StatusOr<uint64_t> open_session(std::shared_ptr<engine::SessionEvents> events);
   void session_command(uint64_t session, engine::SessionCommand command);
   void close_session(uint64_t session);
   // A Verify: answered through command.reply (NOT_FOUND for an unknown session).

@@ -189,6 +189,7 @@ int main(int argc, char** argv) {
                    .max_context = model_config->max_position_embeddings},
   };
   engine_options.planner.chunk_tokens = config.chunk_tokens;
+  engine_options.planner.min_prefill_run = config.min_prefill_run;
   if (absl::Status status =
           deft::engine::parse_plan_kind(config.plan, &engine_options.planner.kind);
       !status.ok()) {

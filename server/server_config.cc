@@ -57,6 +57,9 @@ const std::vector<Field>& fields() {
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
       {"chunk_tokens", &ServerConfig::chunk_tokens,
        "attention planner chunk size B; 0: chosen per tree (engine/attention_planner.h)"},
+      {"min_prefill_run", &ServerConfig::min_prefill_run,
+       "a run of at least this many new tokens of one node (a prompt, an extension) is attended by "
+       "the tiled prefill kernel; 0: every row by the DeFT kernel"},
       {"shutdown_grace_seconds", &ServerConfig::shutdown_grace_seconds,
        "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
@@ -232,6 +235,7 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_step_tokens", config.max_step_tokens, 1),
            at_least("max_text_bytes", config.max_text_bytes, 1),
            at_least("chunk_tokens", config.chunk_tokens, 0),
+           at_least("min_prefill_run", config.min_prefill_run, 0),
            at_least("max_sessions", config.max_sessions, 0),
            at_least("max_session_nodes", config.max_session_nodes, 1),
            at_least("max_verify_entries", config.max_verify_entries, 1),

@@ -30,6 +30,7 @@ struct ServerConfig {
   std::string backend = "auto";        // auto (CUDA when built with it and a GPU is seen) | cpu | cuda
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
   int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
+  int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
   std::string log_level = "info";      // trace | debug | info | warn | error | off
   std::string port_file;               // when set: the bound ports are written there

@@ -9,11 +9,22 @@ writes them to build/tests/integration/python_stubs; put that folder on PYTHONPA
         print(client.model_info())
         for branch in client.generate("Once upon a time", n=4, max_tokens=32):
             print(branch.index, branch.finish_reason, branch.text)
+        run = client.run_tree("Once upon a time", branch_factor=2, every_tokens=8,
+                              max_depth=3, score="mean", keep_best=2, max_tokens=32)
+        print(run.best_path, run.best_text)
+        with client.session() as session:
+            root = session.create("Once upon a time")
+            children = session.branch(root, 2)
+            steps = session.decode(children, max_tokens=8, temperature=0.8, seed=1)
+            print(session.score(children[0], " The end.").logprob)
+            print(session.verify(children[1], tokens=[5, 6], parents=[-1, 0]).accepted)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import grpc
@@ -73,6 +84,32 @@ def _prompt(prompt: Prompt) -> deft_pb2.Prompt:
     return deft_pb2.Prompt(tokens=deft_pb2.TokenIds(ids=list(prompt)))
 
 
+def sampling_params(
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seed: int = 0,
+    top_logprobs: int = 0,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> deft_pb2.SamplingParams:
+    """SamplingParams from keywords (temperature 0: greedy; max_tokens 0: the server's
+    default)."""
+    return deft_pb2.SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        top_logprobs=top_logprobs,
+        max_tokens=max_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )
+
+
 class DeftClient:
     """Blocking client; every method raises grpc.RpcError (with .code() and .details()) when
     the server refuses a request."""
@@ -120,33 +157,11 @@ class DeftClient:
         return self.stub.Detokenize(request, timeout=self.timeout).text
 
     # ---- generation ----
-    def generate_stream(
-        self,
-        prompt: Prompt,
-        n: int = 1,
-        max_tokens: int = 0,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 0.0,
-        seed: int = 0,
-        top_logprobs: int = 0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-    ):
-        """The raw response stream (iterate it; call .cancel() on it to stop early)."""
-        sampling = deft_pb2.SamplingParams(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            top_logprobs=top_logprobs,
-            max_tokens=max_tokens,
-            stop=list(stop),
-            stop_token_ids=list(stop_token_ids),
-            ignore_eos=ignore_eos,
-        )
-        request = deft_pb2.GenerateRequest(prompt=_prompt(prompt), n=n, sampling=sampling)
+    def generate_stream(self, prompt: Prompt, n: int = 1, **sampling):
+        """The raw response stream (iterate it; call .cancel() on it to stop early). Sampling
+        keywords: see sampling_params()."""
+        request = deft_pb2.GenerateRequest(prompt=_prompt(prompt), n=n,
+                                           sampling=sampling_params(**sampling))
         return self.stub.Generate(request, timeout=self.timeout)
 
     def generate(self, prompt: Prompt, n: int = 1, **kwargs) -> List[Branch]:
@@ -162,9 +177,364 @@ class DeftClient:
                 branch.finish_reason = reason
         return [branches[index] for index in sorted(branches)]
 
-    # ---- not implemented by the server yet ----
-    def verify(self, request: deft_pb2.VerifyRequest) -> deft_pb2.VerifyResponse:
+
+    # ---- RunTree: a server-side tree job ----
+    def run_tree_stream(self, prompt: Union[Prompt, deft_pb2.RunTreeRequest], **options):
+        """The raw TreeEvent stream of a RunTree job (.cancel() stops it and frees its KV).
+        `prompt` may be a whole RunTreeRequest; otherwise see run_tree_request() for the
+        keywords."""
+        if isinstance(prompt, deft_pb2.RunTreeRequest):
+            if options:
+                raise TypeError("options given beside a whole RunTreeRequest")
+            request = prompt
+        else:
+            request = run_tree_request(prompt, **options)
+        return self.stub.RunTree(request, timeout=self.timeout)
+
+    def run_tree(self, prompt: Union[Prompt, deft_pb2.RunTreeRequest], **options) -> "TreeRun":
+        """Runs a RunTree job to its end: every event, the tokens streamed per node and the
+        final tree (best path first)."""
+        run = TreeRun()
+        for event in self.run_tree_stream(prompt, **options):
+            run.add(event)
+        return run
+
+    # ---- TreeSession: the client drives the tree ----
+    def session(self) -> "Session":
+        """Opens a TreeSession stream (use as a context manager, or call close())."""
+        return Session(self)
+
+    # ---- Verify: a drafted token tree under a session node ----
+    def verify(
+        self,
+        session: Union["Session", int, deft_pb2.VerifyRequest],
+        node: int = 0,
+        tokens: Sequence[int] = (),
+        parents: Sequence[int] = (),
+        draft_probs: Sequence[float] = (),
+        **sampling,
+    ) -> deft_pb2.VerifyResponse:
+        """Verifies a token tree (tokens[i] hangs under entry parents[i], -1 = under `node`)
+        against the target model; `session` is a Session, its id, or a whole VerifyRequest."""
+        if isinstance(session, deft_pb2.VerifyRequest):
+            request = session
+        else:
+            session_id = session.session_id if isinstance(session, Session) else session
+            if session_id is None:
+                raise ValueError("the session has no id yet (send a command first)")
+            request = deft_pb2.VerifyRequest(
+                session_id=session_id, node=node, tokens=list(tokens), parents=list(parents),
+                draft_probs=list(draft_probs), sampling=sampling_params(**sampling))
         return self.stub.Verify(request, timeout=self.timeout)
 
-    def run_tree(self, request: deft_pb2.RunTreeRequest) -> Iterator[deft_pb2.TreeEvent]:
-        return self.stub.RunTree(request, timeout=self.timeout)
+
+SCORE_KINDS = {
+    None: deft_pb2.BranchPolicy.SCORE_UNSPECIFIED,
+    "cumulative": deft_pb2.BranchPolicy.SCORE_CUMULATIVE_LOGPROB,
+    "mean": deft_pb2.BranchPolicy.SCORE_MEAN_LOGPROB,
+}
+
+
+def run_tree_request(
+    prompt: Prompt,
+    branch_factor: int = 2,
+    every_tokens: Optional[int] = None,
+    delimiter: Optional[str] = None,
+    step_end_token: Optional[int] = None,
+    max_depth: int = 0,
+    score: Optional[str] = None,
+    keep_best: int = 0,
+    **sampling,
+) -> deft_pb2.RunTreeRequest:
+    """A RunTreeRequest: branch `branch_factor` ways when a trigger fires (at most one of
+    every_tokens / delimiter / step_end_token), up to max_depth, score "cumulative" or "mean"
+    logprob, keep the best `keep_best` per depth (0: all). Sampling keywords: sampling_params();
+    max_tokens counts new tokens per root-to-leaf path."""
+    triggers = [t for t in (every_tokens, delimiter, step_end_token) if t is not None]
+    if len(triggers) > 1:
+        raise ValueError("give at most one of every_tokens, delimiter, step_end_token")
+    if score not in SCORE_KINDS:
+        raise ValueError(f"score must be one of {sorted(k for k in SCORE_KINDS if k)}")
+    policy = deft_pb2.BranchPolicy(branch_factor=branch_factor, max_depth=max_depth,
+                                   score=SCORE_KINDS[score], keep_best=keep_best)
+    if every_tokens is not None:
+        policy.every_tokens = every_tokens
+    if delimiter is not None:
+        policy.delimiter = delimiter
+    if step_end_token is not None:
+        policy.step_end_token = step_end_token
+    return deft_pb2.RunTreeRequest(prompt=_prompt(prompt), policy=policy,
+                                   sampling=sampling_params(**sampling))
+
+
+@dataclasses.dataclass
+class NodeText:
+    """The tokens of one node, assembled from streamed NodeTokens messages."""
+
+    node: int
+    ids: List[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    logprobs: List[float] = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    def add(self, message: deft_pb2.NodeTokens) -> None:
+        self.ids.extend(message.delta.ids)
+        self.text += message.delta.text
+        self.logprobs.extend(message.delta.logprobs)
+        reason = FINISH_REASON_NAMES.get(message.finish_reason)
+        if reason is not None:
+            self.finish_reason = reason
+
+
+@dataclasses.dataclass
+class TreeNode:
+    """A node of a finished RunTree job (TreeNodeInfo)."""
+
+    node: int
+    parent: int
+    depth: int
+    ids: List[int]
+    text: str
+    logprobs: List[float]
+    score: float
+    finish_reason: Optional[str]
+
+
+@dataclasses.dataclass
+class TreeRun:
+    """What a RunTree job streamed: its events, the tokens per node, and the final tree."""
+
+    events: List[deft_pb2.TreeEvent] = dataclasses.field(default_factory=list)
+    created: List[int] = dataclasses.field(default_factory=list)  # in node_created order
+    pruned: List[int] = dataclasses.field(default_factory=list)
+    streamed: Dict[int, NodeText] = dataclasses.field(default_factory=dict)
+    best_path: List[int] = dataclasses.field(default_factory=list)
+    best_text: str = ""
+    nodes: Dict[int, TreeNode] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+
+    def add(self, event: deft_pb2.TreeEvent) -> None:
+        self.events.append(event)
+        kind = event.WhichOneof("event")
+        if kind == "node_created":
+            self.created.append(event.node_created.node)
+        elif kind == "tokens":
+            node = event.tokens.node
+            self.streamed.setdefault(node, NodeText(node)).add(event.tokens)
+        elif kind == "pruned":
+            self.pruned.append(event.pruned)
+        elif kind == "finished":
+            result = event.finished
+            self.finished = True
+            self.best_path = list(result.best_path)
+            self.best_text = result.best_text
+            for info in result.nodes:
+                self.nodes[info.node] = TreeNode(
+                    node=info.node, parent=info.parent, depth=info.depth,
+                    ids=list(info.tokens.ids), text=info.tokens.text,
+                    logprobs=list(info.tokens.logprobs), score=info.score,
+                    finish_reason=FINISH_REASON_NAMES.get(info.finish_reason))
+
+
+# google.rpc.Code numbers (SessionResponse.error.code) -> grpc.StatusCode.
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class SessionError(Exception):
+    """A TreeSession command the server refused (the session stays usable)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(f"{STATUS_CODES.get(code, code)}: {message}")
+        self.status = STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN)
+        self.message = message
+
+    def code(self) -> grpc.StatusCode:
+        return self.status
+
+    def details(self) -> str:
+        return self.message
+
+
+class Pending:
+    """One command in flight: its responses, complete when answered (for decode: when every
+    node has its finish_reason, or on an error)."""
+
+    def __init__(self, request: deft_pb2.SessionRequest):
+        self.request = request
+        self.responses: List[deft_pb2.SessionResponse] = []
+        self.failure: Optional[Exception] = None
+        self._done = threading.Event()
+        kind = request.WhichOneof("command")
+        self._waiting = set(request.decode.nodes) if kind == "decode" else None
+
+    def _add(self, response: deft_pb2.SessionResponse) -> None:
+        self.responses.append(response)
+        kind = response.WhichOneof("result")
+        if self._waiting is None or kind != "decoded":
+            self._done.set()
+        elif response.decoded.finish_reason != deft_pb2.FINISH_REASON_UNSPECIFIED:
+            self._waiting.discard(response.decoded.node)
+            if not self._waiting:
+                self._done.set()
+
+    def _fail(self, failure: Exception) -> None:
+        if not self._done.is_set():
+            self.failure = failure
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> List[deft_pb2.SessionResponse]:
+        """The responses; raises SessionError for an `error` result, or the stream's
+        grpc.RpcError when the stream ended first."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no complete answer to request {self.request.request_id}")
+        if self.failure is not None:
+            raise self.failure
+        last = self.responses[-1]
+        if last.WhichOneof("result") == "error":
+            raise SessionError(last.error.code, last.error.message)
+        return self.responses
+
+
+class SessionClosed(Exception):
+    """The TreeSession stream ended before a command was answered."""
+
+
+class Session:
+    """A TreeSession stream. Commands may be pipelined (send() returns a Pending); the blocking
+    methods send one command and wait for its answer. Responses are matched to commands by
+    request_id on a reader thread."""
+
+    def __init__(self, client: DeftClient):
+        self.client = client
+        self.session_id: Optional[int] = None
+        self._requests: "queue.Queue[Optional[deft_pb2.SessionRequest]]" = queue.Queue()
+        self._pending: Dict[int, Pending] = {}
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._ended = False
+        self._end_error: Optional[Exception] = None
+        self._call = client.stub.TreeSession(self._request_iterator())
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._ended:
+            self.close()
+
+    # ---- the stream ----
+    def _request_iterator(self):
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            yield request
+
+    def _read(self) -> None:
+        error: Exception = SessionClosed("the TreeSession stream ended")
+        try:
+            for response in self._call:
+                if self.session_id is None and response.session_id:
+                    self.session_id = response.session_id
+                with self._lock:
+                    pending = self._pending.get(response.request_id)
+                if pending is None:
+                    continue  # not ours (the server never sends these)
+                pending._add(response)
+                if pending.done():
+                    with self._lock:
+                        self._pending.pop(response.request_id, None)
+        except grpc.RpcError as rpc_error:
+            error = rpc_error
+        with self._lock:
+            self._ended = True
+            self._end_error = error
+            left = list(self._pending.values())
+            self._pending.clear()
+        for pending in left:
+            pending._fail(error)
+
+    def send(self, **command) -> Pending:
+        """Sends one command, e.g. send(prune=deft_pb2.PruneCommand(node=3)), without
+        waiting."""
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            request = deft_pb2.SessionRequest(request_id=request_id, **command)
+            pending = Pending(request)
+            if self._ended:
+                pending._fail(self._end_error)
+                return pending
+            self._pending[request_id] = pending
+        self._requests.put(request)
+        return pending
+
+    def _result(self, pending: Pending) -> deft_pb2.SessionResponse:
+        return pending.wait(self.client.timeout)[-1]
+
+    # ---- commands ----
+    def create(self, prompt: Prompt) -> int:
+        """A new root node holding the prompt (text gets BOS); its node id."""
+        return self._result(self.send(create=deft_pb2.CreateCommand(prompt=_prompt(prompt)))
+                            ).created_node
+
+    def extend(self, node: int, content: Prompt) -> deft_pb2.ExtendResult:
+        """Appends text (no BOS) or token ids to a leaf; (node, length in tokens)."""
+        command = deft_pb2.ExtendCommand(node=node, content=_prompt(content))
+        return self._result(self.send(extend=command)).extended
+
+    def decode_async(self, nodes: Sequence[int], **sampling) -> Pending:
+        command = deft_pb2.DecodeCommand(nodes=list(nodes), sampling=sampling_params(**sampling))
+        return self.send(decode=command)
+
+    def decode(self, nodes: Union[int, Sequence[int]], **sampling) -> Dict[int, NodeText]:
+        """Decodes distinct leaves in the same steps until each finishes; node -> its new
+        tokens. Sampling keywords: sampling_params()."""
+        if isinstance(nodes, int):
+            nodes = [nodes]
+        pending = self.decode_async(nodes, **sampling)
+        out = {node: NodeText(node) for node in nodes}
+        for response in pending.wait(self.client.timeout):
+            out[response.decoded.node].add(response.decoded)
+        return out
+
+    def branch(self, node: int, k: int) -> List[int]:
+        """k empty children under a node; their ids."""
+        command = deft_pb2.BranchCommand(node=node, k=k)
+        return list(self._result(self.send(branch=command)).branched.children)
+
+    def prune(self, node: int) -> int:
+        """Drops a node and its subtree."""
+        return self._result(self.send(prune=deft_pb2.PruneCommand(node=node))).pruned
+
+    def score(self, node: int, continuation: Prompt) -> deft_pb2.ScoreResult:
+        """Log-probability of a continuation (text without BOS, or ids) after a node, without
+        keeping it: (logprob, token_logprobs)."""
+        command = deft_pb2.ScoreCommand(node=node, continuation=_prompt(continuation))
+        return self._result(self.send(score=command)).scored
+
+    def verify(self, node: int, tokens: Sequence[int], parents: Sequence[int],
+               **kwargs) -> deft_pb2.VerifyResponse:
+        """Verify (a separate RPC) of a token tree under one of this session's nodes."""
+        return self.client.verify(self, node, tokens, parents, **kwargs)
+
+    def close(self) -> bool:
+        """Sends `close`, waits for `closed`, and ends the stream (the server frees every
+        node)."""
+        try:
+            closed = self._result(self.send(close=deft_pb2.CloseCommand())).closed
+        finally:
+            self._requests.put(None)
+            self._reader.join(self.client.timeout)
+        return closed
+
+    def cancel(self) -> None:
+        """Cancels the stream without closing (as a client that goes away would)."""
+        self._call.cancel()
+        self._requests.put(None)
+        self._reader.join(self.client.timeout)

@@ -136,6 +136,13 @@ void check_plan(const RandomStep& step, const PlannerOptions& options, const Att
   for (int32_t task = 0; task < view.num_tasks; ++task) {
     runs += view.task_kv_end[task] - view.task_kv_begin[task];
   }
+  for (const kernels::PrefillRun& run : plan.prefill_runs) {
+    runs += run.prefix_tokens + run.num_rows;
+    EXPECT_GE(run.num_rows, options.min_prefill_run);
+  }
+  if (options.min_prefill_run == 0) {
+    EXPECT_TRUE(plan.prefill_runs.empty());
+  }
   EXPECT_EQ(plan.io.kv_tokens_read, runs);
   EXPECT_EQ(plan.io.tasks, view.num_tasks);
   EXPECT_EQ(plan.io.query_chunk_pairs, view.num_entries);
@@ -150,11 +157,11 @@ void check_plan(const RandomStep& step, const PlannerOptions& options, const Att
   const auto distinct_visible = static_cast<int64_t>(seen_by_some.size());
   EXPECT_GE(plan.io.kv_tokens_read, distinct_visible);
   if (options.kind == PlanKind::kDeftFlatten && step.max_queries_per_tree() <= 64 &&
-      options.max_unmasked_queries >= 64) {
+      options.max_unmasked_queries >= 64 && options.min_prefill_run == 0) {
     EXPECT_EQ(plan.io.kv_tokens_read, distinct_visible)
         << "DeFT-Flatten must read each visible tree token once";
   }
-  if (options.kind == PlanKind::kSequence) {
+  if (options.kind == PlanKind::kSequence && options.min_prefill_run == 0) {
     EXPECT_EQ(plan.io.kv_tokens_read, context_tokens);
   }
 
@@ -185,12 +192,15 @@ void check_plan(const RandomStep& step, const PlannerOptions& options, const Att
 }
 
 // Planner options the random cases draw from: the paper's default, small chunks, chunks that
-// are not a multiple of the page and tiny unmasked groups, and one query per unmasked task.
+// are not a multiple of the page and tiny unmasked groups, one query per unmasked task, and
+// prefill runs.
 const PlannerOptions kOptionSets[] = {
     {.chunk_tokens = 128, .max_unmasked_queries = 256},
     {.chunk_tokens = 16, .max_unmasked_queries = 64},
     {.chunk_tokens = 7, .max_unmasked_queries = 5},
     {.chunk_tokens = 300, .max_unmasked_queries = 1},
+    // Runs of >= 3 consecutive new tokens of a node go to prefill runs (the rest to tasks).
+    {.chunk_tokens = 16, .max_unmasked_queries = 64, .min_prefill_run = 3},
 };
 
 class AttentionPlannerPropertyTest

@@ -153,5 +153,51 @@ TEST(AttentionPlanner, SeveralTreesInOneStepNumberRowsInOrder) {
   }
 }
 
+// A 300-token prompt with three leaves of 10; one step extends leaf 0 by 80 tokens (listed in
+// order) and decodes one token of leaf 1 and 5 tokens of leaf 2: the extension becomes a prefill
+// run over the prompt, leaf 0's first 10 tokens and itself; the short runs stay in tasks.
+TEST(AttentionPlanner, LongRunsBecomePrefillRuns) {
+  FewShot job(300, 3, 10);
+  const std::vector<NodeId> leaves = job.tree.node(job.tree.root()).children;
+  job.queries.clear();
+  ASSERT_TRUE(job.tree.append(leaves[1], std::vector<TokenId>(1, 3)).ok());
+  job.queries.push_back({leaves[1], 10});
+  ASSERT_TRUE(job.tree.append(leaves[0], std::vector<TokenId>(80, 3)).ok());
+  for (int32_t i = 0; i < 80; ++i) job.queries.push_back({leaves[0], 10 + i});
+  ASSERT_TRUE(job.tree.append(leaves[2], std::vector<TokenId>(5, 3)).ok());
+  for (int32_t i = 0; i < 5; ++i) job.queries.push_back({leaves[2], 10 + i});
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner({.chunk_tokens = 64, .min_prefill_run = 64})
+                  .plan(job.input(), plan)
+                  .ok());
+  EXPECT_EQ(plan.num_queries, 86);
+  ASSERT_EQ(plan.prefill_runs.size(), 1u);
+  const kernels::PrefillRun& run = plan.prefill_runs[0];
+  EXPECT_EQ(run.row_begin, 1);
+  EXPECT_EQ(run.num_rows, 80);
+  EXPECT_EQ(run.prefix_tokens, 310);
+  // Its keys: the prompt's slots, then leaf 0's tokens [0, 90).
+  const KvCacheManager& kv = job.kv;
+  for (int32_t k = 0; k < 300; ++k) {
+    ASSERT_EQ(plan.kv_slots[run.kv_begin + k], kv.slot(job.tree.kv_key(job.tree.root()), k));
+  }
+  for (int32_t k = 0; k < 90; ++k) {
+    ASSERT_EQ(plan.kv_slots[run.kv_begin + 300 + k], kv.slot(job.tree.kv_key(leaves[0]), k));
+  }
+  // Its rows have no entries; every other row has some.
+  for (int32_t q = 0; q < plan.num_queries; ++q) {
+    const int32_t entries = plan.query_entry_begin[q + 1] - plan.query_entry_begin[q];
+    if (q >= 1 && q < 81) {
+      EXPECT_EQ(entries, 0) << "row " << q;
+    } else {
+      EXPECT_GT(entries, 0) << "row " << q;
+    }
+  }
+  // The tasks read the prompt and leaves 1 and 2, not leaf 0.
+  EXPECT_EQ(plan.io.kv_tokens_read - (run.prefix_tokens + run.num_rows), 300 + 11 + 15);
+  EXPECT_EQ(AttentionPlanner({.min_prefill_run = -1}).plan(job.input(), plan).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace deft::engine

@@ -1,6 +1,8 @@
 // The GPU kernels on plans made by the real planner (engine/attention_planner.h), every plan
-// kind, against the CPU twin (kernels/deft_attention_cpu.h) executing the same plan. Fresh
-// random trees and values; outputs poisoned with NaN; unused KV slots hold NaN.
+// kind, without and with prefill runs (min_prefill_run = 64: the reasoning snapshot's 90-token
+// extend goes to the prefill kernel, its decode queries to the DeFT kernels, in one plan),
+// against the CPU twin (kernels/deft_attention_cpu.h) executing the same plan. Fresh random
+// trees and values; outputs poisoned with NaN; unused KV slots hold NaN.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include "engine/sequence_tree.h"
 #include "kernels/deft_attention.h"
 #include "kernels/deft_attention_cpu.h"
+#include "kernels/prefill_attention.h"
 #include "tests/gpu/gpu_test_support.h"
 
 namespace deft::kernels {
@@ -113,13 +116,17 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     for (PlanKind kind : {PlanKind::kDeftFlatten, PlanKind::kDeftNode, PlanKind::kDeftNodeChunk,
                           PlanKind::kSequence, PlanKind::kDenseMask}) {
       for (int chunk_tokens : {64, 128}) {
-        SCOPED_TRACE(testing::Message() << name << " " << engine::plan_kind_name(kind)
-                                        << " B=" << chunk_tokens << " seed=" << seed_);
-        AttentionPlanner planner({.kind = kind, .chunk_tokens = chunk_tokens});
-        AttentionPlan plan;
-        const std::vector<engine::TreeQueries> input = {{s.tree.get(), s.queries}};
-        ASSERT_TRUE(planner.plan(input, plan).ok());
-        check_plan(plan, static_cast<int32_t>(s.kv->num_slots()), name, kind, chunk_tokens);
+        for (int min_prefill_run : {0, 64}) {
+          SCOPED_TRACE(testing::Message() << name << " " << engine::plan_kind_name(kind)
+                                          << " B=" << chunk_tokens << " min_prefill_run="
+                                          << min_prefill_run << " seed=" << seed_);
+          AttentionPlanner planner(
+              {.kind = kind, .chunk_tokens = chunk_tokens, .min_prefill_run = min_prefill_run});
+          AttentionPlan plan;
+          const std::vector<engine::TreeQueries> input = {{s.tree.get(), s.queries}};
+          ASSERT_TRUE(planner.plan(input, plan).ok());
+          check_plan(plan, static_cast<int32_t>(s.kv->num_slots()), name, kind, chunk_tokens);
+        }
       }
     }
   }
@@ -163,6 +170,10 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     device_plan.upload(plan.view(), nullptr);
     launch_deft_attention(device_plan, dims, c.dtype, q_dev.data(), k_dev.data(), v_dev.data(),
                           buffers, out_dev.data(), nullptr);
+    PrefillAttentionBuffers prefill_buffers;
+    launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims, c.dtype,
+                             q_dev.data(), k_dev.data(), v_dev.data(), prefill_buffers,
+                             out_dev.data(), nullptr);
     DEFT_CUDA_CHECK(cudaDeviceSynchronize());
 
     const std::vector<uint16_t> out_bits = to_host<uint16_t>(out_dev, q_count);
@@ -171,9 +182,10 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     const Comparison result = compare(out, std::vector<double>(cpu_out.begin(), cpu_out.end()));
     EXPECT_EQ(result.nan_count, 0);
     EXPECT_LE(result.relative_error, tolerance(c.dtype));
-    std::printf("  %-10s %-16s B=%-3d tasks %5d entries %5d  rel err vs CPU twin %.2e\n", name,
-                std::string(engine::plan_kind_name(kind)).c_str(), chunk_tokens, plan.num_tasks(),
-                plan.num_entries(), result.relative_error);
+    std::printf(
+        "  %-10s %-16s B=%-3d tasks %5d entries %5d prefill runs %d  rel err vs CPU twin %.2e\n",
+        name, std::string(engine::plan_kind_name(kind)).c_str(), chunk_tokens, plan.num_tasks(),
+        plan.num_entries(), static_cast<int>(plan.prefill_runs.size()), result.relative_error);
   }
 
   uint32_t seed_ = 0;

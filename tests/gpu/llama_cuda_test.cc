@@ -21,6 +21,8 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <algorithm>
+#include <cmath>
 #include <random>
 #include <sstream>
 
@@ -397,6 +399,81 @@ TEST(LlamaCuda, DeftKernelPathMatchesCpuRunner) {
         **cuda, **cpu,
         head_dim == 64 ? "tiny head_dim 64 (DeFT kernels)" : "tiny head_dim 128 (DeFT kernels)");
   }
+}
+
+// ---- Prefill runs (PlannerOptions::min_prefill_run) --------------------------------------------
+
+// A 150-token prompt, then in one step a 90-token extension of one branch (a run under a prefix)
+// with single tokens of two other branches, then a decode step: every row's logits with prefill
+// runs (the prefill kernel, or the generic kernel's run path) against the task-only plan, on the
+// same runner (the second plan of a step rewrites the same KV slots).
+void compare_prefill_runs(LlamaCudaRunner& runner, const char* name) {
+  engine::KvCacheManager kv({.page_tokens = 16, .num_pages = 60});
+  Stepper tasks_only(runner, {.chunk_tokens = 16});
+  Stepper with_runs(runner, {.chunk_tokens = 16, .min_prefill_run = 16});
+  SequenceTree tree(1, &kv);
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<TokenId> token(0, runner.vocab_size() - 1);
+  auto tokens = [&](int n) {
+    std::vector<TokenId> out(n);
+    for (TokenId& t : out) t = token(rng);
+    return out;
+  };
+  double worst = 0.0;
+  auto both = [&](const std::vector<TreeStep>& parts) {
+    const std::vector<std::vector<float>> a = tasks_only.step(parts);
+    const std::vector<std::vector<float>> b = with_runs.step(parts);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t r = 0; r < a.size(); ++r) {
+      for (float x : b[r]) ASSERT_TRUE(std::isfinite(x)) << "row " << r;
+      worst = std::max(worst, relative_error(b[r], a[r]));
+    }
+  };
+  const std::vector<TokenId> prompt = tokens(150);
+  both({RunnerHarness::append(tree, tree.root(), prompt)});
+  const std::vector<NodeId> leaves = *tree.branch(tree.root(), 3);
+  const std::vector<TokenId> extension = tokens(90), one = tokens(1), two = tokens(1);
+  TreeStep mixed{.tree = &tree};
+  for (const TreeStep& part : {RunnerHarness::append(tree, leaves[0], one),
+                               RunnerHarness::append(tree, leaves[1], extension),
+                               RunnerHarness::append(tree, leaves[2], two)}) {
+    mixed.queries.insert(mixed.queries.end(), part.queries.begin(), part.queries.end());
+    mixed.tokens.insert(mixed.tokens.end(), part.tokens.begin(), part.tokens.end());
+  }
+  both({mixed});
+  TreeStep decode{.tree = &tree};
+  for (NodeId leaf : leaves) {
+    const std::vector<TokenId> next = tokens(1);
+    const TreeStep part = RunnerHarness::append(tree, leaf, next);
+    decode.queries.push_back(part.queries[0]);
+    decode.tokens.push_back(next[0]);
+  }
+  both({decode});
+  EXPECT_LE(worst, kBf16LogitBound) << name;
+  std::printf("[prefill runs vs tasks] %s: max relative logit difference %.3g\n", name, worst);
+}
+
+TEST(LlamaCuda, PrefillRunsMatchTaskPlans) {
+  DEFT_SKIP_WITHOUT_GPU();
+  for (int head_dim : {64, 128}) {
+    const testing::TinyLlama model =
+        testing::make_tiny_llama({.hidden = 256,
+                                  .heads = 8,
+                                  .kv_heads = 2,
+                                  .head_dim = head_dim,
+                                  .intermediate = 512,
+                                  .layers = 2,
+                                  .vocab = 300,
+                                  .seed = static_cast<uint64_t>(head_dim + 1)});
+    absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> cuda = LlamaCudaRunner::create(
+        model.config, model.checkpoint, {.num_kv_slots = 1024, .max_batch_rows = 256}, "tiny");
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    compare_prefill_runs(**cuda, head_dim == 64 ? "tiny head_dim 64" : "tiny head_dim 128");
+  }
+  std::unique_ptr<LlamaCudaRunner> generic = load_cuda(source_path("models/default"), 1024);
+  ASSERT_NE(generic, nullptr);
+  EXPECT_FALSE(generic->uses_deft_kernels());
+  compare_prefill_runs(*generic, "default model (generic kernel)");
 }
 
 // ---- Random weights, memory planned from free memory ------------------------------------------

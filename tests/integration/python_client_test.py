@@ -5,6 +5,7 @@ PYTHONPATH holding the generated stubs and the client, and DEFT_SERVER_BINARY se
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -13,10 +14,13 @@ import urllib.request
 
 import grpc
 
-from deft_client import DeftClient
+from deft_client import DeftClient, NodeText, SessionError
 from deft.v1 import deft_pb2
 
 SERVER = os.environ["DEFT_SERVER_BINARY"]
+SOURCE_DIR = os.environ.get("DEFT_SOURCE_DIR",
+                            os.path.dirname(os.path.dirname(os.path.dirname(
+                                os.path.abspath(__file__)))))
 KV_PAGES = 512
 MAX_TEXT_BYTES = 2048
 
@@ -230,6 +234,190 @@ class PythonClientTest(unittest.TestCase):
         for j in range(len(prompts)):
             self.assertEqual([b.ids for b in alone[j]], [b.ids for b in together[j]])
 
+
+class TreeClientTest(unittest.TestCase):
+    """RunTree, TreeSession and Verify through the Python client (greedy results compared
+    with Generate on the same tokens), and the tree-of-thought example as a smoke test."""
+
+    PROMPT_TEXT = "Once upon a time there was a tree"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.prompt = client.tokenize(cls.PROMPT_TEXT, add_bos=True)
+
+    def tearDown(self):
+        self.assertEqual(server.wait_metric("deft_live_jobs", 0), 0)
+        self.assertEqual(server.wait_metric("deft_kv_pages_used", 0), 0)
+
+    def greedy(self, prompt, max_tokens):
+        [branch] = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True)
+        return branch
+
+    def test_run_tree(self):
+        run = client.run_tree(self.prompt, branch_factor=2, every_tokens=4, max_depth=3,
+                              score="cumulative", keep_best=2, max_tokens=12, ignore_eos=True)
+        self.assertTrue(run.finished)
+        self.assertIsInstance(run.events[-1], deft_pb2.TreeEvent)
+        self.assertEqual(run.events[-1].WhichOneof("event"), "finished")
+        self.assertEqual(run.best_path[0], 0)
+        self.assertIn(0, run.nodes)
+        for node in run.created:
+            self.assertIn(node, run.nodes)
+        for node_id, node in run.nodes.items():
+            if node_id != 0:
+                self.assertEqual(node.ids, run.streamed.get(node_id, NodeText(node_id)).ids)
+        for pruned in run.pruned:
+            self.assertEqual(run.nodes[pruned].finish_reason, "pruned")
+        self.assertTrue(run.pruned, "keep_best 2 of 4 must prune")
+        for parent, child in zip(run.best_path, run.best_path[1:]):
+            self.assertEqual(run.nodes[child].parent, parent)
+        leaf = run.nodes[run.best_path[-1]]
+        self.assertIn(leaf.finish_reason, ("length", "eos", "stop"))
+        path_ids = sum((run.nodes[n].ids for n in run.best_path[1:]), [])
+        self.assertLessEqual(len(path_ids), 12)
+        self.assertAlmostEqual(leaf.score, sum(sum(run.nodes[n].logprobs)
+                                               for n in run.best_path[1:]), places=3)
+        self.assertTrue(run.best_text.endswith("".join(run.nodes[n].text
+                                                       for n in run.best_path[1:])))
+
+    def test_run_tree_with_one_branch_is_the_greedy_generation(self):
+        run = client.run_tree(self.prompt, branch_factor=1, every_tokens=3, max_depth=8,
+                              max_tokens=9, ignore_eos=True)
+        path_ids = sum((run.nodes[n].ids for n in run.best_path[1:]), [])
+        self.assertEqual(path_ids, self.greedy(self.prompt, 9).ids)
+
+    def test_run_tree_bad_inputs(self):
+        for options, mention in [
+            (dict(branch_factor=-1, every_tokens=4), "branch_factor"),
+            (dict(branch_factor=2, step_end_token=100000), "step_end_token"),
+            (dict(branch_factor=2, every_tokens=4, keep_best=-1), "keep_best"),
+        ]:
+            with self.subTest(options=options):
+                with self.assertRaises(grpc.RpcError) as raised:
+                    client.run_tree(self.prompt, **options)
+                self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT,
+                                 raised.exception.details())
+                self.assertIn(mention, raised.exception.details())
+        with self.assertRaises(ValueError):
+            client.run_tree(self.prompt, every_tokens=3, delimiter=".")
+
+    def test_session(self):
+        reference = self.greedy(self.prompt, 10)
+        with client.session() as session:
+            root = session.create(self.prompt)
+            self.assertIsNotNone(session.session_id)
+            extension = client.tokenize(" and a river")
+            extended = session.extend(root, extension)
+            self.assertEqual((extended.node, extended.length),
+                             (root, len(self.prompt) + len(extension)))
+            after = self.greedy(self.prompt + extension, 8)
+            children = session.branch(root, 3)
+            self.assertEqual(len(set(children)), 3)
+            steps = session.decode(children, max_tokens=8, ignore_eos=True)
+            for child in children:
+                self.assertEqual(steps[child].ids, after.ids)
+                self.assertEqual(steps[child].text, after.text)
+                self.assertEqual(steps[child].finish_reason, "length")
+            scored = session.score(root, after.ids)
+            self.assertAlmostEqual(scored.logprob, sum(after.logprobs), places=3)
+            for got, want in zip(scored.token_logprobs, after.logprobs):
+                self.assertAlmostEqual(got, want, places=3)
+            self.assertEqual(session.prune(children[1]), children[1])
+            with self.assertRaises(SessionError) as raised:
+                session.decode([children[1]], max_tokens=2)
+            self.assertEqual(raised.exception.code(), grpc.StatusCode.NOT_FOUND)
+            with self.assertRaises(SessionError) as raised:
+                session.extend(children[0], [5, 100000])
+            self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            # Still usable after the refused commands; a second root shares the prompt.
+            other = session.create(self.prompt)
+            self.assertEqual(session.decode(other, max_tokens=10, ignore_eos=True)[other].ids,
+                             reference.ids)
+            self.assertTrue(session.close())
+
+    def test_session_pipelined_commands_answer_in_order(self):
+        reference = self.greedy(self.prompt, 6)
+        with client.session() as session:
+            root = session.create(self.prompt)
+            branch = session.send(branch=deft_pb2.BranchCommand(node=root, k=2))
+            bad = session.send(prune=deft_pb2.PruneCommand(node=9999))
+            children = list(branch.wait(30)[-1].branched.children)
+            decode = session.decode_async(children, max_tokens=6, ignore_eos=True)
+            score = session.send(score=deft_pb2.ScoreCommand(
+                node=root, continuation=deft_pb2.Prompt(tokens=deft_pb2.TokenIds(
+                    ids=reference.ids))))
+            with self.assertRaises(SessionError) as raised:
+                bad.wait(30)
+            self.assertEqual(raised.exception.code(), grpc.StatusCode.NOT_FOUND)
+            decoded = decode.wait(30)
+            per_node = {}
+            for response in decoded:
+                per_node.setdefault(response.decoded.node, []).extend(response.decoded.delta.ids)
+            self.assertEqual(per_node, {child: reference.ids for child in children})
+            self.assertAlmostEqual(score.wait(30)[-1].scored.logprob, sum(reference.logprobs),
+                                   places=3)
+
+    def test_session_cancel_frees_kv(self):
+        session = client.session()
+        root = session.create(self.prompt)
+        pending = session.decode_async([root], max_tokens=3000, ignore_eos=True)
+        time.sleep(0.3)
+        self.assertGreater(server.metrics()["deft_kv_pages_used"], 0)
+        session.cancel()
+        with self.assertRaises(grpc.RpcError) as raised:
+            pending.wait(30)
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.CANCELLED)
+
+    def test_verify(self):
+        g = self.greedy(self.prompt, 10).ids
+        with client.session() as session:
+            root = session.create(self.prompt)
+            wrong = [7 if t != 7 else 8 for t in g]
+            # The chain g0..g5 with a wrong sibling before each of its entries.
+            tokens, parents, chain = [], [], []
+            previous = -1
+            for i in range(6):
+                tokens += [wrong[i], g[i]]
+                parents += [previous, previous]
+                chain.append(len(tokens) - 1)
+                previous = chain[-1]
+            result = session.verify(root, tokens, parents)
+            self.assertEqual(list(result.accepted), g[:6])
+            self.assertEqual(list(result.accepted_entries), chain)
+            self.assertEqual(result.bonus_token, g[6])
+            # Drafting after the bonus token: it goes first.
+            more = client.verify(session, result.node, [g[6], g[7], wrong[8]], [-1, 0, 1])
+            self.assertEqual(list(more.accepted), g[6:8])
+            self.assertEqual(more.bonus_token, g[8])
+            self.assertEqual(session.decode(more.node, max_tokens=2, ignore_eos=True)[
+                more.node].ids, g[8:10])
+            for tokens, parents, mention in [([5, 6], [-1, 3], "parent"),
+                                             ([5, 6], [1, 0], "parent"),
+                                             ([5, 512], [-1, 0], "512"),
+                                             ([5, 6], [-1], "parents")]:
+                with self.subTest(parents=parents):
+                    with self.assertRaises(grpc.RpcError) as raised:
+                        session.verify(root, tokens, parents)
+                    self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertIn(mention, raised.exception.details())
+            session_id = session.session_id
+        with self.assertRaises(grpc.RpcError) as raised:
+            client.verify(session_id, root, [5], [-1])
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_tot_bfs_example(self):
+        script = os.path.join(SOURCE_DIR, "examples", "tot_bfs.py")
+        prompt = "The child asked the tree a question."
+        result = subprocess.run(
+            [sys.executable, script, "--server", server.address, "--prompt", prompt, "--depth",
+             "2", "--branch", "2", "--keep", "2", "--step-tokens", "8"],
+            capture_output=True, text=True, timeout=240)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        # Two or four candidates at depth 2 (identical paths are kept once at depth 1).
+        self.assertRegex(result.stdout, r"depth 1: 2 candidates, keeping [12]\n")
+        self.assertRegex(result.stdout, r"depth 2: [24] candidates, keeping [12]\n")
+        self.assertRegex(result.stdout, r"best path: \d+ \d+ \d+\n")
+        self.assertIn("best text: " + prompt, result.stdout)
 
 if __name__ == "__main__":
     unittest.main()

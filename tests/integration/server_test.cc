@@ -446,11 +446,19 @@ TEST_F(ServerTest, AbruptClientDisconnectFreesKv) {
   // deft-cli streams a long generation; SIGKILL it mid-stream (no cancel, no goodbye).
   const std::filesystem::path log =
       std::filesystem::temp_directory_path() / ("deft-cli-" + std::to_string(getpid()) + ".log");
+  // --ignore-eos: the default model ends its story after ~200 tokens, sometimes before the
+  // checks below ran.
   const pid_t cli = spawn({DEFT_CLI_BINARY, "--server", server_->address(), "generate", "--n", "2",
-                           "--max-tokens", "3000", "Once upon a time"},
+                           "--max-tokens", "3000", "--ignore-eos", "Once upon a time"},
                           log);
   ASSERT_GT(cli, 0);
   EXPECT_EQ(server_->wait_metric("deft_live_jobs", 1), 1);
+  // The job is live before its prefill has taken pages.
+  const auto deadline = std::chrono::steady_clock::now() + seconds(10);
+  while (server_->metrics()["deft_kv_pages_used"] == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
   EXPECT_GT(server_->metrics()["deft_kv_pages_used"], 0);
   kill(cli, SIGKILL);
   EXPECT_EQ(wait_exit(cli, seconds(10)), -1);

@@ -68,7 +68,7 @@ inline std::vector<double> naive_tree_attention(
 
 // Expands a plan into what each query row sees: for every entry of every task, the slots of the
 // task's run that the entry's mask bit (or no mask) lets it see, appended to the entry's row in
-// plan order. A correct plan lists each visible slot of a row exactly once, so tests compare the
+// plan order; then the keys each prefill run's rows see. A correct plan lists each visible slot of a row exactly once, so tests compare the
 // sorted lists with the expected visibility (a duplicate means a pair covered twice).
 inline std::vector<std::vector<int32_t>> plan_visible_slots(
     const kernels::AttentionPlanView& plan) {
@@ -85,6 +85,14 @@ inline std::vector<std::vector<int32_t>> plan_visible_slots(
           row.push_back(plan.kv_slots[i]);
         }
       }
+    }
+  }
+  // Prefill runs: row i of a run sees the first prefix_tokens + i + 1 keys of its key list.
+  for (int32_t run = 0; run < plan.num_prefill_runs; ++run) {
+    const kernels::PrefillRun& r = plan.prefill_runs[run];
+    for (int32_t i = 0; i < r.num_rows; ++i) {
+      std::vector<int32_t>& row = visible[static_cast<size_t>(r.row_begin + i)];
+      for (int32_t k = 0; k < r.prefix_tokens + i + 1; ++k) row.push_back(plan.kv_slots[r.kv_begin + k]);
     }
   }
   return visible;

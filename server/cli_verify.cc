@@ -1,0 +1,105 @@
+#include "server/cli_verify.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/cli_session.h"
+
+namespace deft::cli {
+
+std::string parse_verify_args(const std::vector<std::string>& args, size_t start,
+                              v1::VerifyRequest* request, PromptArgs* positional) {
+  for (size_t i = start; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    const FlagParse sampling = parse_sampling_flag(args, &i, request->mutable_sampling());
+    if (sampling == FlagParse::kParsed) continue;
+    if (sampling == FlagParse::kBadValue) return absl::StrCat("bad or missing value for ", arg);
+    if (positional != nullptr) {
+      std::string error;
+      if (parse_prompt_ids_flag(args, &i, positional, &error)) {
+        if (!error.empty()) return error;
+        continue;
+      }
+    }
+    if (arg == "--tokens" || arg == "--parents") {
+      if (i + 1 >= args.size()) return absl::StrCat(arg, " needs a value");
+      const std::optional<std::vector<int32_t>> ids = parse_ids(args[++i]);
+      if (!ids) return absl::StrCat("bad value for ", arg, ": '", args[i], "'");
+      auto* field = arg == "--tokens" ? request->mutable_tokens() : request->mutable_parents();
+      field->Add(ids->begin(), ids->end());
+    } else if (arg == "--draft-probs") {
+      if (i + 1 >= args.size()) return "--draft-probs needs a value";
+      const std::optional<std::vector<float>> probs = parse_floats(args[++i]);
+      if (!probs) return absl::StrCat("bad value for --draft-probs: '", args[i], "'");
+      request->mutable_draft_probs()->Add(probs->begin(), probs->end());
+    } else if (positional != nullptr && arg.rfind("--", 0) != 0) {
+      positional->text.push_back(arg);
+    } else {
+      return absl::StrCat("unknown option ", arg);
+    }
+  }
+  return "";
+}
+
+int call_verify(v1::Deft::Stub& stub, const v1::VerifyRequest& request,
+                v1::VerifyResponse* answer) {
+  grpc::ClientContext context;
+  v1::VerifyResponse response;
+  const grpc::Status status = stub.Verify(&context, request, &response);
+  if (!status.ok()) return rpc_error("Verify", status);
+  std::printf("accepted %s (entries %s)\n", absl::StrJoin(response.accepted(), " ").c_str(),
+              absl::StrJoin(response.accepted_entries(), " ").c_str());
+  std::printf("bonus %d\n", response.bonus_token());
+  std::printf("node %d\n", response.node());
+  // The committed text, for reading (a failure here does not fail the verify).
+  v1::DetokenizeRequest detokenize;
+  detokenize.mutable_ids()->CopyFrom(response.accepted());
+  detokenize.add_ids(response.bonus_token());
+  grpc::ClientContext text_context;
+  v1::DetokenizeResponse text;
+  if (stub.Detokenize(&text_context, detokenize, &text).ok()) {
+    std::printf("text %s\n", quoted(text.text()).c_str());
+  }
+  std::fflush(stdout);
+  if (answer != nullptr) *answer = std::move(response);
+  return 0;
+}
+
+int verify_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
+  v1::VerifyRequest request;
+  PromptArgs prompt_args;
+  const std::string error = parse_verify_args(args, 0, &request, &prompt_args);
+  if (!error.empty()) return usage_error("verify: " + error);
+  std::string prompt_error;
+  std::optional<v1::Prompt> prompt = make_prompt(prompt_args, &prompt_error);
+  if (!prompt) return usage_error("verify: " + prompt_error);
+
+  SessionStream stream(stub);
+  v1::SessionRequest create;
+  *create.mutable_create()->mutable_prompt() = std::move(*prompt);
+  v1::SessionResponse created;
+  const bool answered =
+      stream.call(create, [&](const v1::SessionResponse& response) { created = response; });
+  if (!answered) return rpc_error("TreeSession", stream.finish());
+  if (created.has_error()) {
+    std::fprintf(stderr, "deft-cli: create failed: %s (%d): %s\n",
+                 code_name(created.error().code()), created.error().code(),
+                 created.error().message().c_str());
+    stream.finish();
+    return 1;
+  }
+  std::printf("session %llu: created node %d\n",
+              static_cast<unsigned long long>(stream.session_id()), created.created_node());
+  request.set_session_id(stream.session_id());
+  request.set_node(created.created_node());
+  const int result = call_verify(stub, request);
+  v1::SessionRequest close;
+  close.mutable_close();
+  stream.call(close, [](const v1::SessionResponse&) {});
+  const grpc::Status status = stream.finish();
+  if (!status.ok() && result == 0) return rpc_error("TreeSession", status);
+  return result;
+}
+
+}  // namespace deft::cli
