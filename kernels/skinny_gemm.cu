@@ -37,7 +37,9 @@ namespace cg = cooperative_groups;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
+constexpr int kSlabRows = kWarps * 16;  // weight rows per CTA
 constexpr int kChunk = 32;              // K elements per pipeline stage
+constexpr int kTileStride = kSlabRows + 4;  // floats per column of the shared tile: no conflicts
 constexpr int kMaxSplit = 8;            // portable cluster size
 
 // Weights are read once: no L1 allocation, keep L1 for x.
@@ -85,61 +87,37 @@ struct Params {
 // kCols: mma columns of 8 x rows (rows <= 8 * kCols); kStages: K chunks of w in flight per
 // thread; kXDepth: chunks of x loaded ahead (x comes from L1/L2: its latency must not sit
 // between a chunk's mma and the next w load). kStages % kXDepth == 0 (ring slots by stage).
-// kRowTiles: 16-row mma tiles per warp (x fragments reused across them: x traffic / w traffic =
-// rows / (16 kRowTiles)); kMinBlocks: CTAs per SM the register budget is cut for.
-template <typename T, int kCols, int kRowTiles, int kStages, int kXDepth, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) skinny_gemm_kernel(const Params p) {
+template <typename T, int kCols, int kStages, int kXDepth>
+__global__ void __launch_bounds__(kThreads, 2) skinny_gemm_kernel(const Params p) {
   static_assert(kStages % kXDepth == 0);
-  constexpr int kSlabRows = kWarps * 16 * kRowTiles;
-  constexpr int kTileStride = kSlabRows + 4;  // floats per column of the tile: no bank conflicts
   extern __shared__ float tile[];  // [8 * kCols][kTileStride]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int split = gridDim.y, rank = blockIdx.y;
   const int slab_row = blockIdx.x * kSlabRows;
-  const int warp_row = slab_row + warp * 16 * kRowTiles + g;
+  const int row_lo = slab_row + warp * 16 + g, row_hi = row_lo + 8;
+  const bool lo_ok = row_lo < p.out, hi_ok = row_hi < p.out;
   const int chunk_begin = static_cast<int>(static_cast<int64_t>(rank) * p.chunks / split);
   const int chunk_count =
       static_cast<int>(static_cast<int64_t>(rank + 1) * p.chunks / split) - chunk_begin;
   const int k_first = chunk_begin * kChunk + 8 * t;  // this thread's first element
 
   const T* w = static_cast<const T*>(p.w);
-  // Tile j of the warp: rows warp_row + 16 j (lo) and + 8 (hi).
-  const T* w_lo[kRowTiles];
-  const T* w_hi[kRowTiles];
-  bool lo_ok[kRowTiles], hi_ok[kRowTiles];
-#pragma unroll
-  for (int j = 0; j < kRowTiles; ++j) {
-    const int lo = warp_row + 16 * j, hi = lo + 8;
-    lo_ok[j] = lo < p.out;
-    hi_ok[j] = hi < p.out;
-    w_lo[j] = w + static_cast<int64_t>(lo_ok[j] ? lo : 0) * p.in + k_first;
-    w_hi[j] = w + static_cast<int64_t>(hi_ok[j] ? hi : 0) * p.in + k_first;
-  }
+  const T* w_lo = w + static_cast<int64_t>(lo_ok ? row_lo : 0) * p.in + k_first;
+  const T* w_hi = w + static_cast<int64_t>(hi_ok ? row_hi : 0) * p.in + k_first;
   // Column c of x is row 8c + g; rows past p.rows are read as zeros.
   const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(g) * p.in + k_first;
   const int64_t x_col_step = int64_t{8} * p.in;
   const int x_cols_ok = p.rows > g ? (p.rows - g + 7) / 8 : 0;  // columns c with 8c + g < rows
 
-  float acc[kRowTiles][kCols][4];
+  float acc[kCols][4];
 #pragma unroll
-  for (int j = 0; j < kRowTiles; ++j) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[j][c][0] = acc[j][c][1] = acc[j][c][2] = acc[j][c][3] = 0.0f;
-  }
+  for (int c = 0; c < kCols; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
 
   const auto k_ok = [&](int chunk) {
     return chunk < chunk_count && k_first + chunk * kChunk < p.in;
   };
-  uint4 a_lo[kStages][kRowTiles], a_hi[kStages][kRowTiles];
-  const auto load_w = [&](int stage_slot, int chunk) {
-    const bool ok = k_ok(chunk);
-#pragma unroll
-    for (int j = 0; j < kRowTiles; ++j) {
-      a_lo[stage_slot][j] = load_stream(w_lo[j] + chunk * kChunk, ok && lo_ok[j]);
-      a_hi[stage_slot][j] = load_stream(w_hi[j] + chunk * kChunk, ok && hi_ok[j]);
-    }
-  };
+  uint4 a_lo[kStages], a_hi[kStages];
   uint4 b[kXDepth][kCols];
   const auto load_x = [&](uint4(&slot)[kCols], int chunk) {
     const bool ok = k_ok(chunk);
@@ -149,7 +127,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) skinny_gemm_kernel(const
     }
   };
 #pragma unroll
-  for (int s = 0; s < kStages; ++s) load_w(s, s);
+  for (int s = 0; s < kStages; ++s) {
+    const bool ok = k_ok(s);
+    a_lo[s] = load_stream(w_lo + s * kChunk, ok && lo_ok);
+    a_hi[s] = load_stream(w_hi + s * kChunk, ok && hi_ok);
+  }
 #pragma unroll
   for (int d = 0; d < kXDepth; ++d) load_x(b[d], d);
   for (int base = 0; base < chunk_count; base += kStages) {
@@ -159,32 +141,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) skinny_gemm_kernel(const
       uint4(&bx)[kCols] = b[s % kXDepth];
       if (chunk < chunk_count) {
 #pragma unroll
-        for (int j = 0; j < kRowTiles; ++j) {
-          const uint4 lo = a_lo[s][j], hi = a_hi[s][j];
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-            mma_16816<T>(acc[j][c], lo.x, hi.x, lo.y, hi.y, bx[c].x, bx[c].y);
-            mma_16816<T>(acc[j][c], lo.z, hi.z, lo.w, hi.w, bx[c].z, bx[c].w);
-          }
+        for (int c = 0; c < kCols; ++c) {
+          mma_16816<T>(acc[c], a_lo[s].x, a_hi[s].x, a_lo[s].y, a_hi[s].y, bx[c].x, bx[c].y);
+          mma_16816<T>(acc[c], a_lo[s].z, a_hi[s].z, a_lo[s].w, a_hi[s].w, bx[c].z, bx[c].w);
         }
       }
-      load_w(s, chunk + kStages);
+      const int next = chunk + kStages;
+      const bool ok = k_ok(next);
+      a_lo[s] = load_stream(w_lo + next * kChunk, ok && lo_ok);
+      a_hi[s] = load_stream(w_hi + next * kChunk, ok && hi_ok);
       load_x(bx, chunk + kXDepth);
     }
   }
 
-  // C fragment: rows g / g + 8 of each 16-row tile, columns 2t, 2t + 1 of each 8.
+  // C fragment: rows g / g + 8 of the warp's 16, columns 2t, 2t + 1 of each 8.
+  const int r = warp * 16 + g;
 #pragma unroll
-  for (int j = 0; j < kRowTiles; ++j) {
-    const int r = (warp * kRowTiles + j) * 16 + g;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int m = c * 8 + 2 * t;
-      tile[m * kTileStride + r] = acc[j][c][0];
-      tile[(m + 1) * kTileStride + r] = acc[j][c][1];
-      tile[m * kTileStride + r + 8] = acc[j][c][2];
-      tile[(m + 1) * kTileStride + r + 8] = acc[j][c][3];
-    }
+  for (int c = 0; c < kCols; ++c) {
+    const int m = c * 8 + 2 * t;
+    tile[m * kTileStride + r] = acc[c][0];
+    tile[(m + 1) * kTileStride + r] = acc[c][1];
+    tile[m * kTileStride + r + 8] = acc[c][2];
+    tile[(m + 1) * kTileStride + r + 8] = acc[c][3];
   }
   cg::cluster_group cluster = cg::this_cluster();
   if (split > 1) {
@@ -226,32 +204,18 @@ int sm_count() {
   return count;
 }
 
-// Up to 32 x rows: 16 weight rows per warp, 2 CTAs per SM (128 registers a thread: kCols * 4
-// accumulators, kStages * 8 words of w in flight, kXDepth * kCols * 4 words of x; ptxas -v
-// shows no or a few bytes of spills). More x rows: 32 weight rows per warp (x loads per weight
-// byte halved: at 64 rows the L1 reads of x, not the weight stream, bounded the 16-row version),
-// one CTA per SM with up to 255 registers.
-constexpr int row_tiles_for(int cols) { return cols > 4 ? 2 : 1; }
-
 template <typename T, int kCols>
 void launch_cols(const Params& p, int split, cudaStream_t stream) {
-  constexpr int kRowTiles = row_tiles_for(kCols);
-  constexpr int kStages = kRowTiles == 2 ? 4 : kCols <= 2 ? 8 : kCols == 4 ? 6 : 4;
-  constexpr int kXDepth = kRowTiles == 2 ? 2 : kCols == 1 ? 4 : 2;
-  constexpr int kMinBlocks = kRowTiles == 2 ? 1 : 2;
-  constexpr int kSlabRows = kWarps * 16 * kRowTiles;
-  const auto kernel = skinny_gemm_kernel<T, kCols, kRowTiles, kStages, kXDepth, kMinBlocks>;
-  const size_t smem = sizeof(float) * 8 * kCols * (kSlabRows + 4);
-  static const bool smem_set = [&] {
-    DEFT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem)));
-    return true;
-  }();
-  (void)smem_set;
+  // Registers (2 CTAs of 256 threads per SM: 128 a thread) hold kCols * 4 accumulators,
+  // kStages * 8 words of w in flight and kXDepth * kCols * 4 words of x.
+  // (ptxas -v: no spills with these).
+  constexpr int kStages = kCols <= 2 ? 8 : kCols == 4 ? 6 : 4;
+  constexpr int kXDepth = kCols == 1 ? 4 : kCols <= 4 ? 2 : 1;
+  const auto kernel = skinny_gemm_kernel<T, kCols, kStages, kXDepth>;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((p.out + kSlabRows - 1) / kSlabRows, split, 1);
   config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = smem;
+  config.dynamicSmemBytes = sizeof(float) * 8 * kCols * kTileStride;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -287,17 +251,14 @@ bool skinny_gemm_supported(const SkinnyGemmDims& dims, const void* x, const void
 }
 
 int32_t skinny_gemm_auto_split(const SkinnyGemmDims& dims) {
-  // 16-row warps: about 1.5 CTAs per SM, clusters of at most 6 (bench/results/
-  // skinny_gemm-h100-*.json sweep: QKV and O were fastest at 192 CTAs, clusters of 8 slow);
-  // 32-row warps (one CTA per SM): about one CTA per SM. K slices of at least 8 chunks.
-  const int cols = (std::min(dims.rows, kSkinnyGemmMaxRows) + 7) / 8;
-  const int row_tiles = row_tiles_for(cols);
-  const int slabs = (dims.out + kWarps * 16 * row_tiles - 1) / (kWarps * 16 * row_tiles);
+  // About 1.5 CTAs per SM, clusters of at most 6 (bench/results/skinny_gemm-h100-*.json sweep:
+  // QKV and O shapes were fastest at 192 CTAs, clusters of 8 were slow), K slices of at least
+  // 8 chunks (256 elements) so the pipeline fills.
+  const int slabs = (dims.out + kSlabRows - 1) / kSlabRows;
   const int chunks = (dims.in + kChunk - 1) / kChunk;
-  const int target_ctas = row_tiles == 2 ? sm_count() : 3 * sm_count() / 2;
-  int split = (target_ctas + slabs / 2) / slabs;
+  int split = (3 * sm_count() / 2 + slabs / 2) / slabs;
   split = std::min(split, std::max(1, chunks / 8));
-  return std::clamp(split, 1, row_tiles == 2 ? kMaxSplit : 6);
+  return std::clamp(split, 1, 6);
 }
 
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
