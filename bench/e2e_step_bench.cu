@@ -12,6 +12,9 @@
 // method: with StepTiming::kTotal (the step's wall time and GPU time from two CUDA events) and
 // with StepTiming::kPhases (events after every launch: attention / GEMMs / other kernels /
 // copies). Host parts by steady_clock. The first kWarmupSteps steps of each run are excluded.
+// CUDA graphs: each method runs its kTotal scenario twice, with graph replay (the runner's
+// default; row "<method>") and with every launch eager (row "<method>_eager"); kPhases runs
+// eagerly either way, so both rows carry the same phase split.
 // Floor per step = (weight bytes read + tree KV bytes) / 3.0e12 B/s (max with FLOPs / 7e14),
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
@@ -105,6 +108,7 @@ struct StepRecord {
 struct Run {
   std::vector<StepRecord> steps;  // timed steps only
   bool finite = true;
+  models::CudaGraphStats graphs;  // the runner's counters over the run (prefill included)
 };
 
 class Bench {
@@ -117,6 +121,16 @@ class Bench {
     kv_token_bytes_ = int64_t{2} * config.num_hidden_layers * config.kv_size() * 2;
   }
   size_t weight_read_bytes() const { return weight_read_bytes_; }
+  void set_cuda_graphs(bool on) { runner_.set_cuda_graphs(on); }
+
+  models::CudaGraphStats graph_stats_since(const models::CudaGraphStats& before) const {
+    const models::CudaGraphStats& now = runner_.cuda_graph_stats();
+    return {.graph_steps = now.graph_steps - before.graph_steps,
+            .captures = now.captures - before.captures,
+            .capture_us = now.capture_us - before.capture_us,
+            .eager_steps = now.eager_steps - before.eager_steps,
+            .cached_graphs = now.cached_graphs};
+  }
 
   // Prefills tokens [0, count) of `node` (already appended) in chunks; no logits. Untimed, on
   // a DeFT-Flatten plan whatever the method (the sequence plan of a prefill reads the prefix
@@ -203,6 +217,7 @@ class Bench {
     std::vector<TokenId> pending(branches);
     for (TokenId& t : pending) t = token(rng);  // each branch starts from its own token
     Run run;
+    const models::CudaGraphStats before = runner_.cuda_graph_stats();
     std::vector<QueryToken> queries(branches);
     runner_.set_step_timing(timing);
     for (int s = 0; s < kWarmupSteps + steps; ++s) {
@@ -222,6 +237,7 @@ class Bench {
       if (s >= kWarmupSteps) run.steps.push_back(std::move(rec));
     }
     runner_.set_step_timing(models::StepTiming::kOff);
+    run.graphs = graph_stats_since(before);
     return run;
   }
 
@@ -238,6 +254,7 @@ class Bench {
     std::mt19937 rng(13);
     std::uniform_int_distribution<TokenId> token(0, config_.vocab_size - 1);
     Run run;
+    const models::CudaGraphStats before = runner_.cuda_graph_stats();
     std::vector<QueryToken> queries;
     std::vector<TokenId> tokens(trace.tree_size());
     runner_.set_step_timing(timing);
@@ -258,6 +275,7 @@ class Bench {
       if (s >= kWarmupSteps) run.steps.push_back(std::move(rec));
     }
     runner_.set_step_timing(models::StepTiming::kOff);
+    run.graphs = graph_stats_since(before);
     return run;
   }
 
@@ -336,7 +354,7 @@ int main(int argc, char** argv) {
   bench.fewshot(PlanKind::kDeftFlatten, models::StepTiming::kOff, 4000, 20, 5);
   bench.specdec(PlanKind::kSequence, models::StepTiming::kOff, *trace, 6000, 5);
 
-  std::printf("%-24s %-13s %9s %9s %6s | %8s %8s %8s %8s %8s | %7s %7s %7s %6s | %8s\n", "case",
+  std::printf("%-24s %-19s %9s %9s %6s | %8s %8s %8s %8s %8s | %7s %7s %7s %6s | %8s\n", "case",
               "method", "total_us", "floor_us", "ratio", "gpu_us", "attn_us", "gemm_us",
               "other_us", "copy_us", "plan_us", "book_us", "samp_us", "host%", "tok/s");
   for (const Case& c : cases) {
@@ -344,103 +362,144 @@ int main(int argc, char** argv) {
     std::vector<ResultRow> rows;
     std::vector<std::vector<std::vector<TokenId>>> argmaxes;
     for (const Method& m : methods) {
-      const auto run_once = [&](models::StepTiming timing) {
-        return c.spec ? bench.specdec(m.kind, timing, *trace, 6000, spec_steps)
-                      : bench.fewshot(m.kind, timing, 4000, 20, fewshot_steps);
+      const auto run_once = [&](models::StepTiming timing, bool graphs) {
+        bench.set_cuda_graphs(graphs);
+        Run run = c.spec ? bench.specdec(m.kind, timing, *trace, 6000, spec_steps)
+                         : bench.fewshot(m.kind, timing, 4000, 20, fewshot_steps);
+        bench.set_cuda_graphs(true);
+        return run;
       };
-      const Run total = run_once(models::StepTiming::kTotal);
-      const Run phases = run_once(models::StepTiming::kPhases);
-      const auto& st = total.steps;
-      const Samples t = stat(st, [](const StepRecord& s) { return s.total_us; });
-      const Samples gpu = stat(st, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
-      const Samples plan = stat(st, [](const StepRecord& s) { return s.plan_us; });
-      const Samples book = stat(st, [](const StepRecord& s) { return s.bookkeeping_us; });
-      const Samples samp = stat(st, [](const StepRecord& s) { return s.sample_us; });
-      const Samples host = stat(st, [](const StepRecord& s) {
-        return s.plan_us + s.bookkeeping_us + s.sample_us;
-      });
-      const Samples fwd_wall = stat(st, [](const StepRecord& s) { return s.forward_wall_us; });
-      const Samples gap = stat(st, [](const StepRecord& s) {
-        return s.forward_wall_us - s.gpu.total_ms * 1e3;
-      });
-      const Samples floor = stat(st, [](const StepRecord& s) { return s.floor_us; });
-      const Samples tree_kv = stat(st, [](const StepRecord& s) { return double(s.tree_kv_bytes); });
-      const Samples kv = stat(st, [](const StepRecord& s) { return double(s.kv_bytes); });
-      const auto& ph = phases.steps;
-      const Samples p_total = stat(ph, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
-      const Samples p_attn = stat(ph, [](const StepRecord& s) { return s.gpu.attention_ms * 1e3; });
-      const Samples p_gemm = stat(ph, [](const StepRecord& s) { return s.gpu.gemm_ms * 1e3; });
-      const Samples p_other = stat(ph, [](const StepRecord& s) {
-        return (s.gpu.other_ms + s.gpu.sampling_ms) * 1e3;
-      });
-      const Samples p_sampling =
-          stat(ph, [](const StepRecord& s) { return s.gpu.sampling_ms * 1e3; });
-      const Samples p_copy = stat(ph, [](const StepRecord& s) { return s.gpu.copy_ms * 1e3; });
-      const Samples p_wall = stat(ph, [](const StepRecord& s) { return s.total_us; });
-      double tokens = 0, time_us = 0;
-      for (const StepRecord& s : st) {
-        tokens += s.new_tokens;
-        time_us += s.total_us;
+      const Run with_graphs = run_once(models::StepTiming::kTotal, true);
+      const Run eager = run_once(models::StepTiming::kTotal, false);
+      const Run phases = run_once(models::StepTiming::kPhases, false);
+      // Greedy tokens with and without graphs (few-shot feeds them back: up to the first step
+      // where they differ).
+      int64_t graph_same = 0, graph_all = 0;
+      int graph_first_diff = -1;
+      for (size_t s = 0; s < std::min(with_graphs.steps.size(), eager.steps.size()); ++s) {
+        const auto& a = with_graphs.steps[s].argmax;
+        const auto& b = eager.steps[s].argmax;
+        for (size_t r = 0; r < a.size() && r < b.size(); ++r) {
+          ++graph_all;
+          graph_same += a[r] == b[r];
+        }
+        if (graph_first_diff < 0 && a != b) graph_first_diff = static_cast<int>(s);
+        if (!c.spec && graph_first_diff >= 0) break;
       }
-      const double tokens_per_s = tokens / (time_us * 1e-6);
-      std::printf(
-          "%-24s %-13s %9.0f %9.0f %6.2f | %8.0f %8.0f %8.0f %8.0f %8.0f | %7.0f %7.0f %7.0f "
-          "%5.1f%% | %8.0f%s\n",
-          c.name.c_str(), m.name.c_str(), t.median, floor.median, t.median / floor.median,
-          gpu.median, p_attn.median, p_gemm.median, p_other.median, p_copy.median, plan.median,
-          book.median, samp.median, 100.0 * host.median / t.median, tokens_per_s,
-          total.finite && phases.finite ? "" : "  NON-FINITE LOGITS (row not written)");
-      std::vector<std::vector<TokenId>> am;
-      for (const StepRecord& s : st) am.push_back(s.argmax);
-      argmaxes.push_back(am);
-      if (!total.finite || !phases.finite) {
-        rows.emplace_back();
-        rows.back().method = "";  // marks a skipped row
-        continue;
+      std::printf("%-24s %-19s greedy tokens with vs without CUDA graphs: %lld / %lld (first "
+                  "differing step %d)\n",
+                  c.name.c_str(), m.name.c_str(), static_cast<long long>(graph_same),
+                  static_cast<long long>(graph_all), graph_first_diff);
+      for (const bool graphs : {true, false}) {
+        const Run& total = graphs ? with_graphs : eager;
+        const std::string method = graphs ? m.name : m.name + "_eager";
+        const auto& st = total.steps;
+        const Samples t = stat(st, [](const StepRecord& s) { return s.total_us; });
+        const Samples gpu = stat(st, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
+        const Samples plan = stat(st, [](const StepRecord& s) { return s.plan_us; });
+        const Samples book = stat(st, [](const StepRecord& s) { return s.bookkeeping_us; });
+        const Samples samp = stat(st, [](const StepRecord& s) { return s.sample_us; });
+        const Samples host = stat(st, [](const StepRecord& s) {
+          return s.plan_us + s.bookkeeping_us + s.sample_us;
+        });
+        const Samples fwd_wall = stat(st, [](const StepRecord& s) { return s.forward_wall_us; });
+        const Samples gap = stat(st, [](const StepRecord& s) {
+          return s.forward_wall_us - s.gpu.total_ms * 1e3;
+        });
+        const Samples floor = stat(st, [](const StepRecord& s) { return s.floor_us; });
+        const Samples tree_kv =
+            stat(st, [](const StepRecord& s) { return double(s.tree_kv_bytes); });
+        const Samples kv = stat(st, [](const StepRecord& s) { return double(s.kv_bytes); });
+        const auto& ph = phases.steps;
+        const Samples p_total = stat(ph, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
+        const Samples p_attn =
+            stat(ph, [](const StepRecord& s) { return s.gpu.attention_ms * 1e3; });
+        const Samples p_gemm = stat(ph, [](const StepRecord& s) { return s.gpu.gemm_ms * 1e3; });
+        const Samples p_other = stat(ph, [](const StepRecord& s) {
+          return (s.gpu.other_ms + s.gpu.sampling_ms) * 1e3;
+        });
+        const Samples p_sampling =
+            stat(ph, [](const StepRecord& s) { return s.gpu.sampling_ms * 1e3; });
+        const Samples p_copy = stat(ph, [](const StepRecord& s) { return s.gpu.copy_ms * 1e3; });
+        const Samples p_wall = stat(ph, [](const StepRecord& s) { return s.total_us; });
+        double tokens = 0, time_us = 0;
+        for (const StepRecord& s : st) {
+          tokens += s.new_tokens;
+          time_us += s.total_us;
+        }
+        const double tokens_per_s = tokens / (time_us * 1e-6);
+        std::printf(
+            "%-24s %-19s %9.0f %9.0f %6.2f | %8.0f %8.0f %8.0f %8.0f %8.0f | %7.0f %7.0f %7.0f "
+            "%5.1f%% | %8.0f%s\n",
+            c.name.c_str(), method.c_str(), t.median, floor.median, t.median / floor.median,
+            gpu.median, p_attn.median, p_gemm.median, p_other.median, p_copy.median, plan.median,
+            book.median, samp.median, 100.0 * host.median / t.median, tokens_per_s,
+            total.finite && phases.finite ? "" : "  NON-FINITE LOGITS (row not written)");
+        std::vector<std::vector<TokenId>> am;
+        for (const StepRecord& s : st) am.push_back(s.argmax);
+        if (graphs) argmaxes.push_back(am);
+        if (!total.finite || !phases.finite) {
+          rows.emplace_back();
+          rows.back().method = "";  // marks a skipped row
+          continue;
+        }
+        ResultRow row;
+        row.case_name = c.name;
+        row.method = method;
+        row.median_us = t.median;
+        row.p10_us = t.p10;
+        row.p90_us = t.p90;
+        row.repetitions = static_cast<int64_t>(st.size());
+        row.kv_bytes = static_cast<int64_t>(kv.median);
+        row.floor_us = floor.median;
+        row.extra = {
+            {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
+            {"gemm", gemm == "skinny" ? "skinny GEMM (<= 64 rows), cuBLAS otherwise" : "cuBLAS"},
+            {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
+            {"queries_per_step", c.spec ? trace->tree_size() : 20},
+            {"tokens_per_s", tokens_per_s},
+            {"tokens_per_step_mean", tokens / st.size()},
+            {"floor_bytes_weights", bench.weight_read_bytes()},
+            {"floor_bytes_tree_kv_median", tree_kv.median},
+            {"split_us_median",
+             {{"gpu_forward_events", gpu.median},
+              {"host_total", host.median},
+              {"host_plan", plan.median},
+              {"host_tree_bookkeeping", book.median},
+              {"host_sampling_argmax", samp.median},
+              {"forward_wall_minus_gpu", gap.median},
+              {"forward_wall", fwd_wall.median}}},
+            {"split_p10_p90_us",
+             {{"gpu_forward_events", {gpu.p10, gpu.p90}}, {"host_total", {host.p10, host.p90}}}},
+            {"host_share_median", host.median / t.median},
+            {"gpu_phases_us_median",
+             {{"note", "separate run with an event after every launch (StepTiming::kPhases)"},
+              {"gpu_total", p_total.median},
+              {"attention", p_attn.median},
+              {"gemm", p_gemm.median},
+              {"other_kernels", p_other.median},
+              {"of_which_gpu_sampling", p_sampling.median},
+              {"copies_inputs_plan_logits", p_copy.median},
+              {"step_wall_with_phase_events", p_wall.median}}},
+            {"cuda_graphs",
+             {{"on", graphs},
+              {"graph_steps", total.graphs.graph_steps},
+              {"captures", total.graphs.captures},
+            {"capture_and_instantiate_us_mean",
+             total.graphs.captures > 0 ? total.graphs.capture_us / total.graphs.captures : 0.0},
+              {"eager_steps", total.graphs.eager_steps},
+              {"cached_graphs", total.graphs.cached_graphs},
+              {"note", "counts over the whole run (prefill chunks and warm-up steps included)"},
+              {"greedy_agreement_graphs_vs_eager",
+               {{"same", graph_same},
+                {"compared", graph_all},
+                {"first_differing_step", graph_first_diff}}}}},
+            {"sampling", "greedy on the GPU (forward_sampled: kernels/sampling.h, one block per "
+                         "row after the LM head); only token ids and logprobs downloaded; "
+                         "host_sampling_argmax = reading the tokens"},
+        };
+        rows.push_back(row);
       }
-      ResultRow row;
-      row.case_name = c.name;
-      row.method = m.name;
-      row.median_us = t.median;
-      row.p10_us = t.p10;
-      row.p90_us = t.p90;
-      row.repetitions = static_cast<int64_t>(st.size());
-      row.kv_bytes = static_cast<int64_t>(kv.median);
-      row.floor_us = floor.median;
-      row.extra = {
-          {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
-          {"gemm", gemm == "skinny" ? "skinny GEMM (<= 64 rows), cuBLAS otherwise" : "cuBLAS"},
-          {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
-          {"queries_per_step", c.spec ? trace->tree_size() : 20},
-          {"tokens_per_s", tokens_per_s},
-          {"tokens_per_step_mean", tokens / st.size()},
-          {"floor_bytes_weights", bench.weight_read_bytes()},
-          {"floor_bytes_tree_kv_median", tree_kv.median},
-          {"split_us_median",
-           {{"gpu_forward_events", gpu.median},
-            {"host_total", host.median},
-            {"host_plan", plan.median},
-            {"host_tree_bookkeeping", book.median},
-            {"host_sampling_argmax", samp.median},
-            {"forward_wall_minus_gpu", gap.median},
-            {"forward_wall", fwd_wall.median}}},
-          {"split_p10_p90_us",
-           {{"gpu_forward_events", {gpu.p10, gpu.p90}}, {"host_total", {host.p10, host.p90}}}},
-          {"host_share_median", host.median / t.median},
-          {"gpu_phases_us_median",
-           {{"note", "separate run with an event after every launch (StepTiming::kPhases)"},
-            {"gpu_total", p_total.median},
-            {"attention", p_attn.median},
-            {"gemm", p_gemm.median},
-            {"other_kernels", p_other.median},
-            {"of_which_gpu_sampling", p_sampling.median},
-            {"copies_inputs_plan_logits", p_copy.median},
-            {"step_wall_with_phase_events", p_wall.median}}},
-          {"sampling", "greedy on the GPU (forward_sampled: kernels/sampling.h, one block per "
-                       "row after the LM head); only token ids and logprobs downloaded; "
-                       "host_sampling_argmax = reading the tokens"},
-      };
-      rows.push_back(row);
     }
     // Greedy tokens of DeFT vs the sequence baseline (same weights, same inputs): the fraction
     // of (step, row) argmaxes that agree. Few-shot feeds tokens back, so compare up to the

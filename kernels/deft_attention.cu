@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.cuh"
@@ -33,7 +34,7 @@ template <typename T, int kHeadDim>
 void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
                   const AttentionDims& dims, const void* q, const void* k_cache,
                   const void* v_cache, float* partial_out, float* partial_lse, void* out,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, bool stage2) {
   using detail::Stage1Smem;
   auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim>;
   constexpr int kSmemBytes = Stage1Smem<kHeadDim>::kBytes;
@@ -47,10 +48,6 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   (void)smem_configured;
 
   const int group = dims.group_size();
-  const int max_rows = std::max(1, max_task_entries * group);
-  const int rows_per_pass = 4 * detail::kMmaRows;
-  const int passes = (max_rows + rows_per_pass - 1) / rows_per_pass;
-
   detail::Stage1Params params{};
   params.plan = plan;
   params.q = q;
@@ -65,15 +62,14 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   params.scale_log2 = dims.softmax_scale * 1.4426950408889634f;
 
   const dim3 grid1(static_cast<unsigned>(plan.num_tasks), static_cast<unsigned>(dims.num_kv_heads),
-                   static_cast<unsigned>(std::min(passes, kMaxRowSlices)));
+                   static_cast<unsigned>(deft_attention_row_slices(max_task_entries, dims)));
   stage1<<<grid1, detail::kStage1Threads, kSmemBytes, stream>>>(params);
   DEFT_CUDA_CHECK_LAUNCH();
 
   // Stage 2 spans every query (a launch shape fixed by the plan's size); queries with a single
-  // partial return at once. Skipped entirely when no query has two partials: known on the host
-  // only when every query has an entry (num_entries > num_queries), so a plan with prefill runs
-  // (rows without entries) always runs it.
-  if (plan.num_entries > plan.num_queries || plan.num_prefill_runs > 0) {
+  // partial return at once. Skipped entirely when no query has two partials (the caller's
+  // decision, see DeftStage2).
+  if (stage2) {
     const dim3 grid2(static_cast<unsigned>(plan.num_queries),
                      static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
                                            detail::kStage2Warps));
@@ -111,25 +107,57 @@ DevicePlan::~DevicePlan() {
 }
 
 void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream) {
+  upload_sections(host_plan, nullptr, stream);
+}
+
+void DevicePlan::upload_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
+                               cudaStream_t stream) {
+  if (!capacity.holds(host_plan)) fail("upload_padded: the capacity does not hold the plan", 0);
+  upload_sections(host_plan, &capacity, stream);
+}
+
+void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
+                                 cudaStream_t stream) {
+  // Element counts of the sections: the plan's, or the capacity's when padding.
+  AttentionPlanView sizes = host_plan;
+  if (capacity != nullptr) {
+    sizes.num_queries = capacity->queries;
+    sizes.num_tasks = capacity->tasks;
+    sizes.num_entries = capacity->entries;
+    sizes.num_kv_indices = capacity->kv_indices;
+    sizes.num_mask_words = capacity->mask_words;
+  }
   struct Section {
     const void* source;
     size_t bytes;
     size_t offset;
   };
   const auto i32 = [](int32_t count) { return static_cast<size_t>(std::max(count, 0)) * 4; };
+  // Section i holds `bytes` (sized by `sizes`), of which the plan fills `used`.
   Section sections[] = {
-      {host_plan.kv_slots, i32(host_plan.num_kv_indices), 0},
-      {host_plan.task_kv_begin, i32(host_plan.num_tasks), 0},
-      {host_plan.task_kv_end, i32(host_plan.num_tasks), 0},
-      {host_plan.task_entry_begin, i32(host_plan.num_tasks + 1), 0},
-      {host_plan.task_mask_begin, i32(host_plan.num_tasks), 0},
-      {host_plan.mask_words, static_cast<size_t>(std::max(host_plan.num_mask_words, 0)) * 8, 0},
-      {host_plan.entry_query, i32(host_plan.num_entries), 0},
-      {host_plan.query_entry_begin, i32(host_plan.num_queries + 1), 0},
-      {host_plan.query_entries, i32(host_plan.num_entries), 0},
+      {host_plan.kv_slots, i32(sizes.num_kv_indices), 0},
+      {host_plan.task_kv_begin, i32(sizes.num_tasks), 0},
+      {host_plan.task_kv_end, i32(sizes.num_tasks), 0},
+      {host_plan.task_entry_begin, i32(sizes.num_tasks + 1), 0},
+      {host_plan.task_mask_begin, i32(sizes.num_tasks), 0},
+      {host_plan.mask_words, static_cast<size_t>(std::max(sizes.num_mask_words, 0)) * 8, 0},
+      {host_plan.entry_query, i32(sizes.num_entries), 0},
+      {host_plan.query_entry_begin, i32(sizes.num_queries + 1), 0},
+      {host_plan.query_entries, i32(sizes.num_entries), 0},
       {host_plan.prefill_runs,
        static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
   };
+  const size_t used[] = {i32(host_plan.num_kv_indices),
+                         i32(host_plan.num_tasks),
+                         i32(host_plan.num_tasks),
+                         i32(host_plan.num_tasks + 1),
+                         i32(host_plan.num_tasks),
+                         static_cast<size_t>(std::max(host_plan.num_mask_words, 0)) * 8,
+                         i32(host_plan.num_entries),
+                         i32(host_plan.num_queries + 1),
+                         i32(host_plan.num_entries),
+                         static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) *
+                             sizeof(PrefillRun)};
   size_t total = 0;
   for (Section& section : sections) {
     section.offset = total;
@@ -143,10 +171,28 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
   device_.reserve(total);
 
   auto* staging = staging_.as<unsigned char>();
-  for (const Section& section : sections) {
-    if (section.bytes > 0 && section.source != nullptr) {
-      std::memcpy(staging + section.offset, section.source, section.bytes);
+  for (size_t i = 0; i < std::size(sections); ++i) {
+    if (used[i] > 0 && sections[i].source != nullptr) {
+      std::memcpy(staging + sections[i].offset, sections[i].source, used[i]);
     }
+  }
+  if (capacity != nullptr) {
+    // Padding: empty tasks (no KV, entries [num_entries, num_entries)), unmasked; queries
+    // without entries. Padded kv_slots, mask words and entries are never read.
+    const auto fill = [&](int section, int32_t from, int32_t to, int32_t value) {
+      auto* at = reinterpret_cast<int32_t*>(staging + sections[section].offset);
+      std::fill(at + from, at + to, value);
+    };
+    const int32_t tasks = std::max(host_plan.num_tasks, 0);
+    const int32_t queries = std::max(host_plan.num_queries, 0);
+    const int32_t entries = std::max(host_plan.num_entries, 0);
+    fill(1, tasks, capacity->tasks, 0);
+    fill(2, tasks, capacity->tasks, 0);
+    fill(3, tasks + 1, capacity->tasks + 1, entries);
+    if (host_plan.task_entry_begin == nullptr) fill(3, 0, 1, 0);
+    fill(4, tasks, capacity->tasks, -1);
+    fill(7, queries + 1, capacity->queries + 1, entries);
+    if (host_plan.query_entry_begin == nullptr) fill(7, 0, 1, 0);
   }
   DEFT_CUDA_CHECK(cudaMemcpyAsync(device_.data(), staging, total, cudaMemcpyHostToDevice, stream));
   DEFT_CUDA_CHECK(cudaEventRecord(upload_done_, stream));
@@ -154,7 +200,7 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream)
 
   auto* base = device_.as<unsigned char>();
   const auto at = [&](int index) { return base + sections[index].offset; };
-  device_view_ = host_plan;
+  device_view_ = sizes;
   device_view_.kv_slots = reinterpret_cast<const int32_t*>(at(0));
   device_view_.task_kv_begin = reinterpret_cast<const int32_t*>(at(1));
   device_view_.task_kv_end = reinterpret_cast<const int32_t*>(at(2));
@@ -193,19 +239,34 @@ bool deft_attention_supported(const AttentionDims& dims) {
          dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
 }
 
+int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims) {
+  const int max_rows = std::max(1, max_task_entries * dims.group_size());
+  const int rows_per_pass = 4 * detail::kMmaRows;
+  const int passes = (max_rows + rows_per_pass - 1) / rows_per_pass;
+  return std::min(passes, kMaxRowSlices);
+}
+
 void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
-                           float* partial_lse, void* out, cudaStream_t stream) {
+                           float* partial_lse, void* out, cudaStream_t stream,
+                           DeftStage2 stage2) {
   if (!deft_attention_supported(dims)) fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
   if (max_task_entries > 0 && max_task_entries * dims.group_size() > (1 << 24)) {
     fail("task too large", max_task_entries);
   }
   if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
+  // Known on the host only when every query has an entry (num_entries > num_queries): a plan
+  // with prefill runs (rows without entries) always runs it.
+  const bool run_stage2 =
+      stage2 == DeftStage2::kAlways ||
+      (stage2 == DeftStage2::kIfMerging && (device_plan.num_entries > device_plan.num_queries ||
+                                            device_plan.num_prefill_runs > 0));
   const auto run = [&](auto type_tag, auto head_dim_tag) {
     using T = decltype(type_tag);
     launch_typed<T, decltype(head_dim_tag)::value>(device_plan, max_task_entries, dims, q, k_cache,
-                                                   v_cache, partial_out, partial_lse, out, stream);
+                                                   v_cache, partial_out, partial_lse, out, stream,
+                                                   run_stage2);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

@@ -20,6 +20,20 @@
 
 namespace deft::kernels {
 
+// Sizes a padded plan is laid out for (DevicePlan::upload_padded): at least the plan's counts.
+struct PlanCapacity {
+  int32_t queries = 0;
+  int32_t tasks = 0;
+  int32_t entries = 0;
+  int32_t kv_indices = 0;
+  int32_t mask_words = 0;
+
+  bool holds(const AttentionPlanView& plan) const {
+    return plan.num_queries <= queries && plan.num_tasks <= tasks && plan.num_entries <= entries &&
+           plan.num_kv_indices <= kv_indices && plan.num_mask_words <= mask_words;
+  }
+};
+
 // A plan copied to the GPU: all arrays packed into ONE device buffer, uploaded with one async
 // copy from a pinned staging buffer. One upload per step serves every layer.
 class DevicePlan {
@@ -33,6 +47,13 @@ class DevicePlan {
   // are reused. Waits (host side) only for this object's previous upload to have left the
   // staging buffer, never for kernels.
   void upload(const AttentionPlanView& host_plan, cudaStream_t stream);
+  // As upload(), laid out for `capacity` (which must hold the plan): tasks past num_tasks are
+  // empty (no KV, no entries), queries past num_queries have no entries, and the view's counts
+  // are the capacity's. Every plan uploaded with the same capacity gives the same view (same
+  // pointers, same counts) once the buffer has that size, so launches captured in a CUDA graph
+  // on one plan replay on the next (a padded query's output row is left as it was).
+  void upload_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
+                     cudaStream_t stream);
 
   // Device pointers, valid once the copy on `stream` has run.
   const AttentionPlanView& view() const { return device_view_; }
@@ -49,6 +70,9 @@ class DevicePlan {
   AttentionPlanView device_view_;
   int32_t max_task_entries_ = 0;
   std::vector<PrefillRun> host_prefill_runs_;
+
+  void upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
+                       cudaStream_t stream);
 };
 
 // Scratch for stage 1's partial results: [num_entries][num_q_heads][head_dim] + LSE, fp32.
@@ -67,6 +91,16 @@ class DeftAttentionBuffers {
 // bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested), softmax_scale > 0.
 bool deft_attention_supported(const AttentionDims& dims);
 
+// Stage 1's gridDim.z for a plan whose largest task has `max_task_entries` entries: launches
+// with equal row slices (and equal plan views) have equal launch shapes.
+int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
+
+// Whether launch_deft_attention runs stage 2. kIfMerging: when the plan's counts say a query has
+// two partials (num_entries > num_queries, or the plan has prefill runs). A padded plan (DevicePlan::upload_padded) carries
+// capacities, not counts, so its caller decides from the step's own counts: kAlways or kNever.
+// Stage 2 is correct whenever it runs (a query with one partial returns at once).
+enum class DeftStage2 { kIfMerging, kAlways, kNever };
+
 // Runs both stages on `stream`. `device_plan` holds device pointers; `max_task_entries` is the
 // largest task_entry_begin[t + 1] - task_entry_begin[t] (DevicePlan::max_task_entries()).
 //   q:        [num_queries][num_q_heads][head_dim]        (dtype)
@@ -77,7 +111,8 @@ bool deft_attention_supported(const AttentionDims& dims);
 void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
-                           float* partial_lse, void* out, cudaStream_t stream);
+                           float* partial_lse, void* out, cudaStream_t stream,
+                           DeftStage2 stage2 = DeftStage2::kIfMerging);
 
 inline void launch_deft_attention(const DevicePlan& plan, const AttentionDims& dims, DType dtype,
                                   const void* q, const void* k_cache, const void* v_cache,

@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +47,43 @@ namespace {
 constexpr double kMiB = 1048576.0;
 // Logit rows per LM-head GEMM: bounds the fp32 logits buffer (rows x vocab) whatever the step.
 constexpr int32_t kLogitRowsPerChunk = 256;
+
+// ---- CUDA graphs ---------------------------------------------------------------------------
+// A decode step is ~130 launches of mostly small kernels (32 layers x RMSNorm, QKV GEMM,
+// bias + RoPE + KV write, attention stage 1/2, O GEMM, RMSNorm, gate/up GEMM, SiLU·mul, down
+// GEMM): ~1 ms of a Llama-3-8B step on the H100 was launch-bound (bench/results/e2e_step-*).
+// A graph replays the launches of one *bucket* of step shapes with fixed kernel parameters:
+//   - query rows and logit rows rounded up to a power of two (1, 2, 4, ..., 256); padded rows
+//     read token 0 at position 0, write their K/V into a spare slot past the pool (sink_slot)
+//     and see nothing in attention; padded logit rows repeat row 0 and sample greedily;
+//   - the plan's task count rounded up to a bucket (task_bucket: < 12.5 % of empty tasks, which
+//     stage 1's CTAs skip at once), stage 1's row slices (its gridDim.z) and whether stage 2
+//     runs are part of the key; the plan is uploaded padded (DevicePlan::upload_padded) into
+//     the graph's own buffer, sized by power-of-two capacities that grow (and re-capture) when
+//     a step of the bucket needs more;
+//   - everything from the embedding through the LM head and the sampling kernel is captured;
+//     the uploads of the step's inputs and plan and the downloads of logits / tokens stay
+//     outside (plain async copies around the launch).
+// The first step of a bucket runs the padded launches uncaptured (kernel loading, cuBLAS
+// heuristics, attribute setup happen outside any capture), the second captures and replays.
+// Padding changes the GEMMs' row counts, so a graph step's logits equal the eager step's within
+// bf16 rounding (cuBLAS may pick another kernel for another M), and equal bit for bit the
+// padded launches run uncaptured (tests/gpu/llama_cuda_graph_test.cc).
+constexpr int32_t kMaxGraphRows = 256;
+static_assert(kMaxGraphRows <= kLogitRowsPerChunk, "a graph step runs one LM-head chunk");
+// cuBLAS workspace set explicitly: captured GEMMs must not allocate.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+int32_t pow2_bucket(int32_t count) {
+  return count <= 1 ? count : static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(count)));
+}
+
+// Powers of two up to 16, then 8 buckets per octave.
+int32_t task_bucket(int32_t count) {
+  if (count <= 16) return pow2_bucket(count);
+  const int32_t step = static_cast<int32_t>(std::bit_floor(static_cast<uint32_t>(count))) / 8;
+  return (count + step - 1) / step * step;
+}
 
 DeviceBuffer upload(const void* data, size_t bytes) {
   DeviceBuffer buffer(std::max<size_t>(bytes, 16));
@@ -131,6 +170,79 @@ struct LlamaCudaRunner::State {
   kernels::AttentionDims dims;
   bool deft_kernels = false;
   bool skinny_gemm = false;  // set_skinny_gemm
+  DeviceBuffer cublas_workspace;
+  int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
+
+  // CUDA graphs (see the top of this file).
+  struct GraphKey {
+    int32_t rows = 0, logit_rows = 0, tasks = 0, row_slices = 0;
+    bool stage2 = false, sample = false;
+    bool operator==(const GraphKey&) const = default;
+  };
+  struct StepGraph {
+    GraphKey key;
+    kernels::PlanCapacity capacity;
+    kernels::DevicePlan plan;     // this bucket's padded plan
+    cudaGraphExec_t exec = nullptr;
+    bool seen = false;            // its first step ran the padded launches uncaptured
+    // Buffers the graph was captured on, which may be reallocated since.
+    const void* partial_out = nullptr;
+    const void* workspace = nullptr;
+    uint64_t last_used = 0;
+    void drop() {
+      if (exec != nullptr) DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      exec = nullptr;
+    }
+    ~StepGraph() {
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+    }
+  };
+  bool use_graphs = true;
+  int32_t max_graphs = 32;
+  uint64_t graph_clock = 0;
+  std::vector<std::unique_ptr<StepGraph>> graphs;
+  CudaGraphStats graph_stats;
+
+  // The bucket's graph entry, made (evicting the least recently used) when new.
+  StepGraph& graph_for(const GraphKey& key) {
+    ++graph_clock;
+    for (const std::unique_ptr<StepGraph>& graph : graphs) {
+      if (graph->key == key) {
+        graph->last_used = graph_clock;
+        return *graph;
+      }
+    }
+    if (static_cast<int32_t>(graphs.size()) >= std::max(max_graphs, 1)) {
+      const auto oldest = std::min_element(
+          graphs.begin(), graphs.end(),
+          [](const auto& a, const auto& b) { return a->last_used < b->last_used; });
+      DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      graphs.erase(oldest);
+    }
+    graphs.push_back(std::make_unique<StepGraph>());
+    graphs.back()->key = key;
+    graphs.back()->last_used = graph_clock;
+    graph_stats.cached_graphs = static_cast<int32_t>(graphs.size());
+    return *graphs.back();
+  }
+  void drop_graphs() {
+    DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    graphs.clear();
+    graph_stats.cached_graphs = 0;
+  }
+
+  // One step's launches, embedding through the LM head (and sampling): eager, or captured.
+  struct StepLaunch {
+    int32_t rows = 0;        // launch sizes (a graph bucket's, or the step's own)
+    int32_t logit_rows = 0;
+    const kernels::DevicePlan* plan = nullptr;
+    kernels::DeftStage2 stage2 = kernels::DeftStage2::kIfMerging;
+    bool sample = false;
+    // Eager forward(): each LM-head chunk's logits are copied here (more than one chunk of
+    // rows); empty: they stay in `logits` (at most one chunk).
+    std::span<float> logits_out;
+  };
+  void launch_step(const ModelConfig& c, const StepLaunch& launch);
 
   size_t weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
 
@@ -192,6 +304,7 @@ struct LlamaCudaRunner::State {
   }
   ~State() {
     if (stream != nullptr) cudaStreamSynchronize(stream);
+    graphs.clear();
     for (cudaEvent_t event : events) cudaEventDestroy(event);
     if (cublas != nullptr) cublasDestroy(cublas);
     if (stream != nullptr) cudaStreamDestroy(stream);
@@ -220,6 +333,103 @@ struct LlamaCudaRunner::State {
                                    CUBLAS_GEMM_DEFAULT));
   }
 };
+
+void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch& launch) {
+  const int32_t rows = launch.rows;
+  const int32_t logit_rows = launch.logit_rows;
+  const int32_t hidden = c.hidden_size;
+  const int32_t q_size = c.q_size();
+  const int32_t qkv_width = q_size + 2 * c.kv_size();
+  const int32_t intermediate = c.intermediate_size;
+  const int32_t vocab = c.vocab_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int32_t* d_tokens = step_ints.as<int32_t>();
+  const int32_t* d_positions = d_tokens + rows;
+  const int32_t* d_slots = d_tokens + 2 * rows;
+  const int32_t* d_logit_rows = d_tokens + 3 * rows;
+  const kernels::DevicePlan& device_plan = *launch.plan;
+
+  float* x = residual.as<float>();
+  kernels::launch_embedding(rows, hidden, dtype, d_tokens, embed.data(), x, stream);
+  const kernels::QkvRopeDims qkv_dims{.num_tokens = rows,
+                                      .num_q_heads = c.num_attention_heads,
+                                      .num_kv_heads = c.num_key_value_heads,
+                                      .head_dim = c.head_dim};
+  const kernels::RmsNormDims norm_dims{.num_rows = rows, .width = hidden, .eps = eps};
+  for (Layer& layer : layers) {
+    kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, nullptr, layer.input_norm.as<float>(),
+                             normed.data(), stream);
+    mark(kOther);
+    gemm(normed.data(), layer.qkv.data(), rows, hidden, qkv_width, qkv.data(), false, false);
+    mark(kGemm);
+    kernels::launch_qkv_rope_write(qkv_dims, dtype, d_positions, d_slots, inv_freq.as<float>(),
+                                   qkv.data(), layer.qkv_bias.as<float>(), q.data(),
+                                   layer.k_cache.data(), layer.v_cache.data(), stream);
+    mark(kOther);
+    if (deft_kernels) {
+      kernels::launch_deft_attention(device_plan.view(), device_plan.max_task_entries(), dims,
+                                     dtype, q.data(), layer.k_cache.data(), layer.v_cache.data(),
+                                     partials.partial_out(), partials.partial_lse(), attn.data(),
+                                     stream, launch.stage2);
+      // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
+      // graph step: those have no prefill runs).
+      kernels::launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims,
+                                        dtype, q.data(), layer.k_cache.data(),
+                                        layer.v_cache.data(), prefill_scratch, attn.data(), stream);
+    } else {  // the generic kernel runs the plan's tasks and prefill runs
+      kernels::launch_tree_attention_generic(device_plan.view(), dims, dtype, q.data(),
+                                             layer.k_cache.data(), layer.v_cache.data(),
+                                             attn.data(), stream);
+    }
+    mark(kAttention);
+    gemm(attn.data(), layer.o_proj.data(), rows, q_size, hidden, x, true, true);
+    mark(kGemm);
+    // The O projection's bias (Llama with attention_bias) is folded into the residual here.
+    kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, layer.o_bias.as<float>(),
+                             layer.post_norm.as<float>(), normed.data(), stream);
+    mark(kOther);
+    gemm(normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, gate_up.data(),
+         false, false);
+    mark(kGemm);
+    kernels::launch_silu_mul(rows, intermediate, dtype, gate_up.data(), act.data(), stream);
+    mark(kOther);
+    gemm(act.data(), layer.down.data(), rows, intermediate, hidden, x, true, true);
+    mark(kGemm);
+  }
+  if (logit_rows == 0) return;
+
+  // Final norm of the logit rows only (gathered), then the LM head in chunks of rows.
+  kernels::launch_rms_norm({.num_rows = logit_rows, .width = hidden, .eps = eps}, dtype,
+                           d_logit_rows, x, nullptr, norm.as<float>(), normed.data(), stream);
+  mark(kOther);
+  const void* head = c.tie_word_embeddings ? embed.data() : lm_head.data();
+  const size_t row_bytes = kernels::dtype_bytes(dtype) * hidden;
+  if (launch.logits_out.empty() && !launch.sample && logit_rows > kLogitRowsPerChunk) {
+    std::fprintf(stderr, "llama_cuda: %d logit rows need a destination per chunk\n", logit_rows);
+    std::abort();
+  }
+  for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
+    const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
+    gemm(static_cast<const char*>(normed.data()) + row_bytes * begin, head, count, hidden, vocab,
+         logits.data(), true, false);
+    mark(kGemm);
+    if (launch.sample) {
+      kernels::launch_sample_rows(
+          {.num_rows = count, .vocab_size = vocab, .row_stride = vocab}, logits.as<float>(),
+          sampling_params.as<kernels::RowSamplingParams>() + begin,
+          sampling_workspace.as<float>(), sampled.as<kernels::SampledRow>() + begin,
+          sampled_top.as<kernels::SampledTop>() +
+              static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
+          stream);
+      mark(kSampling);
+    } else if (!launch.logits_out.empty()) {
+      DEFT_CUDA_CHECK(cudaMemcpyAsync(launch.logits_out.data() + static_cast<size_t>(begin) * vocab,
+                                      logits.data(), sizeof(float) * count * vocab,
+                                      cudaMemcpyDeviceToHost, stream));
+      mark(kCopy);
+    }
+  }
+}
 
 LlamaCudaRunner::LlamaCudaRunner() = default;
 LlamaCudaRunner::~LlamaCudaRunner() = default;
@@ -406,20 +616,29 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.sampled_top_host.reset(rows * kernels::kSamplingMaxTopLogprobs * sizeof(kernels::SampledTop));
   // DeFT partials for up to two entries per query row to start with; they grow on demand.
   if (s.deft_kernels) s.partials.reserve(static_cast<int32_t>(2 * rows), s.dims);
+  // Padded rows of a graph step leave their attention rows as they were: start them finite.
+  DEFT_CUDA_CHECK(cudaMemsetAsync(s.attn.data(), 0, s.attn.bytes(), s.stream));
+  s.cublas_workspace.reset(kCublasWorkspaceBytes);
+  DEFT_CUBLAS_CHECK(
+      cublasSetWorkspace(s.cublas, s.cublas_workspace.data(), s.cublas_workspace.bytes()));
+  s.use_graphs = options.cuda_graphs;
+  s.max_graphs = options.max_cuda_graphs;
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
                        s.attn.bytes() + s.gate_up.bytes() + s.act.bytes() + s.logits.bytes() +
                        s.step_ints.bytes() + s.sampling_params.bytes() + s.sampled.bytes() +
-                       s.sampled_top.bytes() +
+                       s.sampled_top.bytes() + s.cublas_workspace.bytes() +
                        (s.deft_kernels ? 2 * rows * (c.q_size() + c.num_attention_heads) * 4 : 0);
 
   // The KV pool from what is left.
   size_t free_bytes = 0, total_bytes = 0;
   DEFT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   const size_t slot_bytes = static_cast<size_t>(c.num_hidden_layers) * 2 * c.kv_size() * e;
+  // One slot more than the pool holds: the sink of padded rows in graph steps.
   int64_t slots = options.num_kv_slots;
   if (slots == 0) {
     slots = static_cast<int64_t>(static_cast<double>(free_bytes) * options.kv_memory_fraction /
-                                 static_cast<double>(slot_bytes));
+                                 static_cast<double>(slot_bytes)) -
+            1;
     slots -= slots % options.page_tokens;
     if (slots <= 0) {
       return absl::ResourceExhaustedError(
@@ -427,12 +646,13 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
                        " MiB free after weights and activations: no room "
                        "for one KV page"));
     }
-  } else if (static_cast<size_t>(slots) * slot_bytes > free_bytes) {
+  } else if (static_cast<size_t>(slots + 1) * slot_bytes > free_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("llama_cuda: ", slots, " KV slots need ",
                                                      slots * slot_bytes / kMiB, " MiB but only ",
                                                      free_bytes / kMiB, " MiB are free"));
   }
-  const size_t cache_bytes = static_cast<size_t>(slots) * c.kv_size() * e;
+  const size_t cache_bytes = static_cast<size_t>(slots + 1) * c.kv_size() * e;
+  s.sink_slot = static_cast<int32_t>(slots);
   for (State::Layer& layer : s.layers) {
     layer.k_cache.reset(cache_bytes);
     layer.v_cache.reset(cache_bytes);
@@ -463,7 +683,11 @@ size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_byt
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
 void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
-void LlamaCudaRunner::set_skinny_gemm(bool on) { state_->skinny_gemm = on; }
+void LlamaCudaRunner::set_skinny_gemm(bool on) {
+  // Captured step graphs hold the other GEMM kernels.
+  if (state_->skinny_gemm != on) state_->drop_graphs();
+  state_->skinny_gemm = on;
+}
 void LlamaCudaRunner::time_attention(bool on) {
   state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;
 }
@@ -473,6 +697,11 @@ double LlamaCudaRunner::last_attention_seconds() const {
              : -1.0;
 }
 const StepTimes& LlamaCudaRunner::last_step_times() const { return state_->times; }
+void LlamaCudaRunner::set_cuda_graphs(bool on) {
+  state_->use_graphs = on;
+  if (!on) state_->drop_graphs();
+}
+const CudaGraphStats& LlamaCudaRunner::cuda_graph_stats() const { return state_->graph_stats; }
 
 absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<float> logits) {
   return run_step(batch, logits, {}, {});
@@ -563,6 +792,31 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   s.times = StepTimes{};
   if (rows == 0) return absl::OkStatus();
   bool any_top_logprobs = false;
+  // Graph steps: decode-sized, no per-launch events (kPhases runs eagerly).
+  const bool graph_step = s.use_graphs && s.timing != StepTiming::kPhases &&
+                          rows <= kMaxGraphRows && pow2_bucket(rows) <= s.max_rows &&
+                          logit_rows <= kMaxGraphRows && pow2_bucket(logit_rows) <= s.max_rows &&
+                          plan.prefill_runs.empty();
+  State::StepGraph* graph = nullptr;
+  int32_t launch_rows = rows, launch_logit_rows = logit_rows;
+  if (graph_step) {
+    int32_t max_task_entries = 0;
+    for (int32_t t = 0; t < plan.num_tasks(); ++t) {
+      max_task_entries =
+          std::max(max_task_entries, plan.task_entry_begin[t + 1] - plan.task_entry_begin[t]);
+    }
+    const State::GraphKey key{
+        .rows = pow2_bucket(rows),
+        .logit_rows = pow2_bucket(logit_rows),
+        .tasks = task_bucket(plan.num_tasks()),
+        .row_slices =
+            s.deft_kernels ? kernels::deft_attention_row_slices(max_task_entries, s.dims) : 0,
+        .stage2 = s.deft_kernels && plan.num_entries() > rows,
+        .sample = sample};
+    graph = &s.graph_for(key);
+    launch_rows = key.rows;
+    launch_logit_rows = key.logit_rows;
+  }
   if (sample) {
     bool any_draw = false;
     auto* params = s.sampling_params_host.as<kernels::RowSamplingParams>();
@@ -577,6 +831,10 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       any_draw |= p.temperature != 0.0f && p.top_k != 1;
       any_top_logprobs |= p.top_logprobs > 0;
     }
+    // Padded logit rows sample greedily (no workspace, no top list).
+    for (int32_t i = logit_rows; i < launch_logit_rows; ++i) {
+      params[i] = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .top_logprobs = 0};
+    }
     const size_t workspace_bytes = kernels::sampling_workspace_bytes(
         std::min(kLogitRowsPerChunk, logit_rows), vocab);
     if (any_draw && s.sampling_workspace.bytes() < workspace_bytes) {
@@ -585,108 +843,99 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     }
   }
 
-  const ModelConfig& c = config_;
-  const int32_t hidden = c.hidden_size;
-  const int32_t q_size = c.q_size();
-  const int32_t qkv_width = q_size + 2 * c.kv_size();
-  const int32_t intermediate = c.intermediate_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
-
   // Step inputs: one pinned staging buffer, one copy. The previous step synchronised at its
-  // end, so the staging buffer is free.
+  // end, so the staging buffer is free. Layout: tokens | positions | slots | logit rows, each
+  // of the launch's (padded) size.
   s.mark_start();
   int32_t* host = s.step_ints_host.as<int32_t>();
   std::copy(batch.tokens.begin(), batch.tokens.end(), host);
-  std::copy(plan.query_position.begin(), plan.query_position.end(), host + rows);
-  std::copy(plan.query_slot.begin(), plan.query_slot.end(), host + 2 * rows);
-  std::copy(batch.logit_rows.begin(), batch.logit_rows.end(), host + 3 * rows);
-  DEFT_CUDA_CHECK(cudaMemcpyAsync(s.step_ints.data(), host,
-                                  sizeof(int32_t) * (3 * static_cast<size_t>(rows) + logit_rows),
-                                  cudaMemcpyHostToDevice, s.stream));
-  const int32_t* d_tokens = s.step_ints.as<int32_t>();
-  const int32_t* d_positions = d_tokens + rows;
-  const int32_t* d_slots = d_tokens + 2 * rows;
-  const int32_t* d_logit_rows = d_tokens + 3 * rows;
-  if (sample && logit_rows > 0) {
+  std::fill(host + rows, host + launch_rows, 0);
+  std::copy(plan.query_position.begin(), plan.query_position.end(), host + launch_rows);
+  std::fill(host + launch_rows + rows, host + 2 * launch_rows, 0);
+  std::copy(plan.query_slot.begin(), plan.query_slot.end(), host + 2 * launch_rows);
+  std::fill(host + 2 * launch_rows + rows, host + 3 * launch_rows, s.sink_slot);
+  std::copy(batch.logit_rows.begin(), batch.logit_rows.end(), host + 3 * launch_rows);
+  std::fill(host + 3 * launch_rows + logit_rows, host + 3 * launch_rows + launch_logit_rows, 0);
+  DEFT_CUDA_CHECK(cudaMemcpyAsync(
+      s.step_ints.data(), host,
+      sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows),
+      cudaMemcpyHostToDevice, s.stream));
+  if (sample && launch_logit_rows > 0) {
     DEFT_CUDA_CHECK(cudaMemcpyAsync(s.sampling_params.data(), s.sampling_params_host.data(),
-                                    sizeof(kernels::RowSamplingParams) * logit_rows,
+                                    sizeof(kernels::RowSamplingParams) * launch_logit_rows,
                                     cudaMemcpyHostToDevice, s.stream));
   }
-  s.plan.upload(plan.view(), s.stream);
-  if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
+  State::StepLaunch launch{.rows = launch_rows,
+                           .logit_rows = launch_logit_rows,
+                           .plan = &s.plan,
+                           .stage2 = kernels::DeftStage2::kIfMerging,
+                           .sample = sample};
+  if (graph != nullptr) {
+    // The bucket's padded plan; capacities grow to powers of two (the captured graph, which
+    // holds the old buffer's pointers, is dropped then).
+    kernels::PlanCapacity& capacity = graph->capacity;
+    const kernels::AttentionPlanView view = plan.view();
+    if (!capacity.holds(view) || capacity.queries != launch_rows ||
+        capacity.tasks != graph->key.tasks) {
+      capacity = {.queries = launch_rows,
+                  .tasks = graph->key.tasks,
+                  .entries = std::max(capacity.entries, pow2_bucket(view.num_entries)),
+                  .kv_indices = std::max(capacity.kv_indices, pow2_bucket(view.num_kv_indices)),
+                  .mask_words = std::max(capacity.mask_words, pow2_bucket(view.num_mask_words))};
+      graph->drop();
+    }
+    graph->plan.upload_padded(view, capacity, s.stream);
+    // Partials for a power-of-two entry count, so they are reallocated (and graphs recaptured)
+    // rarely.
+    if (s.deft_kernels) s.partials.reserve(pow2_bucket(view.num_entries), s.dims);
+    if (graph->exec != nullptr && (graph->partial_out != s.partials.partial_out() ||
+                                   graph->workspace != s.sampling_workspace.data())) {
+      graph->drop();
+    }
+    launch.plan = &graph->plan;
+    launch.stage2 = graph->key.stage2 ? kernels::DeftStage2::kAlways : kernels::DeftStage2::kNever;
+  } else {
+    s.plan.upload(plan.view(), s.stream);
+    if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
+    launch.logits_out = sample ? std::span<float>() : logits;
+  }
   s.mark(State::kCopy);
 
-  float* residual = s.residual.as<float>();
-  kernels::launch_embedding(rows, hidden, s.dtype, d_tokens, s.embed.data(), residual, s.stream);
-  const kernels::QkvRopeDims qkv_dims{.num_tokens = rows,
-                                      .num_q_heads = c.num_attention_heads,
-                                      .num_kv_heads = c.num_key_value_heads,
-                                      .head_dim = c.head_dim};
-  const kernels::RmsNormDims norm_dims{.num_rows = rows, .width = hidden, .eps = eps};
-  for (State::Layer& layer : s.layers) {
-    kernels::launch_rms_norm(norm_dims, s.dtype, nullptr, residual, nullptr,
-                             layer.input_norm.as<float>(), s.normed.data(), s.stream);
-    s.mark(State::kOther);
-    s.gemm(s.normed.data(), layer.qkv.data(), rows, hidden, qkv_width, s.qkv.data(), false, false);
-    s.mark(State::kGemm);
-    kernels::launch_qkv_rope_write(qkv_dims, s.dtype, d_positions, d_slots, s.inv_freq.as<float>(),
-                                   s.qkv.data(), layer.qkv_bias.as<float>(), s.q.data(),
-                                   layer.k_cache.data(), layer.v_cache.data(), s.stream);
-    s.mark(State::kOther);
-    if (s.deft_kernels) {
-      kernels::launch_deft_attention(s.plan, s.dims, s.dtype, s.q.data(), layer.k_cache.data(),
-                                     layer.v_cache.data(), s.partials, s.attn.data(), s.stream);
-      // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel.
-      kernels::launch_prefill_attention(s.plan.view(), s.plan.prefill_runs(), s.dims, s.dtype,
-                                        s.q.data(), layer.k_cache.data(), layer.v_cache.data(),
-                                        s.prefill_scratch, s.attn.data(), s.stream);
-    } else {  // the generic kernel runs the plan's tasks and prefill runs
-      kernels::launch_tree_attention_generic(s.plan.view(), s.dims, s.dtype, s.q.data(),
-                                             layer.k_cache.data(), layer.v_cache.data(),
-                                             s.attn.data(), s.stream);
+  if (graph == nullptr) {
+    s.launch_step(config_, launch);
+    ++s.graph_stats.eager_steps;
+  } else if (graph->exec == nullptr && !graph->seen) {
+    graph->seen = true;
+    s.launch_step(config_, launch);
+    ++s.graph_stats.eager_steps;
+  } else {
+    if (graph->exec == nullptr) {
+      const auto capture_start = std::chrono::steady_clock::now();
+      cudaGraph_t captured = nullptr;
+      DEFT_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+      s.launch_step(config_, launch);
+      DEFT_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
+      DEFT_CUDA_CHECK(cudaGraphInstantiate(&graph->exec, captured, 0));
+      DEFT_CUDA_CHECK(cudaGraphDestroy(captured));
+      graph->partial_out = s.partials.partial_out();
+      graph->workspace = s.sampling_workspace.data();
+      ++s.graph_stats.captures;
+      s.graph_stats.capture_us += std::chrono::duration<double, std::micro>(
+                                      std::chrono::steady_clock::now() - capture_start)
+                                      .count();
+      spdlog::debug(
+          "llama_cuda: captured the graph of {} rows, {} logit rows, {} tasks, {} row slices{}{}",
+          graph->key.rows, graph->key.logit_rows, graph->key.tasks, graph->key.row_slices,
+          graph->key.stage2 ? ", stage 2" : "", graph->key.sample ? ", sampling" : "");
     }
-    s.mark(State::kAttention);
-    s.gemm(s.attn.data(), layer.o_proj.data(), rows, q_size, hidden, residual, true, true);
-    s.mark(State::kGemm);
-    // The O projection's bias (Llama with attention_bias) is folded into the residual here.
-    kernels::launch_rms_norm(norm_dims, s.dtype, nullptr, residual, layer.o_bias.as<float>(),
-                             layer.post_norm.as<float>(), s.normed.data(), s.stream);
-    s.mark(State::kOther);
-    s.gemm(s.normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, s.gate_up.data(),
-           false, false);
-    s.mark(State::kGemm);
-    kernels::launch_silu_mul(rows, intermediate, s.dtype, s.gate_up.data(), s.act.data(), s.stream);
-    s.mark(State::kOther);
-    s.gemm(s.act.data(), layer.down.data(), rows, intermediate, hidden, residual, true, true);
-    s.mark(State::kGemm);
+    DEFT_CUDA_CHECK(cudaGraphLaunch(graph->exec, s.stream));
+    ++s.graph_stats.graph_steps;
   }
 
   if (logit_rows > 0) {
-    // Final norm of the logit rows only (gathered), then the LM head in chunks of rows.
-    kernels::launch_rms_norm({.num_rows = logit_rows, .width = hidden, .eps = eps}, s.dtype,
-                             d_logit_rows, residual, nullptr, s.norm.as<float>(), s.normed.data(),
-                             s.stream);
-    s.mark(State::kOther);
-    const void* lm_head = c.tie_word_embeddings ? s.embed.data() : s.lm_head.data();
-    const size_t row_bytes = kernels::dtype_bytes(s.dtype) * hidden;
-    for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
-      const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
-      s.gemm(static_cast<const char*>(s.normed.data()) + row_bytes * begin, lm_head, count, hidden,
-             vocab, s.logits.data(), true, false);
-      s.mark(State::kGemm);
-      if (sample) {
-        kernels::launch_sample_rows(
-            {.num_rows = count, .vocab_size = vocab, .row_stride = vocab}, s.logits.as<float>(),
-            s.sampling_params.as<kernels::RowSamplingParams>() + begin,
-            s.sampling_workspace.as<float>(), s.sampled.as<kernels::SampledRow>() + begin,
-            s.sampled_top.as<kernels::SampledTop>() +
-                static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
-            s.stream);
-        s.mark(State::kSampling);
-        continue;
-      }
-      DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data() + static_cast<size_t>(begin) * vocab,
-                                      s.logits.data(), sizeof(float) * count * vocab,
+    if (!sample && launch.logits_out.empty()) {
+      DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data(), s.logits.data(),
+                                      sizeof(float) * static_cast<size_t>(logit_rows) * vocab,
                                       cudaMemcpyDeviceToHost, s.stream));
       s.mark(State::kCopy);
     }

@@ -12,6 +12,11 @@
 //   (forward) or GPU sampling and only the tokens to the host (forward_sampled).
 // GEMMs are cuBLAS (bf16/fp16 in, fp32 accumulate). GPU memory is planned at load from the free
 // memory: weights, activations for `max_batch_rows` query rows, then the KV pool.
+// Decode-sized steps (up to 256 query rows and 256 logit rows, no prefill runs) replay CUDA
+// graphs: one per bucket of the step's shape (rows and logit rows rounded up to powers of two,
+// the plan's task count to a bucket), the step's inputs and plan padded to the bucket in
+// preallocated buffers so the captured kernel parameters hold for every step of the bucket
+// (llama_cuda.cc, "CUDA graphs"). Larger steps and StepTiming::kPhases launch one by one.
 #pragma once
 
 #include <filesystem>
@@ -36,6 +41,19 @@ struct LlamaCudaOptions {
   // this must be split by the caller).
   int32_t max_batch_rows = 4096;
   int device = 0;
+  // Decode steps replay CUDA graphs (false: every step launches its ~130 kernels one by one).
+  bool cuda_graphs = true;
+  // Graphs kept at most (one per shape bucket); the least recently used is dropped first.
+  int32_t max_cuda_graphs = 32;
+};
+
+struct CudaGraphStats {
+  int64_t graph_steps = 0;  // steps replayed from a graph (the capturing step included)
+  int64_t captures = 0;     // graphs captured: a new bucket, or a bucket's plan outgrew its buffers
+  double capture_us = 0;    // host time of those captures and instantiations, summed
+  int64_t eager_steps = 0;  // steps launched one by one (graphs off, kPhases, too large, or the
+                            // first step of a bucket, which runs the padded launches uncaptured)
+  int32_t cached_graphs = 0;
 };
 
 // Optional GPU timing of forward() (benchmarks): kOff costs nothing; kTotal records two CUDA
@@ -98,6 +116,9 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   double last_attention_seconds() const override;
   // Times of the last forward() under the timing mode set then.
   const StepTimes& last_step_times() const;
+  // Turns CUDA graph replay on or off for the next steps (off drops the cached graphs).
+  void set_cuda_graphs(bool on);
+  const CudaGraphStats& cuda_graph_stats() const;
 
  private:
   struct State;  // device buffers, cuBLAS handle, stream (CUDA types stay out of this header)

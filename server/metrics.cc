@@ -4,10 +4,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "server/metrics_http_server.h"
 
 namespace deft::server {
 namespace {
@@ -63,19 +64,15 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
 ServerMetrics::~ServerMetrics() = default;
 
 int ServerMetrics::listen(const std::string& address, std::string* error) {
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
-  } catch (const std::exception& e) {
-    *error = absl::StrCat("cannot serve metrics on ", address, ": ", e.what());
+  http_ = std::make_unique<MetricsHttpServer>(
+      [registry = registry_] { return prometheus::TextSerializer().Serialize(registry->Collect()); });
+  absl::StatusOr<int> port = http_->listen(address);
+  if (!port.ok()) {
+    *error = std::string(port.status().message());
+    http_.reset();
     return -1;
   }
-  exposer_->RegisterCollectable(registry_);
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  if (ports.empty()) {
-    *error = absl::StrCat("metrics server on ", address, " has no listening port");
-    return -1;
-  }
-  return ports.front();
+  return *port;
 }
 
 void ServerMetrics::record_step(const StepRecord& step) {

@@ -12,7 +12,6 @@
 
 namespace prometheus {
 class Counter;
-class Exposer;
 class Gauge;
 class Histogram;
 class Registry;
@@ -21,6 +20,8 @@ class Family;
 }  // namespace prometheus
 
 namespace deft::server {
+
+class MetricsHttpServer;
 
 struct StepRecord {
   double step_seconds = 0;     // the whole step: planning, forward, sampling, streaming
@@ -51,7 +52,7 @@ class ServerMetrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> http_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   prometheus::Counter* steps_ = nullptr;
   prometheus::Counter* generated_tokens_ = nullptr;

@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "engine/generate_work.h"
@@ -311,6 +313,132 @@ TEST_F(SchedulerTest, RunTreeFinishesReplaysAndFreesItsKv) {
   ASSERT_EQ(second.back().kind, TreeSearchEvent::Kind::kFinished);
   EXPECT_EQ(second.back().best_path, result.best_path);
   EXPECT_EQ(second.back().best_text, result.best_text);
+}
+
+}  // namespace
+}  // namespace deft::engine
+
+namespace deft::engine {
+namespace {
+
+// Random interleavings of every session command (valid and invalid node ids, random drafted
+// trees) with Generate and RunTree jobs and cancellations: nothing crashes, every command is
+// answered, the forest stays consistent, and once everything is closed the KV pool is empty.
+TEST_F(SchedulerTest, RandomCommandsKeepTheForestConsistentAndFreeEverything) {
+  std::mt19937 random(2026);
+  const auto pick = [&](int n) { return static_cast<int>(random() % static_cast<unsigned>(n)); };
+  const int kSessions = 3;
+  std::vector<std::shared_ptr<SessionEvents>> events(kSessions);
+  std::vector<std::vector<NodeId>> nodes(kSessions);
+  for (int s = 0; s < kSessions; ++s) {
+    events[s] = std::make_shared<SessionEvents>();
+    ASSERT_TRUE(scheduler_->open_session(100 + s, events[s]).ok());
+  }
+  std::vector<std::shared_ptr<GenerateEvents>> jobs;
+  std::vector<std::shared_ptr<VerifyReply>> replies;
+  const std::vector<std::string> texts = {"Once upon a time", "The king said", "The little fox"};
+  for (int round = 0; round < 300; ++round) {
+    const int s = pick(kSessions);
+    const auto node = [&]() -> NodeId {
+      if (nodes[s].empty() || pick(8) == 0) return pick(400);  // often unknown or foreign
+      return nodes[s][static_cast<size_t>(pick(static_cast<int>(nodes[s].size())))];
+    };
+    SessionCommand command{.request_id = static_cast<uint64_t>(round)};
+    switch (pick(9)) {
+      case 0:
+        command.kind = SessionCommand::Kind::kCreate;
+        command.tokens = encode(texts[static_cast<size_t>(pick(3))]);
+        break;
+      case 1:
+        command.kind = SessionCommand::Kind::kExtend;
+        command.node = node();
+        command.tokens = {static_cast<TokenId>(3 + pick(500)), static_cast<TokenId>(3 + pick(500))};
+        break;
+      case 2:
+        command.kind = SessionCommand::Kind::kDecode;
+        command.nodes = {node()};
+        if (pick(2) == 0) command.nodes.push_back(node());
+        command.sampling = {.temperature = pick(2) == 0 ? 0.0f : 1.0f, .seed = 7};
+        command.max_tokens = 1 + pick(4);
+        break;
+      case 3:
+        command.kind = SessionCommand::Kind::kBranch;
+        command.node = node();
+        command.k = pick(4);  // 0 is invalid
+        break;
+      case 4:
+        command.kind = SessionCommand::Kind::kPrune;
+        command.node = node();
+        break;
+      case 5:
+        command.kind = SessionCommand::Kind::kScore;
+        command.node = node();
+        command.tokens = {static_cast<TokenId>(3 + pick(500))};
+        break;
+      case 6: {
+        command.kind = SessionCommand::Kind::kVerify;
+        command.node = node();
+        const int entries = 1 + pick(6);
+        for (int i = 0; i < entries; ++i) {
+          command.tokens.push_back(static_cast<TokenId>(3 + pick(500)));
+          command.parents.push_back(i == 0 ? -1 : pick(i + 1) - 1);
+        }
+        command.sampling = {.temperature = 0.0f};
+        command.reply = std::make_shared<VerifyReply>();
+        replies.push_back(command.reply);
+        break;
+      }
+      case 7: {
+        if (pick(3) == 0 && !jobs.empty()) {
+          jobs[static_cast<size_t>(pick(static_cast<int>(jobs.size())))]->cancel();
+        } else {
+          jobs.push_back(submit_generate(*scheduler_, encode(texts[static_cast<size_t>(pick(3))]),
+                                         1 + pick(3), 1 + pick(6)));
+        }
+        continue;
+      }
+      default:
+        scheduler_->prepare();
+        (void)scheduler_->step();
+        continue;
+    }
+    scheduler_->session_command(100 + s, std::move(command));
+    for (int i = pick(3); i > 0; --i) {
+      scheduler_->prepare();
+      (void)scheduler_->step();
+    }
+    // Learn the node ids the session now holds from its answers.
+    std::vector<SessionEvent> batch;
+    events[s]->next(batch, std::chrono::milliseconds(0));
+    for (const SessionEvent& e : batch) {
+      if (e.kind == SessionEvent::Kind::kCreated) nodes[s].push_back(e.node);
+      if (e.kind == SessionEvent::Kind::kBranched) {
+        nodes[s].insert(nodes[s].end(), e.children.begin(), e.children.end());
+      }
+    }
+    for (const auto& reply : replies) {
+      std::vector<VerifyOutcome> outcome;
+      reply->next(outcome, std::chrono::milliseconds(0));
+      for (const VerifyOutcome& o : outcome) {
+        for (int t = 0; t < kSessions; ++t) {
+          if (t == s) nodes[t].push_back(o.node);
+        }
+      }
+    }
+    ASSERT_TRUE(scheduler_->forest().tree().check_invariants()) << "round " << round;
+    ASSERT_TRUE(scheduler_->kv().check_invariants()) << "round " << round;
+  }
+  size_t learned = 0;
+  for (const auto& held : nodes) learned += held.size();
+  EXPECT_GT(learned, 20u);  // the commands did real work, not only errors
+  for (int s = 0; s < kSessions; ++s) scheduler_->close_session(100 + s);
+  for (const auto& job : jobs) job->cancel();
+  run_until(*scheduler_, [&] {
+    return scheduler_->sessions() == 0 && !scheduler_->has_live() && scheduler_->queued() == 0;
+  });
+  for (const auto& reply : replies) EXPECT_TRUE(reply->finished());
+  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  EXPECT_EQ(scheduler_->forest().tree().num_live_nodes(), 1);
 }
 
 }  // namespace
