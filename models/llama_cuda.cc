@@ -871,17 +871,20 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                            .stage2 = kernels::DeftStage2::kIfMerging,
                            .sample = sample};
   if (graph != nullptr) {
-    // The bucket's padded plan; capacities grow to powers of two (the captured graph, which
-    // holds the old buffer's pointers, is dropped then).
+    // The bucket's padded plan; capacities grow to powers of two with 2x headroom (the captured
+    // graph, which holds the old buffer's pointers, is dropped then).
     kernels::PlanCapacity& capacity = graph->capacity;
     const kernels::AttentionPlanView view = plan.view();
     if (!capacity.holds(view) || capacity.queries != launch_rows ||
         capacity.tasks != graph->key.tasks) {
       capacity = {.queries = launch_rows,
                   .tasks = graph->key.tasks,
-                  .entries = std::max(capacity.entries, pow2_bucket(view.num_entries)),
-                  .kv_indices = std::max(capacity.kv_indices, pow2_bucket(view.num_kv_indices)),
-                  .mask_words = std::max(capacity.mask_words, pow2_bucket(view.num_mask_words))};
+                  // 2x headroom: a growing tree recaptures after growing 2-4x, not each doubling.
+                  .entries = std::max(capacity.entries, pow2_bucket(2 * view.num_entries)),
+                  .kv_indices =
+                      std::max(capacity.kv_indices, pow2_bucket(2 * view.num_kv_indices)),
+                  .mask_words =
+                      std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words))};
       graph->drop();
     }
     graph->plan.upload_padded(view, capacity, s.stream);
