@@ -19,6 +19,7 @@
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
+//                  [--gemm cublas|skinny]   (skinny: kernels/skinny_gemm.h for <= 64-row steps)
 // Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_runtime_api.h>
 
@@ -305,12 +306,14 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50;
+  std::string gemm = "cublas";  // cublas: the runner's default; skinny: skinny GEMM for <= 64 rows
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--workloads") workloads = argv[i + 1];
     else if (flag == "--out") out = argv[i + 1];
     else if (flag == "--fewshot-steps") fewshot_steps = std::atoi(argv[i + 1]);
     else if (flag == "--spec-steps") spec_steps = std::atoi(argv[i + 1]);
+    else if (flag == "--gemm") gemm = argv[i + 1];
   }
   absl::StatusOr<engine::SpecDecTrace> trace =
       engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
@@ -324,6 +327,7 @@ int main(int argc, char** argv) {
                    .max_batch_rows = kPrefillChunk},
           1, "llama3-8b-random");
   must(runner.status(), "runner");
+  (*runner)->set_skinny_gemm(gemm == "skinny");
   std::printf("random Llama-3-8B-shaped model ready in %.1f s, %.2f GB weights\n",
               us_since(t_load) / 1e6, (*runner)->weight_bytes() / 1e9);
 
@@ -450,6 +454,7 @@ int main(int argc, char** argv) {
         row.floor_us = floor.median;
         row.extra = {
             {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
+            {"gemm", gemm == "skinny" ? "skinny GEMM (<= 64 rows), cuBLAS otherwise" : "cuBLAS"},
             {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
             {"queries_per_step", c.spec ? trace->tree_size() : 20},
             {"tokens_per_s", tokens_per_s},

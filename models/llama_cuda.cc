@@ -20,6 +20,7 @@
 #include "kernels/llama_ops.h"
 #include "kernels/prefill_attention.h"
 #include "kernels/sampling.h"
+#include "kernels/skinny_gemm.h"
 #include "kernels/tree_attention_generic.h"
 #include "models/llama_checkpoint.h"
 #include "spdlog/spdlog.h"
@@ -168,6 +169,7 @@ struct LlamaCudaRunner::State {
   kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes
   kernels::AttentionDims dims;
   bool deft_kernels = false;
+  bool skinny_gemm = false;  // set_skinny_gemm
   DeviceBuffer cublas_workspace;
   int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
 
@@ -311,8 +313,17 @@ struct LlamaCudaRunner::State {
   State& operator=(const State&) = delete;
 
   // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
+  // With skinny_gemm on, steps of up to kSkinnyGemmMaxRows rows (decode) stream the weights
+  // through kernels/skinny_gemm.h, larger ones use cuBLAS. Off by default: on the H100 cuBLAS
+  // was as fast or faster on every Llama-3-8B shape (bench/results/skinny_gemm-h100-*.json).
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
             bool y_fp32, bool accumulate) const {
+    const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
+    if (skinny_gemm && rows <= kernels::kSkinnyGemmMaxRows &&
+        kernels::skinny_gemm_supported(dims, x, w)) {
+      kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
+      return;
+    }
     const float alpha = 1.0f;
     const float beta = accumulate ? 1.0f : 0.0f;
     // Column-major view: y^T [out x rows] = w^T' [out x in] * x^T [in x rows].
@@ -672,6 +683,11 @@ size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_byt
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
 void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
+void LlamaCudaRunner::set_skinny_gemm(bool on) {
+  // Captured step graphs hold the other GEMM kernels.
+  if (state_->skinny_gemm != on) state_->drop_graphs();
+  state_->skinny_gemm = on;
+}
 void LlamaCudaRunner::time_attention(bool on) {
   state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;
 }

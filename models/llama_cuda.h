@@ -65,7 +65,7 @@ enum class StepTiming { kOff, kTotal, kPhases };
 struct StepTimes {
   double total_ms = 0;      // first event to last event of the step
   double attention_ms = 0;  // DeFT / generic attention launches (both stages)
-  double gemm_ms = 0;       // cuBLAS GEMMs (QKV, O, gate/up, down, LM head)
+  double gemm_ms = 0;       // GEMMs (QKV, O, gate/up, down, LM head)
   double other_ms = 0;      // embedding, RMSNorms, RoPE + KV write, SiLU·mul
   double copy_ms = 0;       // step inputs and plan upload, logits (or sampled tokens) download
   double sampling_ms = 0;   // GPU sampling (forward_sampled)
@@ -107,6 +107,9 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   bool uses_deft_kernels() const;
 
   void set_step_timing(StepTiming timing);
+  // On: decode steps (<= kernels::kSkinnyGemmMaxRows rows) run their GEMMs on the skinny GEMM
+  // (kernels/skinny_gemm.h); off (the default): every GEMM on cuBLAS. Benchmarks compare.
+  void set_skinny_gemm(bool on);
   // time_attention(true): the next steps run with StepTiming::kPhases (a few µs of host time
   // per launch), so last_attention_seconds() reports their attention time.
   void time_attention(bool on) override;

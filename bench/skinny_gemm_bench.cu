@@ -1,0 +1,200 @@
+// The decode-step GEMMs of a Llama-3-8B-shaped model (bf16, fp32 accumulation): the skinny GEMM
+// (kernels/skinny_gemm.h) against cuBLAS (cublasGemmEx, the runner's call) on the same shapes in
+// the same run, y = x · w^T with fp32 output (the runner's O / down calls accumulate into the fp32
+// residual, QKV / gate-up write bf16; the weight stream is the same). Floor = weight bytes /
+// 3.0 TB/s. Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated
+// over copies larger than 4x the L2, median after warm-up. Each skinny row is checked against
+// cuBLAS's output (relative error < 1e-4) before it is written.
+//
+//   skinny_gemm_bench [--out DIR] [--reps N] [--sweep 1]   (--sweep: also every forced split)
+// Writes <out>/skinny_gemm-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_result.h"
+#include "kernels/cuda_check.h"
+#include "kernels/device_buffer.h"
+#include "kernels/llama_ops.h"
+#include "kernels/skinny_gemm.h"
+
+namespace deft::bench {
+namespace {
+
+using kernels::DeviceBuffer;
+
+struct Shape {
+  const char* name;
+  int32_t out, in;
+};
+constexpr Shape kShapes[] = {{"qkv", 6144, 4096},
+                             {"o", 4096, 4096},
+                             {"gate_up", 28672, 4096},
+                             {"down", 4096, 14336},
+                             {"lm_head", 128256, 4096}};
+constexpr size_t kRotateBytes = 200u << 20;  // > 4x the H100's 50 MB L2
+constexpr int kLaunchesPerGraph = 20;
+
+std::vector<double> time_graph(cudaStream_t stream, int reps, const std::function<void(int)>& launch) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DEFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kLaunchesPerGraph; ++i) launch(i);
+  DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  DEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int w = 0; w < 3; ++w) DEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  cudaEvent_t start, stop;
+  DEFT_CUDA_CHECK(cudaEventCreate(&start));
+  DEFT_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> samples_us;
+  for (int r = 0; r < reps; ++r) {
+    DEFT_CUDA_CHECK(cudaEventRecord(start, stream));
+    DEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    DEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
+    DEFT_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    samples_us.push_back(ms * 1e3 / kLaunchesPerGraph);
+  }
+  DEFT_CUDA_CHECK(cudaEventDestroy(start));
+  DEFT_CUDA_CHECK(cudaEventDestroy(stop));
+  DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  return samples_us;
+}
+
+double relative_error(const std::vector<float>& ours, const std::vector<float>& ref) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < ours.size(); ++i) {
+    if (std::isnan(ours[i])) return INFINITY;
+    diff += double(ours[i] - ref[i]) * (ours[i] - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+}  // namespace
+}  // namespace deft::bench
+
+int main(int argc, char** argv) {
+  using namespace deft;
+  using namespace deft::bench;
+  std::string out_dir;
+  int reps = 30;
+  bool sweep = false;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--out") out_dir = argv[i + 1];
+    if (flag == "--reps") reps = std::atoi(argv[i + 1]);
+    if (flag == "--sweep") sweep = std::atoi(argv[i + 1]) != 0;
+  }
+  cudaDeviceProp prop;
+  DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const std::string gpu = prop.name;
+  const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
+  BenchResult result("skinny_gemm", gpu, tag, argc, argv);
+  cudaStream_t stream;
+  DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t cublas;
+  if (cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cublas, stream) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "cuBLAS init failed\n");
+    return 1;
+  }
+  std::mt19937 rng(1234);
+  const kernels::DType dtype = kernels::DType::kBf16;
+  std::printf("%-8s %4s %-14s %9s %9s %6s %8s %8s\n", "shape", "m", "method", "median_us", "floor_us",
+              "ratio", "TB/s", "vs_cublas");
+  for (const Shape& shape : kShapes) {
+    const size_t w_bytes = size_t{2} * shape.out * shape.in;
+    const int copies = static_cast<int>(std::max<size_t>(1, (kRotateBytes + w_bytes - 1) / w_bytes));
+    std::vector<DeviceBuffer> weights;
+    for (int c = 0; c < copies; ++c) {
+      weights.emplace_back(w_bytes);
+      kernels::launch_random_uniform(int64_t{shape.out} * shape.in, rng(),
+                                     std::sqrt(3.0f / shape.in), 0.0f, dtype, weights.back().data(),
+                                     stream);
+    }
+    const double floor_us = w_bytes / BenchResult::kHbmBytesPerS * 1e6;
+    for (int32_t rows : {1, 7, 20, 64, 128}) {
+      DeviceBuffer x(size_t{2} * rows * shape.in);
+      kernels::launch_random_uniform(int64_t{rows} * shape.in, rng(), 1.7f, 0.0f, dtype, x.data(),
+                                     stream);
+      const size_t y_count = static_cast<size_t>(rows) * shape.out;
+      DeviceBuffer y_cublas(y_count * 4), y_skinny(y_count * 4);
+      const float alpha = 1.0f, beta = 0.0f;
+      const auto cublas_launch = [&](int i) {
+        if (cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, shape.out, rows, shape.in, &alpha,
+                         weights[i % copies].data(), CUDA_R_16BF, shape.in, x.data(), CUDA_R_16BF,
+                         shape.in, &beta, y_cublas.data(), CUDA_R_32F, shape.out,
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+          std::fprintf(stderr, "cublasGemmEx failed\n");
+          std::exit(1);
+        }
+      };
+      const kernels::SkinnyGemmDims dims{.rows = rows, .in = shape.in, .out = shape.out};
+      cublas_launch(0);
+      DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<float> ref(y_count);
+      DEFT_CUDA_CHECK(cudaMemcpy(ref.data(), y_cublas.data(), y_count * 4, cudaMemcpyDeviceToHost));
+      const Samples cublas_stats = summarize(time_graph(stream, reps, cublas_launch));
+      const auto add_row = [&](const std::string& method, const Samples& stats, int32_t split,
+                               double rel_err) {
+        ResultRow row;
+        row.case_name = std::string(shape.name) + "_m" + std::to_string(rows);
+        row.method = method;
+        row.median_us = stats.median;
+        row.p10_us = stats.p10;
+        row.p90_us = stats.p90;
+        row.repetitions = reps;
+        row.floor_us = floor_us;
+        row.extra = {{"rows", rows},
+                     {"in", shape.in},
+                     {"out", shape.out},
+                     {"weight_bytes", w_bytes},
+                     {"achieved_tb_per_s", w_bytes / stats.median / 1e6},
+                     {"speedup_vs_cublas", cublas_stats.median / stats.median}};
+        if (split > 0) row.extra["split_k"] = split;
+        if (rel_err >= 0) row.extra["rel_err_vs_cublas"] = rel_err;
+        std::printf("%-8s %4d %-14s %9.1f %9.1f %6.2f %8.2f %8.2f\n", shape.name, rows,
+                    method.c_str(), stats.median, floor_us, stats.median / floor_us,
+                    w_bytes / stats.median / 1e6, cublas_stats.median / stats.median);
+        result.add(row);
+      };
+      add_row("cublas", cublas_stats, 0, -1);
+      std::vector<int32_t> splits = {0};
+      if (sweep) splits = {0, 1, 2, 3, 4, 6, 8};
+      for (int32_t split : splits) {
+        const auto skinny_launch = [&](int i) {
+          kernels::launch_skinny_gemm(dims, dtype, x.data(), weights[i % copies].data(),
+                                      y_skinny.data(), true, false, stream, split);
+        };
+        DEFT_CUDA_CHECK(cudaMemsetAsync(y_skinny.data(), 0xff, y_count * 4, stream));  // NaN
+        skinny_launch(0);
+        DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        std::vector<float> ours(y_count);
+        DEFT_CUDA_CHECK(cudaMemcpy(ours.data(), y_skinny.data(), y_count * 4, cudaMemcpyDeviceToHost));
+        const double rel_err = relative_error(ours, ref);
+        const int32_t used = split > 0 ? split : kernels::skinny_gemm_auto_split(dims);
+        if (!(rel_err < 1e-4)) {
+          std::printf("%-8s %4d skinny split %d FAILED CHECK (rel err %.2e, row not written)\n",
+                      shape.name, rows, used, rel_err);
+          continue;
+        }
+        const Samples stats = summarize(time_graph(stream, reps, skinny_launch));
+        add_row(split == 0 ? "skinny" : "skinny_split" + std::to_string(split), stats, used,
+                rel_err);
+      }
+    }
+  }
+  cublasDestroy(cublas);
+  std::printf("wrote %s\n", result.write(out_dir).c_str());
+  return 0;
+}
