@@ -71,12 +71,17 @@ absl::Status GenerateWork::add_rows(StepContext& step) {
     return absl::OkStatus();
   }
   if (step.budget < live_branches_) return absl::OkStatus();  // wait for a roomier step
+  SamplingParams params = job_.sampling;
   for (Branch& branch : branches_) {
     if (!branch.live) continue;
     if (absl::Status status = step.add_run(branch.node, std::span(&branch.pending.token, 1));
         !status.ok()) {
       return status;
     }
+    // The sampler's step counter is the new token's position: draws replay exactly.
+    const TreeNode& node = step.forest.tree().node(branch.node);
+    params.seed = branch.seed;
+    step.sample_last_row(params, static_cast<uint64_t>(node.depth_begin + node.tokens.size()));
   }
   in_step_ = true;
   return absl::OkStatus();
@@ -107,16 +112,10 @@ absl::Status GenerateWork::take_logits(StepContext& step) {
       ++step.generated;
     }
   } else {
-    SamplingParams params = job_.sampling;
     for (int32_t i = 0; i < static_cast<int32_t>(branches_.size()); ++i) {
       Branch& branch = branches_[i];
       if (!branch.live) continue;
-      const std::span<const float> logits = step.next_logits();
-      params.seed = branch.seed;
-      // The sampler's step counter is the new token's position: draws replay exactly.
-      const TreeNode& node = forest.tree().node(branch.node);
-      const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
-      absl::StatusOr<SampledToken> sampled = step.sampler.sample(logits, params, position);
+      absl::StatusOr<SampledToken> sampled = step.next_sampled();
       if (!sampled.ok()) return sampled.status();
       if (absl::Status status = add_token(i, *sampled, forest); !status.ok()) return status;
       ++step.generated;

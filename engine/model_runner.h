@@ -65,6 +65,9 @@ class ModelRunner {
   // then holds the step's K/V).
   virtual absl::Status forward_sampled(const StepBatch& batch, std::span<const RowSampling> rows,
                                        std::span<SampledToken> out);
+  // True when forward_sampled() samples on the device (only tokens come back): the engine then
+  // uses it for steps whose logit rows all just need a token.
+  virtual bool samples_on_device() const { return false; }
 
   // Attention time of the last step in seconds (all layers), or < 0 when it was not timed.
   // time_attention(true) asks the next steps to time it (a backend may charge a little for

@@ -174,14 +174,21 @@ std::optional<StepStats> Scheduler::step() {
     status = planner_.plan(trees, plan_);
     stats.plan_seconds = seconds_since(plan_start);
     if (status.ok()) {
-      logits_.resize(step_.logit_rows.size() * static_cast<size_t>(runner_.vocab_size()));
       const StepBatch batch{.plan = &plan_, .tokens = step_.tokens,
                             .logit_rows = step_.logit_rows};
       // Attention is timed on every 16th step (the CUDA runner charges a little for it).
       const bool timed = step_count_++ % 16 == 0;
       if (timed) runner_.time_attention(true);
       const Clock::time_point forward_start = Clock::now();
-      status = runner_.forward(batch, logits_);
+      if (runner_.samples_on_device() && step_.all_rows_sampled()) {
+        // Every logit row is a decode row: sample on the device, only tokens come back.
+        step_.sampled.resize(step_.logit_rows.size());
+        status = runner_.forward_sampled(batch, step_.row_sampling(), step_.sampled);
+        logits_.clear();
+      } else {
+        logits_.resize(step_.logit_rows.size() * static_cast<size_t>(runner_.vocab_size()));
+        status = runner_.forward(batch, logits_);
+      }
       stats.forward_seconds = seconds_since(forward_start);
       if (timed) {
         stats.attention_seconds = runner_.last_attention_seconds();

@@ -132,6 +132,13 @@ absl::Status TreeSearchWork::add_rows(StepContext& step) {
         !status.ok()) {
       return status;
     }
+    if (live->state == State::kDecoding) {
+      // A decode row only needs its next token (a readying row keeps its logits for branching).
+      const TreeNode& node = step.forest.tree().node(live->node);
+      SamplingParams params = job_.sampling;
+      params.seed = live->seed;
+      step.sample_last_row(params, static_cast<uint64_t>(node.depth_begin + node.tokens.size()));
+    }
   }
   in_step_ = true;
   return absl::OkStatus();
@@ -147,22 +154,18 @@ absl::Status TreeSearchWork::take_logits(StepContext& step) {
     live_[0]->logits.assign(logits.begin(), logits.end());
     live_[0]->state = State::kReady;
   } else {
-    SamplingParams params = job_.sampling;
     for (size_t id = 0; id < live_.size(); ++id) {
       Live* live = live_[id].get();
       if (live == nullptr || !(live->state == State::kDecoding || live->state == State::kReadying)) {
         continue;
       }
-      const std::span<const float> logits = step.next_logits();
       if (live->state == State::kReadying) {
+        const std::span<const float> logits = step.next_logits();
         live->logits.assign(logits.begin(), logits.end());
         live->state = State::kReady;
         continue;
       }
-      const TreeNode& node = forest.tree().node(live->node);
-      const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
-      params.seed = live->seed;
-      absl::StatusOr<SampledToken> sampled = step.sampler.sample(logits, params, position);
+      absl::StatusOr<SampledToken> sampled = step.next_sampled();
       if (!sampled.ok()) return sampled.status();
       if (absl::Status status = add_token(static_cast<int32_t>(id), *sampled, forest);
           !status.ok()) {

@@ -20,6 +20,45 @@ absl::Status StepContext::add_run(NodeId node, std::span<const TokenId> run, Log
   return absl::OkStatus();
 }
 
+void StepContext::sample_last_row(const SamplingParams& params, uint64_t step) {
+  const size_t row = logit_rows.size() - 1;
+  row_params_.resize(logit_rows.size());
+  row_steps_.resize(logit_rows.size());
+  row_samples_.resize(logit_rows.size(), 0);
+  row_params_[row] = params;
+  row_steps_[row] = step;
+  row_samples_[row] = 1;
+}
+
+bool StepContext::all_rows_sampled() const {
+  if (logit_rows.empty() || row_samples_.size() != logit_rows.size()) return false;
+  for (uint8_t marked : row_samples_) {
+    if (marked == 0) return false;
+  }
+  return true;
+}
+
+std::span<const RowSampling> StepContext::row_sampling() {
+  row_sampling_.resize(logit_rows.size());
+  for (size_t i = 0; i < logit_rows.size(); ++i) {
+    row_sampling_[i] = {.params = &row_params_[i], .step = row_steps_[i]};
+  }
+  return row_sampling_;
+}
+
+absl::StatusOr<SampledToken> StepContext::next_sampled() {
+  const size_t row = logit_cursor_;
+  if (row >= row_samples_.size() || row_samples_[row] == 0) {
+    std::fprintf(stderr, "StepContext: row %zu was not marked for sampling\n", row);
+    std::abort();
+  }
+  if (!sampled.empty()) {
+    ++logit_cursor_;
+    return sampled[row];
+  }
+  return sampler.sample(next_logits(), row_params_[row], row_steps_[row]);
+}
+
 std::span<const float> StepContext::next_logits() {
   const size_t vocab = static_cast<size_t>(vocab_size);
   if ((logit_cursor_ + 1) * vocab > logits.size()) {
@@ -37,6 +76,11 @@ void StepContext::clear() {
   logit_rows.clear();
   logits = {};
   logit_cursor_ = 0;
+  row_params_.clear();
+  row_steps_.clear();
+  row_samples_.clear();
+  row_sampling_.clear();
+  sampled.clear();
 }
 
 }  // namespace deft::engine

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "engine/attention_planner.h"
 #include "engine/forest.h"
+#include "engine/model_runner.h"
 #include "engine/sampler.h"
 #include "engine/token_stream.h"
 #include "engine/tokenizer.h"
@@ -41,14 +42,31 @@ class StepContext {
   std::vector<TokenId> tokens;
   std::vector<int32_t> logit_rows;
 
+  // Marks the step's last logit row as one that only needs a sampled token (a decode row):
+  // when every logit row of a step is such a row, a runner that samples on its device does
+  // it there and only tokens come back. `step` is the Sampler's counter (the token's position).
+  void sample_last_row(const SamplingParams& params, uint64_t step);
+
   // After the forward pass: the logits, taken by the works in the order they asked.
   std::span<const float> logits;
   std::span<const float> next_logits();
+  // The token of a row marked by sample_last_row(), in the same order as next_logits():
+  // sampled on the device, or here from the row's logits with the row's params.
+  absl::StatusOr<SampledToken> next_sampled();
+
+  // The scheduler's side of device sampling.
+  bool all_rows_sampled() const;
+  std::span<const RowSampling> row_sampling();  // one per logit row (valid until the next add)
+  std::vector<SampledToken> sampled;            // filled by forward_sampled()
 
   void clear();
 
  private:
   size_t logit_cursor_ = 0;
+  std::vector<SamplingParams> row_params_;  // per logit row; unused for rows that want logits
+  std::vector<uint64_t> row_steps_;
+  std::vector<uint8_t> row_samples_;        // 1: the row only needs a sampled token
+  std::vector<RowSampling> row_sampling_;
 };
 
 class Work {

@@ -95,6 +95,7 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override;
   // Samples on the GPU (kernels/sampling.h) right after the LM head: the logits never leave
   // the device; tokens, logprobs and asked-for top logprobs come back.
+  bool samples_on_device() const override { return true; }
   absl::Status forward_sampled(const engine::StepBatch& batch,
                                std::span<const engine::RowSampling> rows,
                                std::span<engine::SampledToken> out) override;

@@ -443,3 +443,79 @@ TEST_F(SchedulerTest, RandomCommandsKeepTheForestConsistentAndFreeEverything) {
 
 }  // namespace
 }  // namespace deft::engine
+
+namespace deft::engine {
+namespace {
+
+// A CPU runner that claims to sample on its device: the Scheduler then sends decode-only steps
+// through forward_sampled() (here the default forward() + Sampler), the path the CUDA runner
+// takes. Generate and RunTree must give exactly the tokens of the logits path.
+class DeviceSamplingRunner final : public ModelRunner {
+ public:
+  explicit DeviceSamplingRunner(ModelRunner& inner) : inner_(inner) {}
+  const ModelInfo& info() const override { return inner_.info(); }
+  absl::Status forward(const StepBatch& batch, std::span<float> logits) override {
+    return inner_.forward(batch, logits);
+  }
+  absl::Status forward_sampled(const StepBatch& batch, std::span<const RowSampling> rows,
+                               std::span<SampledToken> out) override {
+    ++sampled_steps;
+    return ModelRunner::forward_sampled(batch, rows, out);
+  }
+  bool samples_on_device() const override { return true; }
+  int sampled_steps = 0;
+
+ private:
+  ModelRunner& inner_;
+};
+
+TEST_F(SchedulerTest, DeviceSamplingStepsGiveTheSameTokens) {
+  DeviceSamplingRunner device(*runner_);
+  Scheduler sampled({.page_tokens = kPageTokens, .kv_pages = kPages, .max_step_tokens = 256},
+                    device, *tokenizer_);
+  const auto run = [&](Scheduler& scheduler) {
+    std::vector<std::shared_ptr<GenerateEvents>> jobs;
+    for (int i = 0; i < 4; ++i) {
+      auto events = std::make_shared<GenerateEvents>();
+      GenerateJob job{.prompt = encode(i % 2 == 0 ? "Once upon a time" : "The king said"),
+                      .n = 2 + i % 2, .max_tokens = 9,
+                      .sampling = {.temperature = i < 2 ? 0.0f : 0.9f,
+                                   .seed = static_cast<uint64_t>(i)}};
+      EXPECT_TRUE(scheduler
+                      .submit(std::make_unique<GenerateWork>(std::move(job), events, *tokenizer_,
+                                                             kPageTokens))
+                      .ok());
+      jobs.push_back(events);
+    }
+    auto tree = std::make_shared<TreeSearchEvents>();
+    EXPECT_TRUE(scheduler
+                    .submit(std::make_unique<TreeSearchWork>(
+                        TreeSearchJob{.prompt = encode("The little fox"),
+                                      .policy = {.branch_factor = 2, .every_tokens = 3,
+                                                 .max_depth = 2},
+                                      .sampling = {.temperature = 0.8f, .seed = 5},
+                                      .max_tokens = 9},
+                        tree, *tokenizer_, kPageTokens))
+                    .ok());
+    run_until(scheduler, [&] {
+      for (const auto& e : jobs) {
+        if (!e->finished()) return false;
+      }
+      return tree->finished();
+    });
+    std::vector<std::vector<std::vector<TokenId>>> out;
+    for (size_t i = 0; i < jobs.size(); ++i) out.push_back(branches(*jobs[i], 2 + i % 2));
+    std::vector<TreeSearchEvent> events;
+    tree->next(events, std::chrono::milliseconds(0));
+    std::vector<std::vector<TokenId>> tree_nodes;
+    for (const TreeSearchNode& node : events.back().nodes) tree_nodes.push_back(node.tokens);
+    out.push_back(tree_nodes);
+    return out;
+  };
+  EXPECT_EQ(run(sampled), run(*scheduler_));
+  EXPECT_GT(device.sampled_steps, 0);
+  EXPECT_EQ(sampled.kv().used_pages(), 0);
+}
+
+}  // namespace
+}  // namespace deft::engine
