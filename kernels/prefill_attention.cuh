@@ -216,46 +216,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 3)
         }
       }
     }
-    float step_max_a = kNegInf, step_max_b = kNegInf;
-#pragma unroll
-    for (int nb = 0; nb < kBlocks; ++nb) {
-      step_max_a = fmaxf(step_max_a, fmaxf(scores[nb][0], scores[nb][1]));
-      step_max_b = fmaxf(step_max_b, fmaxf(scores[nb][2], scores[nb][3]));
-    }
-    step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 1));
-    step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 2));
-    step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 1));
-    step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 2));
-    const float scale = params.scale_log2;
-    const float new_max_a = fmaxf(max_a, step_max_a * scale);
-    const float new_max_b = fmaxf(max_b, step_max_b * scale);
-    const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
-    const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
-    const float alpha_a = fast_exp2(max_a - base_a);
-    const float alpha_b = fast_exp2(max_b - base_b);
-    max_a = new_max_a;
-    max_b = new_max_b;
-    float step_sum_a = 0.0f, step_sum_b = 0.0f;
-#pragma unroll
-    for (int nb = 0; nb < kBlocks; ++nb) {
-      scores[nb][0] = fast_exp2(fmaf(scores[nb][0], scale, -base_a));
-      scores[nb][1] = fast_exp2(fmaf(scores[nb][1], scale, -base_a));
-      scores[nb][2] = fast_exp2(fmaf(scores[nb][2], scale, -base_b));
-      scores[nb][3] = fast_exp2(fmaf(scores[nb][3], scale, -base_b));
-      step_sum_a += scores[nb][0] + scores[nb][1];
-      step_sum_b += scores[nb][2] + scores[nb][3];
-    }
-    sum_a = sum_a * alpha_a + step_sum_a;
-    sum_b = sum_b * alpha_b + step_sum_b;
-    if (__any_sync(0xffffffffu, alpha_a != 1.0f || alpha_b != 1.0f)) {
-#pragma unroll
-      for (int nb = 0; nb < kOBlocks; ++nb) {
-        o_acc[nb][0] *= alpha_a;
-        o_acc[nb][1] *= alpha_a;
-        o_acc[nb][2] *= alpha_b;
-        o_acc[nb][3] *= alpha_b;
-      }
-    }
+    online_softmax_step(scores, o_acc, params.scale_log2, max_a, max_b, sum_a, sum_b);
 #pragma unroll
     for (int pair = 0; pair < kBlocks / 2; ++pair) {
       const uint32_t p_frag[4] = {Traits::pack(scores[2 * pair][0], scores[2 * pair][1]),

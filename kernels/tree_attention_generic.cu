@@ -51,6 +51,28 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     acc[j] = 0.0f;
   }
   float running_max = -INFINITY, running_sum = 0.0f;
+  // Online softmax over one key (its K/V at `base`): the warp's dot product, then the update.
+  const auto attend = [&](int64_t base) {
+    float score = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int32_t d = lane + 32 * j;
+      if (d < dims.head_dim) score += q_reg[j] * to_float(k_cache[base + d]);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      score += __shfl_xor_sync(0xffffffffu, score, offset);
+    }
+    const float new_max = fmaxf(running_max, score);
+    const float rescale = expf(running_max - new_max);
+    const float weight = expf(score - new_max);
+    running_sum = running_sum * rescale + weight;
+    running_max = new_max;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int32_t d = lane + 32 * j;
+      if (d < dims.head_dim) acc[j] = acc[j] * rescale + weight * to_float(v_cache[base + d]);
+    }
+  };
   for (int32_t i = plan.query_entry_begin[query]; i < plan.query_entry_begin[query + 1]; ++i) {
     const int32_t entry = plan.query_entries[i];
     const int32_t task = task_of_entry(plan, entry);
@@ -62,25 +84,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         continue;
       }
       const int64_t base = int64_t{plan.kv_slots[k]} * kv_stride + int64_t{kv_head} * dims.head_dim;
-      float score = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int32_t d = lane + 32 * j;
-        if (d < dims.head_dim) score += q_reg[j] * to_float(k_cache[base + d]);
-      }
-      for (int offset = 16; offset > 0; offset /= 2) {
-        score += __shfl_xor_sync(0xffffffffu, score, offset);
-      }
-      const float new_max = fmaxf(running_max, score);
-      const float rescale = expf(running_max - new_max);
-      const float weight = expf(score - new_max);
-      running_sum = running_sum * rescale + weight;
-      running_max = new_max;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int32_t d = lane + 32 * j;
-        if (d < dims.head_dim) acc[j] = acc[j] * rescale + weight * to_float(v_cache[base + d]);
-      }
+      attend(base);
     }
   }
   // A row of a prefill run (no entries): keys [0, prefix_tokens + i] of the run's key list.
@@ -91,25 +95,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int32_t k = 0; k < keys; ++k) {
       const int64_t base =
           int64_t{plan.kv_slots[r.kv_begin + k]} * kv_stride + int64_t{kv_head} * dims.head_dim;
-      float score = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int32_t d = lane + 32 * j;
-        if (d < dims.head_dim) score += q_reg[j] * to_float(k_cache[base + d]);
-      }
-      for (int offset = 16; offset > 0; offset /= 2) {
-        score += __shfl_xor_sync(0xffffffffu, score, offset);
-      }
-      const float new_max = fmaxf(running_max, score);
-      const float rescale = expf(running_max - new_max);
-      const float weight = expf(score - new_max);
-      running_sum = running_sum * rescale + weight;
-      running_max = new_max;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int32_t d = lane + 32 * j;
-        if (d < dims.head_dim) acc[j] = acc[j] * rescale + weight * to_float(v_cache[base + d]);
-      }
+      attend(base);
     }
     break;
   }
