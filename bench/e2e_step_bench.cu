@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/llama3_8b_config.h"
 #include "bench/bench_result.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
@@ -71,25 +72,6 @@ void must(const absl::Status& status, const char* what) {
 
 double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-}
-
-models::ModelConfig llama3_8b_config() {
-  models::ModelConfig c;
-  c.architecture = "LlamaForCausalLM";
-  c.model_type = "llama";
-  c.hidden_size = 4096;
-  c.intermediate_size = 14336;
-  c.num_hidden_layers = 32;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 8;
-  c.head_dim = 128;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 500000.0;
-  c.max_position_embeddings = 8192;
-  c.vocab_size = 128256;
-  c.tie_word_embeddings = false;
-  c.torch_dtype = models::DType::kBF16;
-  return c;
 }
 
 struct StepRecord {
