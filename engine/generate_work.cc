@@ -121,7 +121,10 @@ absl::Status GenerateWork::take_logits(StepContext& step) {
       ++step.generated;
     }
   }
-  if (live_branches_ == 0) finish_job(forest);
+  if (live_branches_ == 0) {
+    finished_ = true;
+    events_->finish(absl::OkStatus());
+  }
   return absl::OkStatus();
 }
 
@@ -140,12 +143,6 @@ absl::Status GenerateWork::add_token(int32_t index, const SampledToken& sampled,
   // The branch's KV is of no further use: its pages go back now, not at the job's end.
   forest.release(branch.node);
   return absl::OkStatus();
-}
-
-void GenerateWork::finish_job(Forest& forest) {
-  (void)forest;
-  finished_ = true;
-  events_->finish(absl::OkStatus());
 }
 
 void GenerateWork::abort(const absl::Status& status, Forest& forest) {

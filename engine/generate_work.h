@@ -54,7 +54,6 @@ class GenerateWork final : public Work {
     bool live = true;
   };
   absl::Status add_token(int32_t index, const SampledToken& sampled, Forest& forest);
-  void finish_job(Forest& forest);
 
   GenerateJob job_;
   std::shared_ptr<GenerateEvents> events_;

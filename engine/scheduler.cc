@@ -130,22 +130,19 @@ void Scheduler::prepare() {
 void Scheduler::pump_sessions() {
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     Session& session = *it->second;
+    // next_work() runs immediate commands (a close among them) and starts at most one work; a
+    // refused work answers its command with the error (submit aborts it).
+    if (!session.busy() && !session.closing()) {
+      if (std::unique_ptr<Work> work = session.next_work(forest_); work != nullptr) {
+        (void)submit(std::move(work));
+      }
+    }
     if (session.closing() && !session.busy()) {
       session.close(forest_, absl::OkStatus());
       it = sessions_.erase(it);
-      continue;
+    } else {
+      ++it;
     }
-    if (!session.busy()) {
-      std::unique_ptr<Work> work = session.next_work(forest_);
-      // A refused work answers its command with the error (submit aborts it).
-      if (work != nullptr) (void)submit(std::move(work));
-      if (session.closing() && !session.busy()) {
-        session.close(forest_, absl::OkStatus());
-        it = sessions_.erase(it);
-        continue;
-      }
-    }
-    ++it;
   }
 }
 
@@ -158,8 +155,8 @@ std::optional<StepStats> Scheduler::step() {
   // Rotate who goes first, so a short budget is shared fairly across steps.
   const size_t count = live_.size();
   const size_t first = rotation_++ % count;
-  std::vector<size_t> order;
-  order.reserve(count);
+  std::vector<size_t>& order = order_;
+  order.clear();
   for (size_t k = 0; k < count; ++k) order.push_back((first + k) % count);
   absl::Status status;
   for (size_t index : order) {

@@ -108,6 +108,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Work>> queued_;
   std::vector<std::unique_ptr<Work>> live_;
   size_t rotation_ = 0;
+  std::vector<size_t> order_;  // this step's work order (kept to reuse its storage)
   int64_t step_count_ = 0;
   std::unordered_map<uint64_t, std::shared_ptr<Session>> sessions_;
 };

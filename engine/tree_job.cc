@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "engine/child_sampling.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::engine {
@@ -165,8 +166,9 @@ class TreeJob {
     const int32_t k = children_per_branch(options_);
     absl::StatusOr<std::vector<NodeId>> children = tree_.branch(leaf.node, k);
     if (!children.ok()) return children.status();
-    std::vector<TokenLogprob> choices;
-    if (options_.sampling.temperature == 0.0f) choices = top_tokens(logits, k);
+    absl::StatusOr<std::vector<SampledToken>> choices =
+        sample_children(sampler_, logits, params(leaf.seed), step, k);
+    if (!choices.ok()) return choices.status();
     for (int32_t i = 0; i < k; ++i) {
       const NodeId child = (*children)[i];
       const uint64_t seed = branch_seed(leaf.seed, static_cast<uint64_t>(i));
@@ -174,14 +176,7 @@ class TreeJob {
       result_.nodes[child] = {.id = child, .parent = leaf.node,
                               .level = result_.nodes[leaf.node].level + 1};
       result_.nodes[leaf.node].children.push_back(child);
-      TokenLogprob choice;
-      if (options_.sampling.temperature == 0.0f) {
-        choice = choices[i];
-      } else {
-        absl::StatusOr<SampledToken> sampled = sampler_.sample(logits, params(seed), step);
-        if (!sampled.ok()) return sampled.status();
-        choice = {sampled->token, sampled->logprob};
-      }
+      const SampledToken& choice = (*choices)[i];
       add_token(Leaf{.node = child, .pending = -1, .seed = seed, .generated = leaf.generated},
                 choice.token, choice.logprob);
     }
@@ -212,28 +207,6 @@ class TreeJob {
     params.top_logprobs = 0;
     params.stop_token_ids.clear();
     return params;
-  }
-
-  // The k most likely tokens (logit descending, id ascending) with their raw log-probabilities.
-  static std::vector<TokenLogprob> top_tokens(std::span<const float> logits, int32_t k) {
-    std::vector<int32_t> order(logits.size());
-    std::iota(order.begin(), order.end(), 0);
-    const size_t count = std::min<size_t>(static_cast<size_t>(k), logits.size());
-    std::partial_sort(order.begin(), order.begin() + count, order.end(),
-                      [&](int32_t a, int32_t b) {
-                        return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-                      });
-    const float max_logit = logits[order[0]];
-    double sum = 0.0;
-    for (float logit : logits) sum += std::exp(static_cast<double>(logit) - max_logit);
-    const double log_sum = max_logit + std::log(sum);
-    std::vector<TokenLogprob> top(static_cast<size_t>(k));
-    for (int32_t i = 0; i < k; ++i) {
-      // Fewer tokens than children: the extra children repeat the last choice.
-      const int32_t token = order[std::min<size_t>(static_cast<size_t>(i), count - 1)];
-      top[i] = {token, static_cast<float>(logits[token] - log_sum)};
-    }
-    return top;
   }
 
   ModelRunner& runner_;

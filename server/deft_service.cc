@@ -103,6 +103,71 @@ void fill_tokens(engine::TokenDelta& delta, v1::Tokens* tokens) {
 // How often a streaming handler looks at its client while waiting for the engine.
 constexpr std::chrono::milliseconds kPollInterval{50};
 
+// Streams a request's engine events to its client until the engine ends the stream (then its
+// final status), cancelling the request when the client cancels or goes away.
+template <typename Event, typename Response, typename ToResponse>
+grpc::Status stream_events(grpc::ServerContext* context, engine::EventQueue<Event>& events,
+                           grpc::ServerWriter<Response>* writer, ToResponse to_response) {
+  std::vector<Event> batch;
+  for (;;) {
+    batch.clear();
+    const bool more = events.next(batch, kPollInterval);
+    for (Event& event : batch) {
+      if (!writer->Write(to_response(event))) {
+        events.cancel();
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      }
+    }
+    if (!more) break;
+    if (context->IsCancelled()) {
+      events.cancel();
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+    }
+  }
+  return to_grpc(events.final_status());
+}
+
+// One RunTree event as the proto.
+v1::TreeEvent tree_event(engine::TreeSearchEvent& event) {
+  v1::TreeEvent out;
+  switch (event.kind) {
+    case engine::TreeSearchEvent::Kind::kNodeCreated: {
+      v1::TreeNodeInfo* node = out.mutable_node_created();
+      node->set_node(event.node);
+      node->set_parent(event.parent);
+      node->set_depth(event.depth);
+      break;
+    }
+    case engine::TreeSearchEvent::Kind::kTokens:
+      out.mutable_tokens()->set_node(event.node);
+      out.mutable_tokens()->set_finish_reason(to_proto(event.delta.finish));
+      fill_tokens(event.delta, out.mutable_tokens()->mutable_delta());
+      break;
+    case engine::TreeSearchEvent::Kind::kPruned:
+      out.set_pruned(event.node);
+      break;
+    case engine::TreeSearchEvent::Kind::kFinished: {
+      v1::TreeResult* result = out.mutable_finished();
+      result->mutable_best_path()->Add(event.best_path.begin(), event.best_path.end());
+      result->set_best_text(event.best_text);
+      for (engine::TreeSearchNode& node : event.nodes) {
+        v1::TreeNodeInfo* info = result->add_nodes();
+        info->set_node(node.id);
+        info->set_parent(node.parent);
+        info->set_depth(node.depth);
+        info->set_score(node.score);
+        info->set_finish_reason(to_proto(node.finish));
+        engine::TokenDelta tokens{.ids = std::move(node.tokens),
+                                  .text = std::move(node.text),
+                                  .logprobs = std::move(node.logprobs)};
+        fill_tokens(tokens, info->mutable_tokens());
+      }
+      break;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 DeftService::DeftService(const ServerConfig& config, ModelFacts model,
@@ -209,29 +274,15 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::Gener
 
   std::shared_ptr<engine::GenerateEvents> events = engine_.generate(std::move(job));
   bool first = true;
-  std::vector<engine::GenerateEvent> batch;
-  for (;;) {
-    batch.clear();
-    const bool more = events->next(batch, kPollInterval);
-    for (engine::GenerateEvent& event : batch) {
-      v1::GenerateResponse response;
-      response.set_branch(event.branch);
-      if (first) response.set_prompt_tokens(static_cast<int32_t>(prompt_size));
-      first = false;
-      fill_tokens(event.delta, response.mutable_delta());
-      response.set_finish_reason(to_proto(event.delta.finish));
-      if (!writer->Write(response)) {
-        events->cancel();
-        return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
-      }
-    }
-    if (!more) break;
-    if (context->IsCancelled()) {
-      events->cancel();
-      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-    }
-  }
-  return to_grpc(events->final_status());
+  return stream_events(context, *events, writer, [&](engine::GenerateEvent& event) {
+    v1::GenerateResponse response;
+    response.set_branch(event.branch);
+    if (first) response.set_prompt_tokens(static_cast<int32_t>(prompt_size));
+    first = false;
+    fill_tokens(event.delta, response.mutable_delta());
+    response.set_finish_reason(to_proto(event.delta.finish));
+    return response;
+  });
 }
 
 absl::Status DeftService::sampling(const v1::SamplingParams& sampling, const std::string& field,
@@ -337,59 +388,7 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTr
   }
 
   std::shared_ptr<engine::TreeSearchEvents> events = engine_.run_tree(std::move(job));
-  std::vector<engine::TreeSearchEvent> batch;
-  for (;;) {
-    batch.clear();
-    const bool more = events->next(batch, kPollInterval);
-    for (engine::TreeSearchEvent& event : batch) {
-      v1::TreeEvent out;
-      switch (event.kind) {
-        case engine::TreeSearchEvent::Kind::kNodeCreated: {
-          v1::TreeNodeInfo* node = out.mutable_node_created();
-          node->set_node(event.node);
-          node->set_parent(event.parent);
-          node->set_depth(event.depth);
-          break;
-        }
-        case engine::TreeSearchEvent::Kind::kTokens:
-          out.mutable_tokens()->set_node(event.node);
-          out.mutable_tokens()->set_finish_reason(to_proto(event.delta.finish));
-          fill_tokens(event.delta, out.mutable_tokens()->mutable_delta());
-          break;
-        case engine::TreeSearchEvent::Kind::kPruned:
-          out.set_pruned(event.node);
-          break;
-        case engine::TreeSearchEvent::Kind::kFinished: {
-          v1::TreeResult* result = out.mutable_finished();
-          result->mutable_best_path()->Add(event.best_path.begin(), event.best_path.end());
-          result->set_best_text(event.best_text);
-          for (engine::TreeSearchNode& node : event.nodes) {
-            v1::TreeNodeInfo* info = result->add_nodes();
-            info->set_node(node.id);
-            info->set_parent(node.parent);
-            info->set_depth(node.depth);
-            info->set_score(node.score);
-            info->set_finish_reason(to_proto(node.finish));
-            engine::TokenDelta tokens{.ids = std::move(node.tokens),
-                                      .text = std::move(node.text),
-                                      .logprobs = std::move(node.logprobs)};
-            fill_tokens(tokens, info->mutable_tokens());
-          }
-          break;
-        }
-      }
-      if (!writer->Write(out)) {
-        events->cancel();
-        return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
-      }
-    }
-    if (!more) break;
-    if (context->IsCancelled()) {
-      events->cancel();
-      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-    }
-  }
-  return to_grpc(events->final_status());
+  return stream_events(context, *events, writer, tree_event);
 }
 
 // ---- TreeSession --------------------------------------------------------------------------

@@ -51,25 +51,29 @@ bool EngineThread::post(Command command) {
   return true;
 }
 
-std::shared_ptr<engine::GenerateEvents> EngineThread::generate(engine::GenerateJob job) {
-  auto events = std::make_shared<engine::GenerateEvents>();
-  auto work = std::make_shared<std::unique_ptr<engine::Work>>(std::make_unique<engine::GenerateWork>(
-      std::move(job), events, tokenizer_, options_.page_tokens));
-  if (!post([work](engine::Scheduler& scheduler) { (void)scheduler.submit(std::move(*work)); })) {
+template <typename Events>
+std::shared_ptr<Events> EngineThread::submit(std::unique_ptr<engine::Work> work,
+                                             std::shared_ptr<Events> events) {
+  // A refusal by the scheduler reaches the client through the work's events (submit aborts it).
+  auto shared = std::make_shared<std::unique_ptr<engine::Work>>(std::move(work));
+  if (!post([shared](engine::Scheduler& scheduler) { (void)scheduler.submit(std::move(*shared)); })) {
     events->finish(shutting_down());
   }
   return events;
 }
 
+std::shared_ptr<engine::GenerateEvents> EngineThread::generate(engine::GenerateJob job) {
+  auto events = std::make_shared<engine::GenerateEvents>();
+  return submit(std::make_unique<engine::GenerateWork>(std::move(job), events, tokenizer_,
+                                                       options_.page_tokens),
+                events);
+}
+
 std::shared_ptr<engine::TreeSearchEvents> EngineThread::run_tree(engine::TreeSearchJob job) {
   auto events = std::make_shared<engine::TreeSearchEvents>();
-  auto work = std::make_shared<std::unique_ptr<engine::Work>>(
-      std::make_unique<engine::TreeSearchWork>(std::move(job), events, tokenizer_,
-                                               options_.page_tokens));
-  if (!post([work](engine::Scheduler& scheduler) { (void)scheduler.submit(std::move(*work)); })) {
-    events->finish(shutting_down());
-  }
-  return events;
+  return submit(std::make_unique<engine::TreeSearchWork>(std::move(job), events, tokenizer_,
+                                                         options_.page_tokens),
+                events);
 }
 
 absl::StatusOr<uint64_t> EngineThread::open_session(

@@ -83,6 +83,10 @@ class EngineThread {
                const engine::Tokenizer& tokenizer, ServerMetrics* metrics);
   // Queues a command for the engine thread; false once shutdown has begun.
   bool post(Command command);
+  // Posts a work for admission; `events` ends with UNAVAILABLE when shutdown has begun.
+  template <typename Events>
+  std::shared_ptr<Events> submit(std::unique_ptr<engine::Work> work,
+                                 std::shared_ptr<Events> events);
   void run();
   void publish();
 
