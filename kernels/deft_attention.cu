@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <limits>
 
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.cuh"
@@ -26,7 +27,7 @@ size_t align_up(size_t bytes) {
   return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign;
 }
 
-// Row slices of stage 1 (gridDim.z): a task with many rows (entries x group) is split over up
+// Row slices of stage 1 (CTAs per task and KV head): a task with many rows (entries x group) is split over up
 // to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
 constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every pass its own CTA
 
@@ -61,9 +62,11 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   params.group_size = group;
   params.scale_log2 = dims.softmax_scale * 1.4426950408889634f;
 
-  const dim3 grid1(static_cast<unsigned>(plan.num_tasks), static_cast<unsigned>(dims.num_kv_heads),
-                   static_cast<unsigned>(deft_attention_row_slices(max_task_entries, dims)));
-  stage1<<<grid1, detail::kStage1Threads, kSmemBytes, stream>>>(params);
+  params.row_slices = deft_attention_row_slices(max_task_entries, dims);
+
+  const int64_t ctas = int64_t{plan.num_tasks} * dims.num_kv_heads * params.row_slices;
+  if (ctas > std::numeric_limits<int32_t>::max()) fail("stage 1 grid too large; tasks", plan.num_tasks);
+  stage1<<<static_cast<unsigned>(ctas), detail::kStage1Threads, kSmemBytes, stream>>>(params);
   DEFT_CUDA_CHECK_LAUNCH();
 
   // Stage 2 spans every query (a launch shape fixed by the plan's size); queries with a single

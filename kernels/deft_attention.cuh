@@ -8,8 +8,9 @@
 // the warps instead (rows <= 16: 4 warps x 16 tokens of every 64-token tile), and the warps'
 // softmax states are merged through shared memory at the end of the pass.
 // KV tiles of 64 tokens are gathered through kv_slots (paged KV) with cp.async into a
-// double-buffered, padded shared-memory ring; QK^T and PV run on tensor cores (mma.sync, fp32
-// accumulation); per-token 64-bit mask words mask scores; tiles no row of the pass sees are
+// double-buffered, swizzled shared-memory ring; QK^T and PV run on tensor cores with fp32
+// accumulation: a 64-row pass on warpgroup MMAs (wgmma, sm_90a: Q and P from registers, K and V
+// straight from shared memory), fewer rows on mma.sync; per-token 64-bit mask words mask scores; tiles no row of the pass sees are
 // never loaded; online softmax in base 2. Rows whose query has a single partial write the final
 // output directly, the others write partial O (normalised) and LSE (natural log).
 //
@@ -25,6 +26,7 @@
 #include <type_traits>
 
 #include "kernels/attention_params.h"
+#include "kernels/wgmma.cuh"
 
 namespace deft::kernels::detail {
 
@@ -38,21 +40,25 @@ inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the P
 inline constexpr int kStage2Warps = 4;    // heads per stage-2 CTA
 inline constexpr int kStage2Threads = kStage2Warps * 32;
 
-// Shared memory of stage 1: two stages of (K tile, V tile, mask words). Rows are padded by
-// 16 bytes so that ldmatrix's 8 row addresses fall into distinct bank groups.
+// Shared memory of stage 1: two stages of (K tile, V tile, mask words). A tile is kHeadDim / 64
+// blocks of [64 tokens][128 bytes] in the 128-byte swizzle of kernels/wgmma.cuh: wgmma reads it
+// through descriptors, and ldmatrix's 8 row addresses fall into distinct bank groups. The
+// dynamic shared memory is aligned up to 1024 bytes in the kernel (kAlignSlack).
 template <int kHeadDim>
 struct Stage1Smem {
-  static constexpr int kRowElems = kHeadDim + 8;
-  static constexpr int kTileBytes = kKvTileTokens * kRowElems * 2;
+  static constexpr int kBlockBytes = kKvTileTokens * kSwizzleRowBytes;  // 64 columns of a tile
+  static constexpr int kTileBytes = kKvTileTokens * kHeadDim * 2;
   static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
   static constexpr int kMaskOffset = 2 * kStageBytes;
   // Per row of the current pass: where its result goes (~query: final output, else entry).
   static constexpr int kRowTargetOffset = kMaskOffset + 2 * kKvTileTokens * 8;
-  static constexpr int kBytes = kRowTargetOffset + kStage1Warps * kMmaRows * 4;
+  static constexpr int kAlignSlack = 1024;
+  static constexpr int kBytes = kRowTargetOffset + kStage1Warps * kMmaRows * 4 + kAlignSlack;
   // The end-of-pass merge reuses the KV ring: per warp 16 rows of O, m and l (fp32).
   static constexpr int kMergeOBytes = kStage1Warps * kMmaRows * kHeadDim * 4;
   static constexpr int kMergeBytes = kMergeOBytes + 2 * kStage1Warps * kMmaRows * 4;
   static_assert(kMergeBytes <= kMaskOffset, "merge scratch must fit in the KV ring");
+  static_assert(kHeadDim % 64 == 0, "tiles are whole 128-byte column blocks");
 };
 
 struct Stage1Params {
@@ -67,6 +73,7 @@ struct Stage1Params {
   int32_t num_kv_heads;
   int32_t group_size;
   float scale_log2;  // softmax_scale * log2(e)
+  int32_t row_slices;  // CTAs per (task, KV head); see the grid layout in the kernel
 };
 
 // ---- element type traits ----------------------------------------------------------------------
@@ -241,14 +248,22 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   constexpr int kOBlocks = kHeadDim / 8;       // n-blocks of the O accumulator
   constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Swizzled tiles need 1024-byte aligned blocks (the swizzle acts on address bits 4-9).
+  unsigned char* const smem =
+      smem_raw + ((Smem::kAlignSlack - (smem_address(smem_raw) & (Smem::kAlignSlack - 1))) &
+                  (Smem::kAlignSlack - 1));
 
   // Stage 2 may be scheduled once every stage-1 CTA runs (it waits for our results itself).
   allow_dependent_launch();
 
   const AttentionPlanView& plan = params.plan;
-  const int task = blockIdx.x;
-  const int kv_head = blockIdx.y;
+  // Grid: one dimension, (task, KV head, row slice) with the slice fastest, so the row slices of a
+  // task run side by side and re-read its KV from L2, and earlier tasks start first.
+  const int slice = blockIdx.x % params.row_slices;
+  const int task_head = blockIdx.x / params.row_slices;
+  const int kv_head = task_head % params.num_kv_heads;
+  const int task = task_head / params.num_kv_heads;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int lane_row = lane / 4;  // "groupID" of the MMA fragment layouts
@@ -279,15 +294,18 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const T* v_cache = static_cast<const T*>(params.v_cache);
   const int q_row_stride = params.num_q_heads * kHeadDim;
 
-  for (int pass = blockIdx.z; pass < num_passes; pass += gridDim.z) {
+  for (int pass = slice; pass < num_passes; pass += params.row_slices) {
     const int pass_row0 = pass * rows_per_pass;
     const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
     const int row_warps = pass_rows <= kMmaRows ? 1 : (pass_rows <= 2 * kMmaRows ? 2 : 4);
     const int kv_splits = kStage1Warps / row_warps;
     const int warp_row_block = warp % row_warps;
     const int warp_split = warp / row_warps;
-    // With 4 row warps and 33-48 rows, the fourth warp has no row: it skips the math.
+    // With 4 row warps and 33-48 rows, the fourth warp has no row: it skips the math (but takes
+    // part in the warpgroup MMAs of the 64-row path).
     const bool warp_has_rows = warp_row_block * kMmaRows < pass_rows;
+    // 64-row passes (all 4 warps on rows) run on warpgroup MMAs where compiled for sm_90a.
+    const bool use_wgmma = DEFT_HAS_WGMMA && row_warps == kStage1Warps;
     // Entries (mask bits) this pass covers: a tile none of them sees is skipped.
     const uint64_t pass_bits =
         masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
@@ -330,7 +348,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         const bool valid = token0 + token < run_tokens;
         const int64_t offset =
             (static_cast<int64_t>(slots[i]) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
-        const int smem_offset = (token * Smem::kRowElems + part * 8) * 2;
+        const int smem_offset = swizzled_offset(token, part, kKvTileTokens);
         cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
         cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
       }
@@ -404,39 +422,15 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     float max_a = kNegInf, max_b = kNegInf;  // running max of scaled scores (base 2)
     float sum_a = 0.0f, sum_b = 0.0f;        // this thread's share of the running denominators
 
-    // One warp step: 16 rows x (8 * kBlocks) tokens starting at tile token `step_token0`:
-    // S = Q K^T, mask, online softmax update, O += P V.
-    auto compute_step = [&](auto blocks_tag, const unsigned char* k_tile,
-                            const unsigned char* v_tile, const uint64_t* mask_tile, int token0,
-                            int step_token0) {
-      constexpr int kBlocks = decltype(blocks_tag)::value;  // n-blocks of 8 tokens, even
-      const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
-      const int matrix_row = lane % 8;
-
-      float scores[kBlocks][4];
-#pragma unroll
-      for (int nb = 0; nb < kBlocks; ++nb) {
-        scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
-      }
-#pragma unroll
-      for (int pair = 0; pair < kBlocks / 2; ++pair) {
-        const int token = step_token0 + pair * 16 + (matrix >> 1) * 8 + matrix_row;
-        const uint32_t row_address =
-            smem_address(k_tile + token * Smem::kRowElems * 2) + (matrix & 1) * 8 * 2;
-#pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-          uint32_t k_frag[4];
-          ldmatrix_x4(k_frag, row_address + kk * 16 * 2);
-          Traits::mma(scores[2 * pair], q_frag[kk], k_frag[0], k_frag[1]);
-          Traits::mma(scores[2 * pair + 1], q_frag[kk], k_frag[2], k_frag[3]);
-        }
-      }
-
-      // Mask (tail tokens, mask bits), online softmax update. Scores stay unscaled until the
-      // exponent: the maxima are taken on raw scores (softmax_scale > 0, see
-      // deft_attention_supported, so the order is the same) and exp2(s * scale - max) is one FFMA
-      // and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should here). Steps every row
-      // sees entirely (no mask, no tail) skip the per-element visibility tests.
+    // Mask (tail tokens, mask bits) and online softmax update of a warp's 16 rows x (8 * kBlocks)
+    // scores of the tokens starting at tile token `step_token0`. Scores stay unscaled until the
+    // exponent: the maxima are taken on raw scores (softmax_scale > 0, see
+    // deft_attention_supported, so the order is the same) and exp2(s * scale - max) is one FFMA
+    // and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should here). Steps every row
+    // sees entirely (no mask, no tail) skip the per-element visibility tests.
+    auto mask_and_softmax = [&](auto& scores, const uint64_t* mask_tile, int token0,
+                                int step_token0) {
+      constexpr int kBlocks = std::extent_v<std::remove_reference_t<decltype(scores)>>;
       const bool step_full = !masked && token0 + step_token0 + 8 * kBlocks <= run_tokens;
       if (!step_full) {
 #pragma unroll
@@ -452,34 +446,107 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         }
       }
       online_softmax_step(scores, o_acc, params.scale_log2, max_a, max_b, sum_a, sum_b);
+    };
 
-      // O += P V, 16 tokens at a time: P's accumulator layout is the A-fragment layout of the
-      // next MMA.
+    // P's accumulator layout is the A-fragment layout of the PV MMA: tokens 16 * pair .. + 15.
+    auto p_fragment = [](const auto& scores, int pair, uint32_t (&p_frag)[4]) {
+      p_frag[0] = Traits::pack(scores[2 * pair][0], scores[2 * pair][1]);
+      p_frag[1] = Traits::pack(scores[2 * pair][2], scores[2 * pair][3]);
+      p_frag[2] = Traits::pack(scores[2 * pair + 1][0], scores[2 * pair + 1][1]);
+      p_frag[3] = Traits::pack(scores[2 * pair + 1][2], scores[2 * pair + 1][3]);
+    };
+
+    // One warp step on mma.sync: 16 rows x (8 * kBlocks) tokens starting at tile token
+    // `step_token0`: S = Q K^T, mask, online softmax update, O += P V.
+    auto compute_step = [&](auto blocks_tag, uint32_t k_tile, uint32_t v_tile,
+                            const uint64_t* mask_tile, int token0, int step_token0) {
+      constexpr int kBlocks = decltype(blocks_tag)::value;  // n-blocks of 8 tokens, even
+      const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
+      const int matrix_row = lane % 8;
+
+      float scores[kBlocks][4];
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+        scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
+      }
 #pragma unroll
       for (int pair = 0; pair < kBlocks / 2; ++pair) {
-        const uint32_t p_frag[4] = {Traits::pack(scores[2 * pair][0], scores[2 * pair][1]),
-                                    Traits::pack(scores[2 * pair][2], scores[2 * pair][3]),
-                                    Traits::pack(scores[2 * pair + 1][0], scores[2 * pair + 1][1]),
-                                    Traits::pack(scores[2 * pair + 1][2], scores[2 * pair + 1][3])};
+        const int token = step_token0 + pair * 16 + (matrix >> 1) * 8 + matrix_row;
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          uint32_t k_frag[4];
+          ldmatrix_x4(k_frag, k_tile + swizzled_offset(token, 2 * kk + (matrix & 1), kKvTileTokens));
+          Traits::mma(scores[2 * pair], q_frag[kk], k_frag[0], k_frag[1]);
+          Traits::mma(scores[2 * pair + 1], q_frag[kk], k_frag[2], k_frag[3]);
+        }
+      }
+      mask_and_softmax(scores, mask_tile, token0, step_token0);
+      // O += P V, 16 tokens at a time.
+#pragma unroll
+      for (int pair = 0; pair < kBlocks / 2; ++pair) {
+        uint32_t p_frag[4];
+        p_fragment(scores, pair, p_frag);
         const int token = step_token0 + pair * 16 + (matrix & 1) * 8 + matrix_row;
-        const uint32_t row_address =
-            smem_address(v_tile + token * Smem::kRowElems * 2) + (matrix >> 1) * 8 * 2;
 #pragma unroll
         for (int nb2 = 0; nb2 < kHeadDim / 16; ++nb2) {
           uint32_t v_frag[4];
-          ldmatrix_x4_trans(v_frag, row_address + nb2 * 16 * 2);
+          ldmatrix_x4_trans(v_frag,
+                            v_tile + swizzled_offset(token, 2 * nb2 + (matrix >> 1), kKvTileTokens));
           Traits::mma(o_acc[2 * nb2], p_frag, v_frag[0], v_frag[1]);
           Traits::mma(o_acc[2 * nb2 + 1], p_frag, v_frag[2], v_frag[3]);
         }
       }
     };
 
+    // A whole 64-token tile for the pass's 64 rows on warpgroup MMAs: S = Q K^T from Q fragments
+    // in registers and the K tile (K-major); P V from P fragments and the V tile (MN-major).
+    auto compute_tile_wgmma = [&](uint32_t k_tile, uint32_t v_tile, const uint64_t* mask_tile,
+                                  int token0) {
+      float scores[kKvTileTokens / 8][4];
+#pragma unroll
+      for (int nb = 0; nb < kKvTileTokens / 8; ++nb) {
+        scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        // 16 columns = 32 bytes into the column block: the swizzle acts on the absolute address.
+        const uint32_t start = k_tile + (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32;
+        wgmma_rs<T, kKvTileTokens, false>(scores, q_frag[kk],
+                                          wgmma_descriptor(start, 16, 8 * kSwizzleRowBytes), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      wgmma_fence_operands(scores);
+      mask_and_softmax(scores, mask_tile, token0, 0);
+      uint32_t p_frag[kKvTileTokens / 16][4];
+#pragma unroll
+      for (int pair = 0; pair < kKvTileTokens / 16; ++pair) p_fragment(scores, pair, p_frag[pair]);
+      wgmma_fence_operands(o_acc);
+      wgmma_fence();
+#pragma unroll
+      for (int pair = 0; pair < kKvTileTokens / 16; ++pair) {
+        // 16 tokens = two groups of 8 rows; column blocks Smem::kBlockBytes apart.
+        const uint32_t start = v_tile + pair * 16 * kSwizzleRowBytes;
+        wgmma_rs<T, kHeadDim, true>(
+            o_acc, p_frag[pair],
+            wgmma_descriptor(start, Smem::kBlockBytes, 8 * kSwizzleRowBytes), true);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      wgmma_fence_operands(o_acc);
+    };
+
     auto compute_tile = [&](int tile, int stage) {
-      const unsigned char* k_tile = smem + stage * Smem::kStageBytes;
-      const unsigned char* v_tile = k_tile + Smem::kTileBytes;
+      const uint32_t k_tile = smem_address(smem + stage * Smem::kStageBytes);
+      const uint32_t v_tile = k_tile + Smem::kTileBytes;
       const uint64_t* mask_tile =
           reinterpret_cast<const uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
       const int token0 = tile * kKvTileTokens;
+      if (use_wgmma) {
+        compute_tile_wgmma(k_tile, v_tile, mask_tile, token0);
+        return;
+      }
       if (kv_splits == 1) {
         // Many rows: the whole 64-token tile in one step (more independent MMAs, one softmax
         // rescale per tile instead of four).
@@ -502,8 +569,9 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       if (next < num_tiles) load_tile(next, stage ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
+      fence_async_shared();  // this thread's copies become visible to wgmma's reads
       __syncthreads();
-      if (warp_has_rows) compute_tile(tile, stage);
+      if (use_wgmma || warp_has_rows) compute_tile(tile, stage);
       __syncthreads();
       tile = next;
       stage ^= 1;
@@ -511,15 +579,71 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     cp_async_wait<0>();
     __syncthreads();
 
-    // Merge the warps' states of the same rows (kv_splits > 1) through shared memory.
-    float* merge_o = reinterpret_cast<float*>(smem);
-    float* merge_max = merge_o + kStage1Warps * kMmaRows * kHeadDim;
-    float* merge_sum = merge_max + kStage1Warps * kMmaRows;
     sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
     sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
     sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
     sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
-    {
+
+    // Columns [col, col + kWidth) of pass row `pass_row`, normalised: to the output when its
+    // query has a single partial, else to the entry's partial (with the LSE at column 0). An
+    // entry that saw no token (a plan bug) yields zeros and LSE -inf, never NaN.
+    auto store_row_part = [&](int pass_row, int col, const float (&values)[4], auto width_tag,
+                              float row_max, float row_sum) {
+      constexpr int kWidth = decltype(width_tag)::value;  // 2 or 4
+      const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+      const int row = pass_row0 + pass_row;
+      const int head = kv_head * group + row % group;
+      const int target = row_target[pass_row];
+      if (target < 0) {
+        T* out = static_cast<T*>(params.out) + static_cast<int64_t>(~target) * q_row_stride +
+                 head * kHeadDim + col;
+        const uint32_t lo = Traits::pack(values[0] * inv_sum, values[1] * inv_sum);
+        if constexpr (kWidth == 4) {
+          *reinterpret_cast<uint2*>(out) =
+              make_uint2(lo, Traits::pack(values[2] * inv_sum, values[3] * inv_sum));
+        } else {
+          *reinterpret_cast<uint32_t*>(out) = lo;
+        }
+        return;
+      }
+      const int64_t partial_row = static_cast<int64_t>(target) * params.num_q_heads + head;
+      float* partial = params.partial_out + partial_row * kHeadDim + col;
+      if constexpr (kWidth == 4) {
+        *reinterpret_cast<float4*>(partial) =
+            make_float4(values[0] * inv_sum, values[1] * inv_sum, values[2] * inv_sum,
+                        values[3] * inv_sum);
+      } else {
+        *reinterpret_cast<float2*>(partial) = make_float2(values[0] * inv_sum, values[1] * inv_sum);
+      }
+      if (col == 0) {
+        // Natural-log LSE of the scaled scores: (max + log2(sum)) * ln(2).
+        params.partial_lse[partial_row] =
+            row_sum > 0.0f ? (row_max + log2f(row_sum)) * 0.69314718055994531f : kNegInf;
+      }
+    };
+
+    if (kv_splits == 1) {
+      // Each row's whole state is in its warp's registers: written from there.
+      if (warp_has_rows) {
+        const int pass_row_a = warp_row_block * kMmaRows + lane_row;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int pass_row = pass_row_a + 8 * half;
+          if (pass_row >= pass_rows) continue;
+#pragma unroll
+          for (int nb = 0; nb < kOBlocks; ++nb) {
+            const float values[4] = {o_acc[nb][2 * half], o_acc[nb][2 * half + 1], 0.0f, 0.0f};
+            store_row_part(pass_row, nb * 8 + 2 * lane_col, values,
+                           std::integral_constant<int, 2>{}, half == 0 ? max_a : max_b,
+                           half == 0 ? sum_a : sum_b);
+          }
+        }
+      }
+    } else {
+      // The warps' states of the same rows are merged through shared memory.
+      float* merge_o = reinterpret_cast<float*>(smem);
+      float* merge_max = merge_o + kStage1Warps * kMmaRows * kHeadDim;
+      float* merge_sum = merge_max + kStage1Warps * kMmaRows;
       float* warp_o = merge_o + warp * kMmaRows * kHeadDim;
 #pragma unroll
       for (int nb = 0; nb < kOBlocks; ++nb) {
@@ -535,59 +659,35 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         merge_sum[warp * kMmaRows + lane_row] = sum_a;
         merge_sum[warp * kMmaRows + lane_row + 8] = sum_b;
       }
-    }
-    __syncthreads();
+      __syncthreads();
 
-    constexpr int kQuads = kHeadDim / 4;  // float4 columns per row
-    for (int item = threadIdx.x; item < pass_rows * kQuads; item += kStage1Threads) {
-      const int pass_row = item / kQuads;
-      const int col = (item % kQuads) * 4;
-      const int row_block = pass_row / kMmaRows;
-      const int block_row = pass_row % kMmaRows;
-      float row_max = kNegInf;
-      for (int split = 0; split < kv_splits; ++split) {
-        const int w = row_block + split * row_warps;
-        row_max = fmaxf(row_max, merge_max[w * kMmaRows + block_row]);
-      }
-      float row_sum = 0.0f;
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (row_max != kNegInf) {
+      constexpr int kQuads = kHeadDim / 4;  // float4 columns per row
+      for (int item = threadIdx.x; item < pass_rows * kQuads; item += kStage1Threads) {
+        const int pass_row = item / kQuads;
+        const int col = (item % kQuads) * 4;
+        const int row_block = pass_row / kMmaRows;
+        const int block_row = pass_row % kMmaRows;
+        float row_max = kNegInf;
         for (int split = 0; split < kv_splits; ++split) {
           const int w = row_block + split * row_warps;
-          const float weight = exp2f(merge_max[w * kMmaRows + block_row] - row_max);
-          row_sum += merge_sum[w * kMmaRows + block_row] * weight;
-          const float4 o = *reinterpret_cast<const float4*>(
-              merge_o + (w * kMmaRows + block_row) * kHeadDim + col);
-          acc.x += weight * o.x;
-          acc.y += weight * o.y;
-          acc.z += weight * o.z;
-          acc.w += weight * o.w;
+          row_max = fmaxf(row_max, merge_max[w * kMmaRows + block_row]);
         }
-      }
-      // An entry that saw no token (a plan bug) yields zeros and LSE -inf, never NaN.
-      const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
-      acc.x *= inv_sum;
-      acc.y *= inv_sum;
-      acc.z *= inv_sum;
-      acc.w *= inv_sum;
-
-      const int row = pass_row0 + pass_row;
-      const int head = kv_head * group + row % group;
-      const int target = row_target[pass_row];
-      if (target < 0) {
-        const int query = ~target;
-        T* out = static_cast<T*>(params.out) + static_cast<int64_t>(query) * q_row_stride +
-                 head * kHeadDim + col;
-        const uint2 packed = make_uint2(Traits::pack(acc.x, acc.y), Traits::pack(acc.z, acc.w));
-        *reinterpret_cast<uint2*>(out) = packed;
-      } else {
-        const int64_t partial_row = static_cast<int64_t>(target) * params.num_q_heads + head;
-        *reinterpret_cast<float4*>(params.partial_out + partial_row * kHeadDim + col) = acc;
-        if (col == 0) {
-          // Natural-log LSE of the scaled scores: (max + log2(sum)) * ln(2).
-          params.partial_lse[partial_row] =
-              row_sum > 0.0f ? (row_max + log2f(row_sum)) * 0.69314718055994531f : kNegInf;
+        float row_sum = 0.0f;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (row_max != kNegInf) {
+          for (int split = 0; split < kv_splits; ++split) {
+            const int w = row_block + split * row_warps;
+            const float weight = exp2f(merge_max[w * kMmaRows + block_row] - row_max);
+            row_sum += merge_sum[w * kMmaRows + block_row] * weight;
+            const float4 o = *reinterpret_cast<const float4*>(
+                merge_o + (w * kMmaRows + block_row) * kHeadDim + col);
+            acc[0] += weight * o.x;
+            acc[1] += weight * o.y;
+            acc[2] += weight * o.z;
+            acc[3] += weight * o.w;
+          }
         }
+        store_row_part(pass_row, col, acc, std::integral_constant<int, 4>{}, row_max, row_sum);
       }
     }
     __syncthreads();  // the merge scratch is the next pass's KV ring

@@ -91,7 +91,7 @@ class DeftAttentionBuffers {
 // bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested), softmax_scale > 0.
 bool deft_attention_supported(const AttentionDims& dims);
 
-// Stage 1's gridDim.z for a plan whose largest task has `max_task_entries` entries: launches
+// Stage 1's CTAs per (task, KV head) for a plan whose largest task has `max_task_entries` entries: launches
 // with equal row slices (and equal plan views) have equal launch shapes.
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
 

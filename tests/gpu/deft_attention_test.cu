@@ -486,6 +486,18 @@ TEST_P(DeftAttentionGpuTest, FewShotLongRuns) {
   check(tree, Kind::kFlatten, 100, "flatten B=100");
 }
 
+// One task over a shared 200-token prefix (a tail tile included) for every class of pass: 64-row
+// passes on warpgroup MMAs with 1 to 4 warps holding rows, and short last passes on mma.sync.
+TEST_P(DeftAttentionGpuTest, EveryPassRowCount) {
+  const int group = GetParam().group_size;
+  for (int rows : {16, 40, 56, 64, 80, 136}) {
+    const int queries = std::max(1, rows / group);
+    const Tree tree = finished(few_shot_tree(200, queries, 5));
+    const std::string what = "node, " + std::to_string(queries * group) + " rows";
+    check(tree, Kind::kNode, 0, what.c_str());
+  }
+}
+
 TEST_P(DeftAttentionGpuTest, PrefillCausal) {
   const Tree tree = finished(prefill_tree(50, 200));
   check(tree, Kind::kFlatten, 128, "flatten B=128");
