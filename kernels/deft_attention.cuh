@@ -52,8 +52,15 @@ struct Stage1Smem {
   static constexpr int kMaskOffset = 2 * kStageBytes;
   // Per row of the current pass: where its result goes (~query: final output, else entry).
   static constexpr int kRowTargetOffset = kMaskOffset + 2 * kKvTileTokens * 8;
+  // Two buffers of a tile's KV slots, prefetched by cp.async one tile ahead of its KV.
+  static constexpr int kSlotOffset = kRowTargetOffset + kStage1Warps * kMmaRows * 4;
+  // Masked tasks: one bit per tile that some row of the pass sees (tiles past kNeededTiles are
+  // always loaded).
+  static constexpr int kNeededWords = 32;
+  static constexpr int kNeededTiles = kNeededWords * 32;
+  static constexpr int kNeededOffset = kSlotOffset + 2 * kKvTileTokens * 4;
   static constexpr int kAlignSlack = 1024;
-  static constexpr int kBytes = kRowTargetOffset + kStage1Warps * kMmaRows * 4 + kAlignSlack;
+  static constexpr int kBytes = kNeededOffset + kNeededWords * 4 + kAlignSlack;
   // The end-of-pass merge reuses the KV ring: per warp 16 rows of O, m and l (fp32).
   static constexpr int kMergeOBytes = kStage1Warps * kMmaRows * kHeadDim * 4;
   static constexpr int kMergeBytes = kMergeOBytes + 2 * kStage1Warps * kMmaRows * 4;
@@ -132,6 +139,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
 __device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 8 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0)
                : "memory");
 }
 
@@ -310,44 +323,62 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     const uint64_t pass_bits =
         masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
 
+    // Masked tasks: the tiles some row of this pass sees, found once per pass (a warp's 32
+    // tokens lie in one tile).
+    uint32_t* needed = reinterpret_cast<uint32_t*>(smem + Smem::kNeededOffset);
+    if (masked) {
+      if (threadIdx.x < Smem::kNeededWords) needed[threadIdx.x] = 0;
+      __syncthreads();
+      const int scan_tokens = min(run_tokens, Smem::kNeededTiles * kKvTileTokens);
+      for (int base = warp * 32; base < scan_tokens; base += kStage1Threads) {
+        const int token = base + lane;
+        const bool seen =
+            token < scan_tokens && (plan.mask_words[mask_begin + token] & pass_bits) != 0;
+        if (__any_sync(0xffffffffu, seen) && lane == 0) {
+          const int t = base / kKvTileTokens;
+          atomicOr(needed + t / 32, 1u << (t % 32));
+        }
+      }
+      __syncthreads();
+    }
     // First tile at or after `tile` that some row of this pass sees (block-uniform).
     auto next_needed_tile = [&](int tile) {
-      if (!masked) return tile;
+      if (!masked) return min(tile, num_tiles);
       for (; tile < num_tiles; ++tile) {
-        bool seen = false;
-        if (threadIdx.x < kKvTileTokens) {
-          const int token = tile * kKvTileTokens + threadIdx.x;
-          if (token < run_tokens) seen = (plan.mask_words[mask_begin + token] & pass_bits) != 0;
-        }
-        if (__syncthreads_or(seen)) return tile;
+        if (tile >= Smem::kNeededTiles || ((needed[tile / 32] >> (tile % 32)) & 1)) return tile;
       }
       return num_tiles;
     };
 
-    // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile. The slots are
-    // loaded first, all at once: loading each next to its cp.async (whose "memory" clobber keeps
-    // the loads in program order) made every tile wait for 8 serial L2 round trips.
+    // A tile's 64 KV slots go to slot buffer `buffer` by cp.async, one tile ahead of its KV, so
+    // no thread waits for them when it issues the KV copies.
+    int32_t* slot_buffers = reinterpret_cast<int32_t*>(smem + Smem::kSlotOffset);
+    auto prefetch_slots = [&](int tile, int buffer) {
+      if (tile >= num_tiles || threadIdx.x >= kKvTileTokens) return;
+      const int token = tile * kKvTileTokens + threadIdx.x;
+      const bool valid = token < run_tokens;
+      cp_async_4(smem_address(slot_buffers + buffer * kKvTileTokens + threadIdx.x),
+                 plan.kv_slots + kv_begin + (valid ? token : 0), valid);
+    };
+
+    // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile.
     constexpr int kTokenStride = kStage1Threads / kChunksPerRow;  // tokens between a thread's rows
     constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
     static_assert(kKvTileTokens % kTokenStride == 0, "tile rows per thread");
     auto load_tile = [&](int tile, int stage) {
       unsigned char* k_tile = smem + stage * Smem::kStageBytes;
       unsigned char* v_tile = k_tile + Smem::kTileBytes;
+      const int32_t* slots = slot_buffers + stage * kKvTileTokens;
       const int token0 = tile * kKvTileTokens;
       const int part = threadIdx.x % kChunksPerRow;
       const int first_token = threadIdx.x / kChunksPerRow;
-      int slots[kSlotsPerThread];
-#pragma unroll
-      for (int i = 0; i < kSlotsPerThread; ++i) {
-        const int token = token0 + first_token + i * kTokenStride;
-        slots[i] = token < run_tokens ? __ldg(plan.kv_slots + kv_begin + token) : 0;
-      }
 #pragma unroll
       for (int i = 0; i < kSlotsPerThread; ++i) {
         const int token = first_token + i * kTokenStride;
         const bool valid = token0 + token < run_tokens;
         const int64_t offset =
-            (static_cast<int64_t>(slots[i]) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
+            (static_cast<int64_t>(slots[token]) * params.num_kv_heads + kv_head) * kHeadDim +
+            part * 8;
         const int smem_offset = swizzled_offset(token, part, kKvTileTokens);
         cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
         cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
@@ -362,9 +393,17 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       }
     };
 
+    // Tiles in order of use: `tile` (computed), `next` (its KV in flight), and the one after
+    // (its slots in flight). The k-th tile of the pass uses KV stage and slot buffer k % 2.
     // The pass's first tile is in flight while the rows' destinations and Q fragments load.
     int tile = next_needed_tile(0);
+    int next = next_needed_tile(tile + 1);
     int stage = 0;
+    prefetch_slots(tile, 0);
+    prefetch_slots(next, 1);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
     if (tile < num_tiles) load_tile(tile, stage);
     cp_async_commit();
 
@@ -563,17 +602,20 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       }
     };
 
-    // Double-buffered pipeline: the next needed tile's copy overlaps this tile's math.
+    // Double-buffered pipeline: the next tile's KV copy (and the slots of the one after) overlap
+    // this tile's math.
     while (tile < num_tiles) {
-      const int next = next_needed_tile(tile + 1);
-      if (next < num_tiles) load_tile(next, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
+      cp_async_wait<0>();    // this tile's KV and the next tile's slots have landed
       fence_async_shared();  // this thread's copies become visible to wgmma's reads
       __syncthreads();
+      if (next < num_tiles) load_tile(next, stage ^ 1);
+      const int after = next_needed_tile(next + 1);
+      prefetch_slots(after, stage);  // this tile's slots were used when its KV was loaded
+      cp_async_commit();
       if (use_wgmma || warp_has_rows) compute_tile(tile, stage);
       __syncthreads();
       tile = next;
+      next = after;
       stage ^= 1;
     }
     cp_async_wait<0>();
