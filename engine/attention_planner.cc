@@ -47,6 +47,10 @@ struct OrderedQueries {
   std::vector<int32_t> token_index;  // its token within the node
 };
 
+// Pieces are split where at least this many tokens on one side need no mask (one KV tile of
+// the GPU kernel).
+constexpr int32_t kMinUnmaskedSplit = 64;
+
 }  // namespace
 
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens) {
@@ -398,6 +402,27 @@ class PlanBuilder {
     for (const ViewRun& run : runs) {
       query_hi = std::max(query_hi, run.query_end);
       uniform = uniform && run.query_begin == query_lo && run.query_end == runs.front().query_end;
+    }
+    if (!uniform) {
+      // Consecutive runs with the same viewers that hold at least a tile of the piece (the end
+      // of a shared prompt, a branch) become a piece of their own: it needs no mask, and a
+      // masked task pays a visibility test per score on every token.
+      for (size_t first = 0; first < runs.size();) {
+        size_t end = first + 1;
+        while (end < runs.size() && runs[end].query_begin == runs[first].query_begin &&
+               runs[end].query_end == runs[first].query_end) {
+          ++end;
+        }
+        const int32_t group_begin = std::max(a, runs[first].flat_begin);
+        const int32_t group_end = std::min(b, runs[end - 1].flat_end);
+        if (group_end - group_begin >= kMinUnmaskedSplit) {
+          if (a < group_begin) add_piece(a, group_begin);
+          add_piece(group_begin, group_end);
+          if (group_end < b) add_piece(group_end, b);
+          return;
+        }
+        first = end;
+      }
     }
     if (uniform) {
       for (int32_t g = query_lo; g < query_hi; g += options_.max_unmasked_queries) {

@@ -49,6 +49,29 @@ TEST(AttentionPlanner, FlattenReadsEveryTreeTokenOnce) {
   }
 }
 
+TEST(AttentionPlanner, FlattenSplitsPiecesAroundTileLongRunsOfOneViewerSet) {
+  // Prompt [0, 300), leaves [300, 400), [400, 500), [500, 600); pieces of 256 tokens.
+  FewShot job(300, 3, 100);
+  AttentionPlanner planner({.kind = PlanKind::kDeftFlatten, .chunk_tokens = 256});
+  AttentionPlan plan;
+  ASSERT_TRUE(planner.plan(job.input(), plan).ok());
+  EXPECT_EQ(plan.io.kv_tokens_read, 600);
+  // [0, 256) the prompt; [256, 512) splits into the prompt's tail [256, 300) (all three
+  // queries), leaf 0 [300, 400) and leaf 1 [400, 500) (one query each), then the 12 tokens of leaf
+  // 2 [500, 512) are too few to stand alone and neither are [512, 600) different viewers: leaf 2 alone
+  // is uniform. Nothing needs a mask.
+  const std::vector<std::pair<int32_t, int32_t>> expected = {
+      {0, 256}, {256, 300}, {300, 400}, {400, 500}, {500, 512}, {512, 600}};
+  ASSERT_EQ(plan.num_tasks(), static_cast<int32_t>(expected.size()));
+  for (int32_t t = 0; t < plan.num_tasks(); ++t) {
+    SCOPED_TRACE(t);
+    EXPECT_EQ(plan.task_kv_begin[t], expected[t].first);
+    EXPECT_EQ(plan.task_kv_end[t], expected[t].second);
+    EXPECT_EQ(plan.task_mask_begin[t], -1);
+  }
+  EXPECT_EQ(plan.io.mask_words, 0);
+}
+
 TEST(AttentionPlanner, SequenceReadsEveryPathWhole) {
   FewShot job(300, 3, 10);
   AttentionPlanner planner({.kind = PlanKind::kSequence, .chunk_tokens = 128});
