@@ -4,8 +4,9 @@
 //
 // tune() asks cublasLtMatmulAlgoGetHeuristic for candidates (plus split-K variants of the first
 // few), times each and cublasGemmEx's default on the caller's weights (several matrices, e.g.
-// the layers', so the stream does not hit L2) with CUDA events, and keeps the fastest when it
-// beats the default by more than kMinGain; gemm() then runs it. Tuning launches and
+// the layers', so the stream does not hit L2) with CUDA events, times the fastest three again,
+// and keeps the fastest of those second timings when it beats the default by more than
+// kMinGain; gemm() then runs it. Tuning launches and
 // synchronises: never call it while the stream is being captured. gemm() only launches (no
 // allocation, a fixed workspace), so it is safe inside a CUDA graph capture.
 // Shapes never tuned, and rows not tuned whose row bucket (power of two) was, run the bucket's
@@ -38,7 +39,7 @@ std::string gemm_shape_name(const GemmShape& shape);
 struct GemmTuneResult {
   struct Candidate {
     std::string algo;  // cuBLASLt config: algo id, tile, stages, split-K, reduction, cluster
-    double median_us = 0;
+    double median_us = 0;  // < 0: failed to launch; the fastest few: their second timing
   };
   GemmShape shape;
   double default_us = 0;  // cublasGemmEx, CUBLAS_GEMM_DEFAULT
