@@ -19,11 +19,12 @@
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
-//                  [--gemm tuned|cublas|skinny[,...]]
+//                  [--gemm tuned|cublas|skinny[,...]] [--gemm-search heuristic|wide]
 //   --gemm: tuned (the runner's default: cuBLASLt algorithms tuned at load, models/gemm_tuner.h),
 //   cublas (cuBLAS's default algorithm), skinny (kernels/skinny_gemm.h for <= 64-row steps); a
 //   comma-separated list runs every case and method once per mode in the same process (same
-//   weights), rows of modes after the first named "<method>_gemm_<mode>".
+//   weights), rows of modes after the first named "<method>_gemm_<mode>";
+//   --gemm-search wide: the tuner also tries every other cuBLASLt algorithm id.
 // Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_runtime_api.h>
 
@@ -293,6 +294,7 @@ int main(int argc, char** argv) {
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50;
   std::string gemm_arg = "tuned";
+  bool wide_search = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--workloads") workloads = argv[i + 1];
@@ -300,6 +302,7 @@ int main(int argc, char** argv) {
     else if (flag == "--fewshot-steps") fewshot_steps = std::atoi(argv[i + 1]);
     else if (flag == "--spec-steps") spec_steps = std::atoi(argv[i + 1]);
     else if (flag == "--gemm") gemm_arg = argv[i + 1];
+    else if (flag == "--gemm-search") wide_search = std::string(argv[i + 1]) == "wide";
   }
   std::vector<std::string> gemm_modes;
   for (size_t begin = 0; begin <= gemm_arg.size();) {
@@ -324,7 +327,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<models::LlamaCudaRunner>> runner =
       models::LlamaCudaRunner::create_random(
           config, {.num_kv_slots = int64_t{kNumPages} * kPageTokens, .page_tokens = kPageTokens,
-                   .max_batch_rows = kPrefillChunk, .tune_gemms = any_tuned},
+                   .max_batch_rows = kPrefillChunk, .tune_gemms = any_tuned,
+                   .wide_gemm_search = wide_search},
           1, "llama3-8b-random");
   must(runner.status(), "runner");
   std::printf("random Llama-3-8B-shaped model ready in %.1f s, %.2f GB weights\n",
@@ -460,7 +464,10 @@ int main(int argc, char** argv) {
           row.extra = {
               {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
               {"gemm", gemm == "skinny"  ? "skinny GEMM (<= 64 rows), cuBLAS otherwise"
-                     : gemm == "tuned" ? "cuBLASLt algorithms tuned at load for <= 256 rows"
+                     : gemm == "tuned" ? (wide_search ? "cuBLASLt algorithms tuned at load for "
+                                                        "<= 256 rows (wide search)"
+                                                      : "cuBLASLt algorithms tuned at load for "
+                                                        "<= 256 rows")
                                        : "cuBLAS default algorithm"},
               {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
               {"queries_per_step", c.spec ? trace->tree_size() : 20},

@@ -37,6 +37,9 @@ namespace {
 constexpr int kHeuristicCandidates = 24;
 constexpr int kSplitVariantsOf = 4;
 constexpr int32_t kSplits[] = {2, 3, 4, 6, 8};
+// Wide search: algorithm ids asked for at most, configurations asked per id.
+constexpr int kMaxAlgoIds = 128;
+constexpr int kPerAlgoIdCandidates = 4;
 // Timing: passes of launches with an event between passes; the first pass is a warm-up.
 constexpr int kPasses = 6;
 // A pass is ~200 µs of GEMMs (at a guessed 2.5 TB/s; at most 8 launches: tiny shapes are
@@ -128,6 +131,7 @@ struct MatmulDescs {
 struct LtAlgo {
   cublasLtMatmulAlgo_t algo{};
   std::string name;
+  const char* source = "";  // how it was found
 };
 
 }  // namespace
@@ -218,8 +222,9 @@ struct GemmTuner::Impl {
                           stream);
   }
 
-  // The heuristic's candidates and split-K variants of the first few, deduplicated.
-  std::vector<LtAlgo> candidates(const Entry& entry, uint32_t alignment) {
+  // Up to `count` configurations from the heuristic (for `algo_id` only, when >= 0).
+  std::vector<cublasLtMatmulAlgo_t> heuristic(const Entry& entry, uint32_t alignment, int count,
+                                              int algo_id) {
     const GemmShape& shape = entry.shape;
     cublasLtMatmulPreference_t preference = nullptr;
     DEFT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
@@ -240,61 +245,115 @@ struct GemmTuner::Impl {
       DEFT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &alignment,
                                                              sizeof(alignment)));
     }
-    std::vector<cublasLtMatmulHeuristicResult_t> results(kHeuristicCandidates);
+    std::vector<cublasLtMatmulHeuristicResult_t> results(count);
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    bool ready = true;
+    if (algo_id >= 0) {
+      const uint32_t mode = CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID;
+      DEFT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          preference, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &mode, sizeof(mode)));
+      for (cublasLtMatmulHeuristicResult_t& result : results) {
+        ready = ready &&
+                cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, cuda_type(shape.dtype),
+                                       cuda_type(shape.dtype), y_type(shape), y_type(shape),
+                                       algo_id, &result.algo) == CUBLAS_STATUS_SUCCESS;
+      }
+    }
     int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-        lt, entry.descs->op, entry.descs->w, entry.descs->x, entry.descs->y, entry.descs->y,
-        preference, kHeuristicCandidates, results.data(), &found);
+    if (ready && cublasLtMatmulAlgoGetHeuristic(lt, entry.descs->op, entry.descs->w, entry.descs->x,
+                                                entry.descs->y, entry.descs->y, preference, count,
+                                                results.data(), &found) == CUBLAS_STATUS_SUCCESS) {
+      for (int i = 0; i < found; ++i) {
+        if (results[i].state == CUBLAS_STATUS_SUCCESS &&
+            results[i].workspaceSize <= workspace_bytes) {
+          algos.push_back(results[i].algo);
+        }
+      }
+    }
     cublasLtMatmulPreferenceDestroy(preference);
+    return algos;
+  }
+
+  // `base` with each of kSplits (when it supports split-K and a reduction fit for the output)
+  // that cublasLtMatmulAlgoCheck accepts.
+  std::vector<cublasLtMatmulAlgo_t> split_variants(const Entry& entry,
+                                                   const cublasLtMatmulAlgo_t& base) {
+    std::vector<cublasLtMatmulAlgo_t> variants;
+    int32_t split_support = 0;
+    uint32_t scheme_mask = 0;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &split_support,
+                                          sizeof(split_support),
+                                          &written) != CUBLAS_STATUS_SUCCESS ||
+        split_support == 0 ||
+        cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK,
+                                          &scheme_mask, sizeof(scheme_mask),
+                                          &written) != CUBLAS_STATUS_SUCCESS) {
+      return variants;
+    }
+    // In place (in y) only for fp32 y; fp32 partials in the workspace otherwise.
+    const uint32_t scheme = entry.shape.y_fp32 && (scheme_mask & CUBLASLT_REDUCTION_SCHEME_INPLACE)
+                                ? CUBLASLT_REDUCTION_SCHEME_INPLACE
+                                : CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    if ((scheme_mask & scheme) == 0) return variants;
+    for (const int32_t split : kSplits) {
+      cublasLtMatmulAlgo_t variant = base;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoConfigSetAttribute(&variant, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
+                                               sizeof(split)) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoConfigSetAttribute(&variant, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                               &scheme, sizeof(scheme)) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoCheck(lt, entry.descs->op, entry.descs->w, entry.descs->x,
+                                  entry.descs->y, entry.descs->y, &variant,
+                                  &check) == CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= workspace_bytes) {
+        variants.push_back(variant);
+      }
+    }
+    return variants;
+  }
+
+  // The heuristic's candidates and split-K variants of the first few; with `wide`, also the
+  // heuristic's best few of every other algorithm id cuBLASLt has for the types (and split-K
+  // variants of each id's first). Deduplicated.
+  std::vector<LtAlgo> candidates(const Entry& entry, uint32_t alignment, bool wide) {
     std::vector<LtAlgo> algos;
-    const auto add_unique = [&](const cublasLtMatmulAlgo_t& algo) {
+    const auto add_unique = [&](const cublasLtMatmulAlgo_t& algo, const char* source) {
       std::string name = algo_name(algo);
       for (const LtAlgo& known : algos) {
         if (known.name == name) return;
       }
-      algos.push_back({algo, std::move(name)});
+      algos.push_back({algo, std::move(name), source});
     };
-    if (status != CUBLAS_STATUS_SUCCESS) return algos;
-    for (int i = 0; i < found; ++i) {
-      if (results[i].state == CUBLAS_STATUS_SUCCESS &&
-          results[i].workspaceSize <= workspace_bytes) {
-        add_unique(results[i].algo);
+    const std::vector<cublasLtMatmulAlgo_t> best =
+        heuristic(entry, alignment, kHeuristicCandidates, -1);
+    std::vector<int32_t> best_ids;
+    for (const cublasLtMatmulAlgo_t& algo : best) {
+      add_unique(algo, "heuristic");
+      best_ids.push_back(algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID));
+    }
+    for (size_t i = 0; i < std::min<size_t>(best.size(), kSplitVariantsOf); ++i) {
+      for (const cublasLtMatmulAlgo_t& variant : split_variants(entry, best[i])) {
+        add_unique(variant, "split-K variant");
       }
     }
-    const size_t from_heuristic = algos.size();
-    for (size_t i = 0; i < std::min<size_t>(from_heuristic, kSplitVariantsOf); ++i) {
-      const cublasLtMatmulAlgo_t base = algos[i].algo;
-      int32_t split_support = 0;
-      uint32_t scheme_mask = 0;
-      size_t written = 0;
-      if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &split_support,
-                                            sizeof(split_support),
-                                            &written) != CUBLAS_STATUS_SUCCESS ||
-          split_support == 0 ||
-          cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK,
-                                            &scheme_mask, sizeof(scheme_mask),
-                                            &written) != CUBLAS_STATUS_SUCCESS) {
-        continue;
-      }
-      const uint32_t scheme = shape.y_fp32 && (scheme_mask & CUBLASLT_REDUCTION_SCHEME_INPLACE)
-                                  ? CUBLASLT_REDUCTION_SCHEME_INPLACE
-                                  : CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-      if ((scheme_mask & scheme) == 0) continue;
-      for (const int32_t split : kSplits) {
-        cublasLtMatmulAlgo_t variant = base;
-        if (cublasLtMatmulAlgoConfigSetAttribute(&variant, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
-                                                 sizeof(split)) != CUBLAS_STATUS_SUCCESS ||
-            cublasLtMatmulAlgoConfigSetAttribute(&variant, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-                                                 &scheme,
-                                                 sizeof(scheme)) != CUBLAS_STATUS_SUCCESS) {
-          continue;
-        }
-        cublasLtMatmulHeuristicResult_t check{};
-        if (cublasLtMatmulAlgoCheck(lt, entry.descs->op, entry.descs->w, entry.descs->x,
-                                    entry.descs->y, entry.descs->y, &variant,
-                                    &check) == CUBLAS_STATUS_SUCCESS &&
-            check.workspaceSize <= workspace_bytes) {
-          add_unique(variant);
+    if (!wide) return algos;
+    const GemmShape& shape = entry.shape;
+    std::vector<int> ids(kMaxAlgoIds);
+    int num_ids = 0;
+    if (cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, cuda_type(shape.dtype),
+                                 cuda_type(shape.dtype), y_type(shape), y_type(shape), kMaxAlgoIds,
+                                 ids.data(), &num_ids) != CUBLAS_STATUS_SUCCESS) {
+      return algos;
+    }
+    for (int i = 0; i < num_ids; ++i) {
+      if (std::find(best_ids.begin(), best_ids.end(), ids[i]) != best_ids.end()) continue;
+      const std::vector<cublasLtMatmulAlgo_t> of_id =
+          heuristic(entry, alignment, kPerAlgoIdCandidates, ids[i]);
+      for (const cublasLtMatmulAlgo_t& algo : of_id) add_unique(algo, "algo-id search");
+      if (!of_id.empty()) {
+        for (const cublasLtMatmulAlgo_t& variant : split_variants(entry, of_id.front())) {
+          add_unique(variant, "algo-id search split-K");
         }
       }
     }
@@ -374,7 +433,7 @@ GemmTuneResult GemmTuner::tune(const GemmShape& shape, std::span<const void* con
   uint32_t alignment = std::min(alignment_of(x), alignment_of(y));
   for (const void* w : weights) alignment = std::min(alignment, alignment_of(w));
   entry->alignment = alignment;
-  entry->candidates = s.candidates(*entry, alignment);
+  entry->candidates = s.candidates(*entry, alignment, wide_search_);
 
   GemmTuneResult result;
   result.shape = shape;
@@ -390,7 +449,7 @@ GemmTuneResult GemmTuner::tune(const GemmShape& shape, std::span<const void* con
     const double us = s.time_launches(shape, weights, [&](const void* w) {
       return s.gemm_lt(*entry, candidate.algo, x, w, y) == CUBLAS_STATUS_SUCCESS;
     });
-    result.candidates.push_back({candidate.name, us});
+    result.candidates.push_back({candidate.name, candidate.source, us});
   }
   result.default_us = std::min(default_before, s.time_launches(shape, weights, run_default));
   // The fastest few are timed again and only that second, unbiased time counts (the minimum of

@@ -38,7 +38,8 @@ std::string gemm_shape_name(const GemmShape& shape);
 // What tune() measured: the default and every candidate (median µs per GEMM), the choice.
 struct GemmTuneResult {
   struct Candidate {
-    std::string algo;  // cuBLASLt config: algo id, tile, stages, split-K, reduction, cluster
+    std::string algo;      // cuBLASLt config: algo id, tile, stages, split-K, reduction, cluster
+    std::string source;    // heuristic, split-K variant, algo-id search (wide search)
     double median_us = 0;  // < 0: failed to launch; the fastest few: their second timing
   };
   GemmShape shape;
@@ -75,6 +76,11 @@ class GemmTuner {
   void set_enabled(bool on) { enabled_ = on; }
   bool enabled() const { return enabled_; }
 
+  // Wide search (off by default): tune() also asks the heuristic for the best few
+  // configurations of every other algorithm id cuBLASLt has for the types, and their split-K
+  // variants (~3-4x the candidates).
+  void set_wide_search(bool on) { wide_search_ = on; }
+
   // Tests: make candidate `index` of the shape's last tune() the choice (-1: the default).
   void force_choice(const GemmShape& shape, int32_t index);
 
@@ -82,6 +88,7 @@ class GemmTuner {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   bool enabled_ = true;
+  bool wide_search_ = false;
 };
 
 }  // namespace deft::models

@@ -687,6 +687,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.gemms = std::make_unique<GemmTuner>(s.stream, s.cublas_workspace.data(),
                                         s.cublas_workspace.bytes());
   // Before the KV pool takes the memory and any step runs: the activations are scratch now.
+  s.gemms->set_wide_search(options.wide_gemm_search);
   if (options.tune_gemms) s.tune_gemms(c);
   s.use_graphs = options.cuda_graphs;
   s.max_graphs = options.max_cuda_graphs;

@@ -51,6 +51,9 @@ struct LlamaCudaOptions {
   // on cuBLASLt's candidate algorithms and keep the fastest per shape (models/gemm_tuner.h;
   // ~2 s for Llama-3-8B on the H100); false: cuBLAS's default algorithm everywhere.
   bool tune_gemms = true;
+  // Tuning also tries every other cuBLASLt algorithm id (GemmTuner::set_wide_search; ~3x the
+  // tuning time).
+  bool wide_gemm_search = false;
 };
 
 struct CudaGraphStats {
