@@ -19,7 +19,12 @@
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
-//                  [--gemm cublas|skinny]   (skinny: kernels/skinny_gemm.h for <= 64-row steps)
+//                  [--gemm tuned|cublas|skinny[,...]] [--gemm-search heuristic|wide]
+//   --gemm: tuned (the runner's default: cuBLASLt algorithms tuned at load, models/gemm_tuner.h),
+//   cublas (cuBLAS's default algorithm), skinny (kernels/skinny_gemm.h for <= 64-row steps); a
+//   comma-separated list runs every case and method once per mode in the same process (same
+//   weights), rows of modes after the first named "<method>_gemm_<mode>";
+//   --gemm-search wide: the tuner also tries every other cuBLASLt algorithm id.
 // Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_runtime_api.h>
 
@@ -288,15 +293,31 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50;
-  std::string gemm = "cublas";  // cublas: the runner's default; skinny: skinny GEMM for <= 64 rows
+  std::string gemm_arg = "tuned";
+  bool wide_search = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--workloads") workloads = argv[i + 1];
     else if (flag == "--out") out = argv[i + 1];
     else if (flag == "--fewshot-steps") fewshot_steps = std::atoi(argv[i + 1]);
     else if (flag == "--spec-steps") spec_steps = std::atoi(argv[i + 1]);
-    else if (flag == "--gemm") gemm = argv[i + 1];
+    else if (flag == "--gemm") gemm_arg = argv[i + 1];
+    else if (flag == "--gemm-search") wide_search = std::string(argv[i + 1]) == "wide";
   }
+  std::vector<std::string> gemm_modes;
+  for (size_t begin = 0; begin <= gemm_arg.size();) {
+    const size_t end = std::min(gemm_arg.find(',', begin), gemm_arg.size());
+    gemm_modes.push_back(gemm_arg.substr(begin, end - begin));
+    if (gemm_modes.back() != "tuned" && gemm_modes.back() != "cublas" &&
+        gemm_modes.back() != "skinny") {
+      std::fprintf(stderr, "--gemm: unknown mode '%s' (tuned, cublas, skinny)\n",
+                   gemm_modes.back().c_str());
+      return 1;
+    }
+    begin = end + 1;
+  }
+  const bool any_tuned =
+      std::find(gemm_modes.begin(), gemm_modes.end(), "tuned") != gemm_modes.end();
   absl::StatusOr<engine::SpecDecTrace> trace =
       engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
   must(trace.status(), "trace");
@@ -306,10 +327,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<models::LlamaCudaRunner>> runner =
       models::LlamaCudaRunner::create_random(
           config, {.num_kv_slots = int64_t{kNumPages} * kPageTokens, .page_tokens = kPageTokens,
-                   .max_batch_rows = kPrefillChunk},
+                   .max_batch_rows = kPrefillChunk, .tune_gemms = any_tuned,
+                   .wide_gemm_search = wide_search},
           1, "llama3-8b-random");
   must(runner.status(), "runner");
-  (*runner)->set_skinny_gemm(gemm == "skinny");
   std::printf("random Llama-3-8B-shaped model ready in %.1f s, %.2f GB weights\n",
               us_since(t_load) / 1e6, (*runner)->weight_bytes() / 1e9);
 
@@ -332,181 +353,193 @@ int main(int argc, char** argv) {
   };
   const std::vector<Case> cases = {{"fewshot_p4000_b20_s100", false}, {"specdec_p6000_t64", true}};
 
-  // Warm-up (cuBLAS heuristics, kernel loading, clocks): a short run of each scenario.
-  bench.fewshot(PlanKind::kDeftFlatten, models::StepTiming::kOff, 4000, 20, 5);
-  bench.specdec(PlanKind::kSequence, models::StepTiming::kOff, *trace, 6000, 5);
+  for (const std::string& gemm : gemm_modes) {
+    (*runner)->set_gemm_tuning(gemm == "tuned");
+    (*runner)->set_skinny_gemm(gemm == "skinny");
+    const std::string method_suffix = gemm == gemm_modes.front() ? "" : "_gemm_" + gemm;
+    std::printf("GEMMs: %s\n", gemm.c_str());
+    // Warm-up (cuBLAS heuristics, kernel loading, clocks): a short run of each scenario.
+    bench.fewshot(PlanKind::kDeftFlatten, models::StepTiming::kOff, 4000, 20, 5);
+    bench.specdec(PlanKind::kSequence, models::StepTiming::kOff, *trace, 6000, 5);
 
-  std::printf("%-24s %-19s %9s %9s %6s | %8s %8s %8s %8s %8s | %7s %7s %7s %6s | %8s\n", "case",
-              "method", "total_us", "floor_us", "ratio", "gpu_us", "attn_us", "gemm_us",
-              "other_us", "copy_us", "plan_us", "book_us", "samp_us", "host%", "tok/s");
-  for (const Case& c : cases) {
-    std::vector<std::vector<TokenId>> reference_argmax;  // the sequence baseline's, per step
-    std::vector<ResultRow> rows;
-    std::vector<std::vector<std::vector<TokenId>>> argmaxes;
-    for (const Method& m : methods) {
-      const auto run_once = [&](models::StepTiming timing, bool graphs) {
-        bench.set_cuda_graphs(graphs);
-        Run run = c.spec ? bench.specdec(m.kind, timing, *trace, 6000, spec_steps)
-                         : bench.fewshot(m.kind, timing, 4000, 20, fewshot_steps);
-        bench.set_cuda_graphs(true);
-        return run;
-      };
-      const Run with_graphs = run_once(models::StepTiming::kTotal, true);
-      const Run eager = run_once(models::StepTiming::kTotal, false);
-      const Run phases = run_once(models::StepTiming::kPhases, false);
-      // Greedy tokens with and without graphs (few-shot feeds them back: up to the first step
-      // where they differ).
-      int64_t graph_same = 0, graph_all = 0;
-      int graph_first_diff = -1;
-      for (size_t s = 0; s < std::min(with_graphs.steps.size(), eager.steps.size()); ++s) {
-        const auto& a = with_graphs.steps[s].argmax;
-        const auto& b = eager.steps[s].argmax;
-        for (size_t r = 0; r < a.size() && r < b.size(); ++r) {
-          ++graph_all;
-          graph_same += a[r] == b[r];
-        }
-        if (graph_first_diff < 0 && a != b) graph_first_diff = static_cast<int>(s);
-        if (!c.spec && graph_first_diff >= 0) break;
-      }
-      std::printf("%-24s %-19s greedy tokens with vs without CUDA graphs: %lld / %lld (first "
-                  "differing step %d)\n",
-                  c.name.c_str(), m.name.c_str(), static_cast<long long>(graph_same),
-                  static_cast<long long>(graph_all), graph_first_diff);
-      for (const bool graphs : {true, false}) {
-        const Run& total = graphs ? with_graphs : eager;
-        const std::string method = graphs ? m.name : m.name + "_eager";
-        const auto& st = total.steps;
-        const Samples t = stat(st, [](const StepRecord& s) { return s.total_us; });
-        const Samples gpu = stat(st, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
-        const Samples plan = stat(st, [](const StepRecord& s) { return s.plan_us; });
-        const Samples book = stat(st, [](const StepRecord& s) { return s.bookkeeping_us; });
-        const Samples samp = stat(st, [](const StepRecord& s) { return s.sample_us; });
-        const Samples host = stat(st, [](const StepRecord& s) {
-          return s.plan_us + s.bookkeeping_us + s.sample_us;
-        });
-        const Samples fwd_wall = stat(st, [](const StepRecord& s) { return s.forward_wall_us; });
-        const Samples gap = stat(st, [](const StepRecord& s) {
-          return s.forward_wall_us - s.gpu.total_ms * 1e3;
-        });
-        const Samples floor = stat(st, [](const StepRecord& s) { return s.floor_us; });
-        const Samples tree_kv =
-            stat(st, [](const StepRecord& s) { return double(s.tree_kv_bytes); });
-        const Samples kv = stat(st, [](const StepRecord& s) { return double(s.kv_bytes); });
-        const auto& ph = phases.steps;
-        const Samples p_total = stat(ph, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
-        const Samples p_attn =
-            stat(ph, [](const StepRecord& s) { return s.gpu.attention_ms * 1e3; });
-        const Samples p_gemm = stat(ph, [](const StepRecord& s) { return s.gpu.gemm_ms * 1e3; });
-        const Samples p_other = stat(ph, [](const StepRecord& s) {
-          return (s.gpu.other_ms + s.gpu.sampling_ms) * 1e3;
-        });
-        const Samples p_sampling =
-            stat(ph, [](const StepRecord& s) { return s.gpu.sampling_ms * 1e3; });
-        const Samples p_copy = stat(ph, [](const StepRecord& s) { return s.gpu.copy_ms * 1e3; });
-        const Samples p_wall = stat(ph, [](const StepRecord& s) { return s.total_us; });
-        double tokens = 0, time_us = 0;
-        for (const StepRecord& s : st) {
-          tokens += s.new_tokens;
-          time_us += s.total_us;
-        }
-        const double tokens_per_s = tokens / (time_us * 1e-6);
-        std::printf(
-            "%-24s %-19s %9.0f %9.0f %6.2f | %8.0f %8.0f %8.0f %8.0f %8.0f | %7.0f %7.0f %7.0f "
-            "%5.1f%% | %8.0f%s\n",
-            c.name.c_str(), method.c_str(), t.median, floor.median, t.median / floor.median,
-            gpu.median, p_attn.median, p_gemm.median, p_other.median, p_copy.median, plan.median,
-            book.median, samp.median, 100.0 * host.median / t.median, tokens_per_s,
-            total.finite && phases.finite ? "" : "  NON-FINITE LOGITS (row not written)");
-        std::vector<std::vector<TokenId>> am;
-        for (const StepRecord& s : st) am.push_back(s.argmax);
-        if (graphs) argmaxes.push_back(am);
-        if (!total.finite || !phases.finite) {
-          rows.emplace_back();
-          rows.back().method = "";  // marks a skipped row
-          continue;
-        }
-        ResultRow row;
-        row.case_name = c.name;
-        row.method = method;
-        row.median_us = t.median;
-        row.p10_us = t.p10;
-        row.p90_us = t.p90;
-        row.repetitions = static_cast<int64_t>(st.size());
-        row.kv_bytes = static_cast<int64_t>(kv.median);
-        row.floor_us = floor.median;
-        row.extra = {
-            {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
-            {"gemm", gemm == "skinny" ? "skinny GEMM (<= 64 rows), cuBLAS otherwise" : "cuBLAS"},
-            {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
-            {"queries_per_step", c.spec ? trace->tree_size() : 20},
-            {"tokens_per_s", tokens_per_s},
-            {"tokens_per_step_mean", tokens / st.size()},
-            {"floor_bytes_weights", bench.weight_read_bytes()},
-            {"floor_bytes_tree_kv_median", tree_kv.median},
-            {"split_us_median",
-             {{"gpu_forward_events", gpu.median},
-              {"host_total", host.median},
-              {"host_plan", plan.median},
-              {"host_tree_bookkeeping", book.median},
-              {"host_sampling_argmax", samp.median},
-              {"forward_wall_minus_gpu", gap.median},
-              {"forward_wall", fwd_wall.median}}},
-            {"split_p10_p90_us",
-             {{"gpu_forward_events", {gpu.p10, gpu.p90}}, {"host_total", {host.p10, host.p90}}}},
-            {"host_share_median", host.median / t.median},
-            {"gpu_phases_us_median",
-             {{"note", "separate run with an event after every launch (StepTiming::kPhases)"},
-              {"gpu_total", p_total.median},
-              {"attention", p_attn.median},
-              {"gemm", p_gemm.median},
-              {"other_kernels", p_other.median},
-              {"of_which_gpu_sampling", p_sampling.median},
-              {"copies_inputs_plan_logits", p_copy.median},
-              {"step_wall_with_phase_events", p_wall.median}}},
-            {"cuda_graphs",
-             {{"on", graphs},
-              {"graph_steps", total.graphs.graph_steps},
-              {"captures", total.graphs.captures},
-            {"capture_and_instantiate_us_mean",
-             total.graphs.captures > 0 ? total.graphs.capture_us / total.graphs.captures : 0.0},
-              {"eager_steps", total.graphs.eager_steps},
-              {"cached_graphs", total.graphs.cached_graphs},
-              {"note", "counts over the whole run (prefill chunks and warm-up steps included)"},
-              {"greedy_agreement_graphs_vs_eager",
-               {{"same", graph_same},
-                {"compared", graph_all},
-                {"first_differing_step", graph_first_diff}}}}},
-            {"sampling", "greedy on the GPU (forward_sampled: kernels/sampling.h, one block per "
-                         "row after the LM head); only token ids and logprobs downloaded; "
-                         "host_sampling_argmax = reading the tokens"},
+    std::printf("%-24s %-19s %9s %9s %6s | %8s %8s %8s %8s %8s | %7s %7s %7s %6s | %8s\n", "case",
+                "method", "total_us", "floor_us", "ratio", "gpu_us", "attn_us", "gemm_us",
+                "other_us", "copy_us", "plan_us", "book_us", "samp_us", "host%", "tok/s");
+    for (const Case& c : cases) {
+      std::vector<std::vector<TokenId>> reference_argmax;  // the sequence baseline's, per step
+      std::vector<ResultRow> rows;
+      std::vector<std::vector<std::vector<TokenId>>> argmaxes;
+      for (const Method& m : methods) {
+        const auto run_once = [&](models::StepTiming timing, bool graphs) {
+          bench.set_cuda_graphs(graphs);
+          Run run = c.spec ? bench.specdec(m.kind, timing, *trace, 6000, spec_steps)
+                           : bench.fewshot(m.kind, timing, 4000, 20, fewshot_steps);
+          bench.set_cuda_graphs(true);
+          return run;
         };
-        rows.push_back(row);
+        const Run with_graphs = run_once(models::StepTiming::kTotal, true);
+        const Run eager = run_once(models::StepTiming::kTotal, false);
+        const Run phases = run_once(models::StepTiming::kPhases, false);
+        // Greedy tokens with and without graphs (few-shot feeds them back: up to the first step
+        // where they differ).
+        int64_t graph_same = 0, graph_all = 0;
+        int graph_first_diff = -1;
+        for (size_t s = 0; s < std::min(with_graphs.steps.size(), eager.steps.size()); ++s) {
+          const auto& a = with_graphs.steps[s].argmax;
+          const auto& b = eager.steps[s].argmax;
+          for (size_t r = 0; r < a.size() && r < b.size(); ++r) {
+            ++graph_all;
+            graph_same += a[r] == b[r];
+          }
+          if (graph_first_diff < 0 && a != b) graph_first_diff = static_cast<int>(s);
+          if (!c.spec && graph_first_diff >= 0) break;
+        }
+        std::printf("%-24s %-19s greedy tokens with vs without CUDA graphs: %lld / %lld (first "
+                    "differing step %d)\n",
+                    c.name.c_str(), m.name.c_str(), static_cast<long long>(graph_same),
+                    static_cast<long long>(graph_all), graph_first_diff);
+        for (const bool graphs : {true, false}) {
+          const Run& total = graphs ? with_graphs : eager;
+          const std::string method = (graphs ? m.name : m.name + "_eager") + method_suffix;
+          const auto& st = total.steps;
+          const Samples t = stat(st, [](const StepRecord& s) { return s.total_us; });
+          const Samples gpu = stat(st, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
+          const Samples plan = stat(st, [](const StepRecord& s) { return s.plan_us; });
+          const Samples book = stat(st, [](const StepRecord& s) { return s.bookkeeping_us; });
+          const Samples samp = stat(st, [](const StepRecord& s) { return s.sample_us; });
+          const Samples host = stat(st, [](const StepRecord& s) {
+            return s.plan_us + s.bookkeeping_us + s.sample_us;
+          });
+          const Samples fwd_wall = stat(st, [](const StepRecord& s) { return s.forward_wall_us; });
+          const Samples gap = stat(st, [](const StepRecord& s) {
+            return s.forward_wall_us - s.gpu.total_ms * 1e3;
+          });
+          const Samples floor = stat(st, [](const StepRecord& s) { return s.floor_us; });
+          const Samples tree_kv =
+              stat(st, [](const StepRecord& s) { return double(s.tree_kv_bytes); });
+          const Samples kv = stat(st, [](const StepRecord& s) { return double(s.kv_bytes); });
+          const auto& ph = phases.steps;
+          const Samples p_total =
+              stat(ph, [](const StepRecord& s) { return s.gpu.total_ms * 1e3; });
+          const Samples p_attn =
+              stat(ph, [](const StepRecord& s) { return s.gpu.attention_ms * 1e3; });
+          const Samples p_gemm = stat(ph, [](const StepRecord& s) { return s.gpu.gemm_ms * 1e3; });
+          const Samples p_other = stat(ph, [](const StepRecord& s) {
+            return (s.gpu.other_ms + s.gpu.sampling_ms) * 1e3;
+          });
+          const Samples p_sampling =
+              stat(ph, [](const StepRecord& s) { return s.gpu.sampling_ms * 1e3; });
+          const Samples p_copy = stat(ph, [](const StepRecord& s) { return s.gpu.copy_ms * 1e3; });
+          const Samples p_wall = stat(ph, [](const StepRecord& s) { return s.total_us; });
+          double tokens = 0, time_us = 0;
+          for (const StepRecord& s : st) {
+            tokens += s.new_tokens;
+            time_us += s.total_us;
+          }
+          const double tokens_per_s = tokens / (time_us * 1e-6);
+          std::printf(
+              "%-24s %-19s %9.0f %9.0f %6.2f | %8.0f %8.0f %8.0f %8.0f %8.0f | %7.0f %7.0f %7.0f "
+              "%5.1f%% | %8.0f%s\n",
+              c.name.c_str(), method.c_str(), t.median, floor.median, t.median / floor.median,
+              gpu.median, p_attn.median, p_gemm.median, p_other.median, p_copy.median, plan.median,
+              book.median, samp.median, 100.0 * host.median / t.median, tokens_per_s,
+              total.finite && phases.finite ? "" : "  NON-FINITE LOGITS (row not written)");
+          std::vector<std::vector<TokenId>> am;
+          for (const StepRecord& s : st) am.push_back(s.argmax);
+          if (graphs) argmaxes.push_back(am);
+          if (!total.finite || !phases.finite) {
+            rows.emplace_back();
+            rows.back().method = "";  // marks a skipped row
+            continue;
+          }
+          ResultRow row;
+          row.case_name = c.name;
+          row.method = method;
+          row.median_us = t.median;
+          row.p10_us = t.p10;
+          row.p90_us = t.p90;
+          row.repetitions = static_cast<int64_t>(st.size());
+          row.kv_bytes = static_cast<int64_t>(kv.median);
+          row.floor_us = floor.median;
+          row.extra = {
+              {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
+              {"gemm", gemm == "skinny"  ? "skinny GEMM (<= 64 rows), cuBLAS otherwise"
+                     : gemm == "tuned" ? (wide_search ? "cuBLASLt algorithms tuned at load for "
+                                                        "<= 256 rows (wide search)"
+                                                      : "cuBLASLt algorithms tuned at load for "
+                                                        "<= 256 rows")
+                                       : "cuBLAS default algorithm"},
+              {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
+              {"queries_per_step", c.spec ? trace->tree_size() : 20},
+              {"tokens_per_s", tokens_per_s},
+              {"tokens_per_step_mean", tokens / st.size()},
+              {"floor_bytes_weights", bench.weight_read_bytes()},
+              {"floor_bytes_tree_kv_median", tree_kv.median},
+              {"split_us_median",
+               {{"gpu_forward_events", gpu.median},
+                {"host_total", host.median},
+                {"host_plan", plan.median},
+                {"host_tree_bookkeeping", book.median},
+                {"host_sampling_argmax", samp.median},
+                {"forward_wall_minus_gpu", gap.median},
+                {"forward_wall", fwd_wall.median}}},
+              {"split_p10_p90_us",
+               {{"gpu_forward_events", {gpu.p10, gpu.p90}}, {"host_total", {host.p10, host.p90}}}},
+              {"host_share_median", host.median / t.median},
+              {"gpu_phases_us_median",
+               {{"note", "separate run with an event after every launch (StepTiming::kPhases)"},
+                {"gpu_total", p_total.median},
+                {"attention", p_attn.median},
+                {"gemm", p_gemm.median},
+                {"other_kernels", p_other.median},
+                {"of_which_gpu_sampling", p_sampling.median},
+                {"copies_inputs_plan_logits", p_copy.median},
+                {"step_wall_with_phase_events", p_wall.median}}},
+              {"cuda_graphs",
+               {{"on", graphs},
+                {"graph_steps", total.graphs.graph_steps},
+                {"captures", total.graphs.captures},
+              {"capture_and_instantiate_us_mean",
+               total.graphs.captures > 0 ? total.graphs.capture_us / total.graphs.captures : 0.0},
+                {"eager_steps", total.graphs.eager_steps},
+                {"cached_graphs", total.graphs.cached_graphs},
+                {"note", "counts over the whole run (prefill chunks and warm-up steps included)"},
+                {"greedy_agreement_graphs_vs_eager",
+                 {{"same", graph_same},
+                  {"compared", graph_all},
+                  {"first_differing_step", graph_first_diff}}}}},
+              {"sampling", "greedy on the GPU (forward_sampled: kernels/sampling.h, one block per "
+                           "row after the LM head); only token ids and logprobs downloaded; "
+                           "host_sampling_argmax = reading the tokens"},
+          };
+          rows.push_back(row);
+        }
       }
-    }
-    // Greedy tokens of DeFT vs the sequence baseline (same weights, same inputs): the fraction
-    // of (step, row) argmaxes that agree. Few-shot feeds tokens back, so compare up to the
-    // first step where a branch diverged.
-    const auto& a = argmaxes[0];
-    const auto& b = argmaxes[1];
-    int64_t same = 0, all = 0;
-    int first_diff = -1;
-    for (size_t s = 0; s < std::min(a.size(), b.size()); ++s) {
-      for (size_t r = 0; r < a[s].size() && r < b[s].size(); ++r) {
-        ++all;
-        same += a[s][r] == b[s][r];
+      // Greedy tokens of DeFT vs the sequence baseline (same weights, same inputs): the fraction
+      // of (step, row) argmaxes that agree. Few-shot feeds tokens back, so compare up to the
+      // first step where a branch diverged.
+      const auto& a = argmaxes[0];
+      const auto& b = argmaxes[1];
+      int64_t same = 0, all = 0;
+      int first_diff = -1;
+      for (size_t s = 0; s < std::min(a.size(), b.size()); ++s) {
+        for (size_t r = 0; r < a[s].size() && r < b[s].size(); ++r) {
+          ++all;
+          same += a[s][r] == b[s][r];
+        }
+        if (first_diff < 0 && a[s] != b[s]) first_diff = static_cast<int>(s);
+        if (!c.spec && first_diff >= 0) break;
       }
-      if (first_diff < 0 && a[s] != b[s]) first_diff = static_cast<int>(s);
-      if (!c.spec && first_diff >= 0) break;
-    }
-    std::printf("%-24s greedy argmax agreement deft_flatten vs sequence: %lld / %lld (first "
-                "differing step %d)\n",
-                c.name.c_str(), static_cast<long long>(same), static_cast<long long>(all),
-                first_diff);
-    for (ResultRow& row : rows) {
-      if (row.method.empty()) continue;
-      row.extra["greedy_agreement_with_other_method"] = {
-          {"same", same}, {"compared", all}, {"first_differing_step", first_diff}};
-      result.add(row);
+      std::printf("%-24s greedy argmax agreement deft_flatten vs sequence: %lld / %lld (first "
+                  "differing step %d)\n",
+                  c.name.c_str(), static_cast<long long>(same), static_cast<long long>(all),
+                  first_diff);
+      for (ResultRow& row : rows) {
+        if (row.method.empty()) continue;
+        row.extra["greedy_agreement_with_other_method"] = {
+            {"same", same}, {"compared", all}, {"first_differing_step", first_diff}};
+        result.add(row);
+      }
     }
   }
   std::printf("wrote %s\n", result.write(out).c_str());

@@ -1,6 +1,5 @@
 #include "models/llama_cuda.h"
 
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
@@ -22,20 +22,9 @@
 #include "kernels/sampling.h"
 #include "kernels/skinny_gemm.h"
 #include "kernels/tree_attention_generic.h"
+#include "models/gemm_tuner.h"
 #include "models/llama_checkpoint.h"
 #include "spdlog/spdlog.h"
-
-// Aborts on a failing cuBLAS call (a bug or a broken device: inputs are validated before).
-#define DEFT_CUBLAS_CHECK(call)                                                                 \
-  do {                                                                                          \
-    const cublasStatus_t deft_cublas_status_ = (call);                                          \
-    if (deft_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                         \
-      std::fprintf(stderr, "cuBLAS error at %s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, \
-                   cublasGetStatusString(deft_cublas_status_));                                 \
-      std::fflush(stderr);                                                                      \
-      std::abort();                                                                             \
-    }                                                                                           \
-  } while (0)
 
 namespace deft::models {
 
@@ -71,7 +60,7 @@ constexpr int32_t kLogitRowsPerChunk = 256;
 // padded launches run uncaptured (tests/gpu/llama_cuda_graph_test.cc).
 constexpr int32_t kMaxGraphRows = 256;
 static_assert(kMaxGraphRows <= kLogitRowsPerChunk, "a graph step runs one LM-head chunk");
-// cuBLAS workspace set explicitly: captured GEMMs must not allocate.
+// cuBLAS / cuBLASLt workspace set explicitly: captured GEMMs must not allocate.
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 
 int32_t pow2_bucket(int32_t count) {
@@ -121,10 +110,6 @@ DeviceBuffer upload_fp32(const TensorView& tensor) {
   return upload_floats(tensor_to_floats(tensor));
 }
 
-cudaDataType cuda_type(kernels::DType dtype) {
-  return dtype == kernels::DType::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
-}
-
 }  // namespace
 
 struct LlamaCudaRunner::State {
@@ -141,7 +126,7 @@ struct LlamaCudaRunner::State {
 
   kernels::DType dtype = kernels::DType::kBf16;
   cudaStream_t stream = nullptr;
-  cublasHandle_t cublas = nullptr;
+  std::unique_ptr<GemmTuner> gemms;  // every weight GEMM (made once the workspace exists)
 
   DeviceBuffer embed;     // [vocab][hidden]
   DeviceBuffer norm;      // fp32 [hidden]
@@ -297,25 +282,22 @@ struct LlamaCudaRunner::State {
     times.valid = true;
   }
 
-  State() {
-    DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    DEFT_CUBLAS_CHECK(cublasCreate(&cublas));
-    DEFT_CUBLAS_CHECK(cublasSetStream(cublas, stream));
-  }
+  State() { DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
   ~State() {
     if (stream != nullptr) cudaStreamSynchronize(stream);
     graphs.clear();
     for (cudaEvent_t event : events) cudaEventDestroy(event);
-    if (cublas != nullptr) cublasDestroy(cublas);
+    gemms.reset();
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
   State(const State&) = delete;
   State& operator=(const State&) = delete;
 
   // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
-  // With skinny_gemm on, steps of up to kSkinnyGemmMaxRows rows (decode) stream the weights
-  // through kernels/skinny_gemm.h, larger ones use cuBLAS. Off by default: on the H100 cuBLAS
-  // was as fast or faster on every Llama-3-8B shape (bench/results/skinny_gemm-h100-*.json).
+  // On the cuBLASLt algorithm tuned for the shape's row bucket (tune_gemms), else cuBLAS's
+  // default. With skinny_gemm on, steps of up to kSkinnyGemmMaxRows rows (decode) stream the
+  // weights through kernels/skinny_gemm.h. Off by default: on the H100 cuBLAS was as fast or
+  // faster on every Llama-3-8B shape (bench/results/skinny_gemm-h100-*.json).
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
             bool y_fp32, bool accumulate) const {
     const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
@@ -324,15 +306,98 @@ struct LlamaCudaRunner::State {
       kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
       return;
     }
-    const float alpha = 1.0f;
-    const float beta = accumulate ? 1.0f : 0.0f;
-    // Column-major view: y^T [out x rows] = w^T' [out x in] * x^T [in x rows].
-    DEFT_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, w,
-                                   cuda_type(dtype), in, x, cuda_type(dtype), in, &beta, y,
-                                   y_fp32 ? CUDA_R_32F : cuda_type(dtype), out, CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT));
+    gemms->gemm({.rows = rows,
+                 .in = in,
+                 .out = out,
+                 .dtype = dtype,
+                 .y_fp32 = y_fp32,
+                 .accumulate = accumulate},
+                x, w, y);
   }
+  // Measures the decode GEMMs of every graph row bucket (see GemmTuner) on the layers'
+  // weights, with the activation buffers as scratch (call before any step).
+  void tune_gemms(const ModelConfig& c);
 };
+
+void LlamaCudaRunner::State::tune_gemms(const ModelConfig& c) {
+  const auto start = std::chrono::steady_clock::now();
+  const int32_t hidden = c.hidden_size;
+  const int32_t q_size = c.q_size();
+  const int32_t qkv_width = q_size + 2 * c.kv_size();
+  const int32_t intermediate = c.intermediate_size;
+  // Random inputs (N(0, 1)-like: uniform with half-width sqrt(3)) for every row tuned.
+  const int64_t rows_max = std::min(kMaxGraphRows, max_rows);
+  kernels::launch_random_uniform(rows_max * hidden, 11, std::sqrt(3.0f), 0.0f, dtype,
+                                 normed.data(), stream);
+  kernels::launch_random_uniform(rows_max * q_size, 12, std::sqrt(3.0f), 0.0f, dtype, attn.data(),
+                                 stream);
+  kernels::launch_random_uniform(rows_max * intermediate, 13, std::sqrt(3.0f), 0.0f, dtype,
+                                 act.data(), stream);
+  DEFT_CUDA_CHECK(cudaMemsetAsync(residual.data(), 0, residual.bytes(), stream));
+  std::vector<const void*> qkv_w, o_w, gate_up_w, down_w;
+  for (const Layer& layer : layers) {
+    qkv_w.push_back(layer.qkv.data());
+    o_w.push_back(layer.o_proj.data());
+    gate_up_w.push_back(layer.gate_up.data());
+    down_w.push_back(layer.down.data());
+  }
+  const std::vector<const void*> head_w = {c.tie_word_embeddings ? embed.data() : lm_head.data()};
+  const double num_layers = static_cast<double>(layers.size());
+  int32_t buckets = 0, tuned_shapes = 0, lt_shapes = 0;
+  for (int32_t rows = 1; rows <= rows_max; rows *= 2) {
+    struct Job {
+      const char* name;
+      GemmShape shape;
+      const std::vector<const void*>* weights;
+      const void* x;
+      void* y;
+      double per_step;  // launches per decode step
+    };
+    const auto shape = [&](int32_t in, int32_t out, bool y_fp32, bool accumulate) {
+      return GemmShape{.rows = rows,
+                       .in = in,
+                       .out = out,
+                       .dtype = dtype,
+                       .y_fp32 = y_fp32,
+                       .accumulate = accumulate};
+    };
+    std::vector<Job> jobs = {
+        {"qkv", shape(hidden, qkv_width, false, false), &qkv_w, normed.data(), qkv.data(),
+         num_layers},
+        {"o", shape(q_size, hidden, true, true), &o_w, attn.data(), residual.data(), num_layers},
+        {"gate_up", shape(hidden, 2 * intermediate, false, false), &gate_up_w, normed.data(),
+         gate_up.data(), num_layers},
+        {"down", shape(intermediate, hidden, true, true), &down_w, act.data(), residual.data(),
+         num_layers}};
+    if (rows <= kLogitRowsPerChunk) {
+      jobs.push_back({"lm_head", shape(hidden, c.vocab_size, true, false), &head_w, normed.data(),
+                      logits.data(), 1.0});
+    }
+    std::string line;
+    double default_step_us = 0, tuned_step_us = 0, bucket_ms = 0;
+    for (const Job& job : jobs) {
+      const GemmTuneResult result = gemms->tune(job.shape, *job.weights, job.x, job.y);
+      default_step_us += job.per_step * result.default_us;
+      tuned_step_us += job.per_step * result.chosen_us();
+      bucket_ms += result.tuning_ms;
+      ++tuned_shapes;
+      lt_shapes += result.chosen >= 0;
+      absl::StrAppend(&line, line.empty() ? "" : "; ", job.name, " ",
+                      absl::StrFormat("%.1f", result.chosen_us()), " (",
+                      absl::StrFormat("%.1f", result.default_us), ") ",
+                      result.chosen >= 0 ? result.chosen_algo() : "default", " of ",
+                      result.candidates.size());
+    }
+    ++buckets;
+    spdlog::info("llama_cuda: GEMMs at {} rows, µs tuned (cuBLAS default): {}; a step's GEMMs "
+                 "{:.0f} -> {:.0f} µs; tuned in {:.0f} ms",
+                 rows, line, default_step_us, tuned_step_us, bucket_ms);
+  }
+  spdlog::info("llama_cuda: GEMMs tuned for {} row buckets ({} shapes, {} on a cuBLASLt "
+               "algorithm, the rest on cuBLAS's default) in {:.2f} s",
+               buckets, tuned_shapes, lt_shapes,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+}
 
 void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch& launch) {
   const int32_t rows = launch.rows;
@@ -619,8 +684,11 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   // Padded rows of a graph step leave their attention rows as they were: start them finite.
   DEFT_CUDA_CHECK(cudaMemsetAsync(s.attn.data(), 0, s.attn.bytes(), s.stream));
   s.cublas_workspace.reset(kCublasWorkspaceBytes);
-  DEFT_CUBLAS_CHECK(
-      cublasSetWorkspace(s.cublas, s.cublas_workspace.data(), s.cublas_workspace.bytes()));
+  s.gemms = std::make_unique<GemmTuner>(s.stream, s.cublas_workspace.data(),
+                                        s.cublas_workspace.bytes());
+  // Before the KV pool takes the memory and any step runs: the activations are scratch now.
+  s.gemms->set_wide_search(options.wide_gemm_search);
+  if (options.tune_gemms) s.tune_gemms(c);
   s.use_graphs = options.cuda_graphs;
   s.max_graphs = options.max_cuda_graphs;
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
@@ -683,6 +751,11 @@ size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_byt
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
 void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
+void LlamaCudaRunner::set_gemm_tuning(bool on) {
+  // Captured step graphs hold the other GEMM kernels.
+  if (state_->gemms->enabled() != on) state_->drop_graphs();
+  state_->gemms->set_enabled(on);
+}
 void LlamaCudaRunner::set_skinny_gemm(bool on) {
   // Captured step graphs hold the other GEMM kernels.
   if (state_->skinny_gemm != on) state_->drop_graphs();

@@ -10,7 +10,9 @@
 //              accumulated into the residual
 //   final RMSNorm of the logit rows only (gathered) -> LM head GEMM (fp32 out) -> host
 //   (forward) or GPU sampling and only the tokens to the host (forward_sampled).
-// GEMMs are cuBLAS (bf16/fp16 in, fp32 accumulate). GPU memory is planned at load from the free
+// GEMMs are cuBLAS (bf16/fp16 in, fp32 accumulate): at load, each decode GEMM shape of every
+// graph row bucket is timed on the cuBLASLt algorithms the heuristic offers and cuBLAS's default,
+// and the fastest is kept (models/gemm_tuner.h). GPU memory is planned at load from the free
 // memory: weights, activations for `max_batch_rows` query rows, then the KV pool.
 // Decode-sized steps (up to 256 query rows and 256 logit rows, no prefill runs) replay CUDA
 // graphs: one per bucket of the step's shape (rows and logit rows rounded up to powers of two,
@@ -45,6 +47,13 @@ struct LlamaCudaOptions {
   bool cuda_graphs = true;
   // Graphs kept at most (one per shape bucket); the least recently used is dropped first.
   int32_t max_cuda_graphs = 32;
+  // At load, time the GEMMs of decode steps (every graph row bucket: 1, 2, 4, ..., 256 rows)
+  // on cuBLASLt's candidate algorithms and keep the fastest per shape (models/gemm_tuner.h;
+  // ~2 s for Llama-3-8B on the H100); false: cuBLAS's default algorithm everywhere.
+  bool tune_gemms = true;
+  // Tuning also tries every other cuBLASLt algorithm id (GemmTuner::set_wide_search; ~3x the
+  // tuning time).
+  bool wide_gemm_search = false;
 };
 
 struct CudaGraphStats {
@@ -108,6 +117,9 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   bool uses_deft_kernels() const;
 
   void set_step_timing(StepTiming timing);
+  // On (the default): GEMMs run the algorithms tuned at load (LlamaCudaOptions::tune_gemms);
+  // off: cuBLAS's default algorithm. Benchmarks compare.
+  void set_gemm_tuning(bool on);
   // On: decode steps (<= kernels::kSkinnyGemmMaxRows rows) run their GEMMs on the skinny GEMM
   // (kernels/skinny_gemm.h); off (the default): every GEMM on cuBLAS. Benchmarks compare.
   void set_skinny_gemm(bool on);
