@@ -65,7 +65,9 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   params.row_slices = deft_attention_row_slices(max_task_entries, dims);
 
   const int64_t ctas = int64_t{plan.num_tasks} * dims.num_kv_heads * params.row_slices;
-  if (ctas > std::numeric_limits<int32_t>::max()) fail("stage 1 grid too large; tasks", plan.num_tasks);
+  if (ctas > std::numeric_limits<int32_t>::max()) {
+    fail("stage 1 grid too large; tasks", plan.num_tasks);
+  }
   stage1<<<static_cast<unsigned>(ctas), detail::kStage1Threads, kSmemBytes, stream>>>(params);
   DEFT_CUDA_CHECK_LAUNCH();
 

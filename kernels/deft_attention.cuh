@@ -514,7 +514,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 #pragma unroll
         for (int kk = 0; kk < kKSteps; ++kk) {
           uint32_t k_frag[4];
-          ldmatrix_x4(k_frag, k_tile + swizzled_offset(token, 2 * kk + (matrix & 1), kKvTileTokens));
+          ldmatrix_x4(k_frag,
+                      k_tile + swizzled_offset(token, 2 * kk + (matrix & 1), kKvTileTokens));
           Traits::mma(scores[2 * pair], q_frag[kk], k_frag[0], k_frag[1]);
           Traits::mma(scores[2 * pair + 1], q_frag[kk], k_frag[2], k_frag[3]);
         }
@@ -530,7 +531,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         for (int nb2 = 0; nb2 < kHeadDim / 16; ++nb2) {
           uint32_t v_frag[4];
           ldmatrix_x4_trans(v_frag,
-                            v_tile + swizzled_offset(token, 2 * nb2 + (matrix >> 1), kKvTileTokens));
+                            v_tile + swizzled_offset(token, 2 * nb2 + (matrix >> 1),
+                                                     kKvTileTokens));
           Traits::mma(o_acc[2 * nb2], p_frag, v_frag[0], v_frag[1]);
           Traits::mma(o_acc[2 * nb2 + 1], p_frag, v_frag[2], v_frag[3]);
         }
@@ -551,8 +553,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       for (int kk = 0; kk < kKSteps; ++kk) {
         // 16 columns = 32 bytes into the column block: the swizzle acts on the absolute address.
         const uint32_t start = k_tile + (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32;
-        wgmma_rs<T, kKvTileTokens, false>(scores, q_frag[kk],
-                                          wgmma_descriptor(start, 16, 8 * kSwizzleRowBytes), kk > 0);
+        wgmma_rs<T, kKvTileTokens, false>(
+            scores, q_frag[kk], wgmma_descriptor(start, 16, 8 * kSwizzleRowBytes), kk > 0);
       }
       wgmma_commit();
       wgmma_wait_all();

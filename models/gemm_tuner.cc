@@ -64,9 +64,6 @@ uint32_t alignment_of(const void* ptr) {
   return static_cast<uint32_t>(std::min<uintptr_t>(address & (~address + 1), 256));
 }
 
-int32_t pow2_bucket(int32_t rows) {
-  return rows <= 1 ? rows : static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(rows)));
-}
 
 template <typename T>
 T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
@@ -136,6 +133,14 @@ struct LtAlgo {
 
 }  // namespace
 
+int32_t gemm_row_bucket(int32_t rows) {
+  if (rows <= 1) return rows;
+  if (rows <= 8 || rows > 64) {
+    return static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(rows)));
+  }
+  return (rows + 7) / 8 * 8;
+}
+
 std::string gemm_shape_name(const GemmShape& shape) {
   return absl::StrCat(shape.rows, "x", shape.in, "->", shape.out, " ",
                       std::string(kernels::dtype_name(shape.dtype)), shape.y_fp32 ? " y fp32" : "",
@@ -189,7 +194,7 @@ struct GemmTuner::Impl {
   // accepts these rows (remembered either way). nullptr when the bucket has no such choice.
   Entry* derive(const GemmShape& shape) {
     GemmShape bucket = shape;
-    bucket.rows = pow2_bucket(shape.rows);
+    bucket.rows = gemm_row_bucket(shape.rows);
     const Entry* tuned = bucket.rows != shape.rows ? find(bucket) : nullptr;
     if (tuned == nullptr || !tuned->use_lt) return nullptr;
     Entry& entry = add(shape, true);
@@ -423,7 +428,7 @@ GemmTuneResult GemmTuner::tune(const GemmShape& shape, std::span<const void* con
   // Shapes derived from an earlier choice of this bucket follow the new one.
   std::erase_if(s.entries, [&](const auto& item) {
     GemmShape bucket = item.second->shape;
-    bucket.rows = pow2_bucket(bucket.rows);
+    bucket.rows = gemm_row_bucket(bucket.rows);
     return item.second->derived && bucket == shape;
   });
   Impl::Entry* entry = s.find(shape);

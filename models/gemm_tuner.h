@@ -8,8 +8,8 @@
 // and keeps the fastest of those second timings when it beats the default by more than
 // kMinGain; gemm() then runs it. Tuning launches and synchronises: never call it while the
 // stream is being captured. gemm() only launches (no allocation, a fixed workspace), so it is
-// safe inside a CUDA graph capture. Rows not tuned whose power-of-two bucket was run the
-// bucket's algorithm when cublasLtMatmulAlgoCheck accepts it for them; every other untuned
+// safe inside a CUDA graph capture. Rows not tuned whose row bucket (gemm_row_bucket) was run
+// the bucket's algorithm when cublasLtMatmulAlgoCheck accepts it for them; every other untuned
 // shape runs cublasGemmEx's default.
 // On the H100 the Llama-3-8B decode GEMMs gain 0-8 % per shape (LM head 4-7 %, down up to 18 %
 // at 128 rows), ~1-2 % of a decode step; the wide search found nothing the heuristic's list
@@ -37,6 +37,11 @@ struct GemmShape {
 };
 
 std::string gemm_shape_name(const GemmShape& shape);
+
+// Row buckets: powers of two up to 8, multiples of 8 up to 64, then powers of two. Untuned rows
+// follow their bucket's choice, and the CUDA runner pads graph steps to these (so an eager step
+// runs the algorithm of its graph's bucket).
+int32_t gemm_row_bucket(int32_t rows);
 
 // What tune() measured: the default and every candidate (median µs per GEMM), the choice.
 struct GemmTuneResult {

@@ -42,7 +42,7 @@ constexpr int32_t kLogitRowsPerChunk = 256;
 // bias + RoPE + KV write, attention stage 1/2, O GEMM, RMSNorm, gate/up GEMM, SiLU·mul, down
 // GEMM): ~1 ms of a Llama-3-8B step on the H100 was launch-bound (bench/results/e2e_step-*).
 // A graph replays the launches of one *bucket* of step shapes with fixed kernel parameters:
-//   - query rows and logit rows rounded up to a row bucket (row_bucket: 1, 2, 4, 8, then
+//   - query rows and logit rows rounded up to a row bucket (gemm_row_bucket: 1, 2, 4, 8, then
 //     multiples of 8 up to 64, then 128 and 256: padding 20 rows to 32 cost ~170 µs of GEMM time
 //     per Llama-3-8B step, bench/results/gemm_tune-h100-notes.md); padded rows
 //     read token 0 at position 0, write their K/V into a spare slot past the pool (sink_slot)
@@ -67,12 +67,6 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 
 int32_t pow2_bucket(int32_t count) {
   return count <= 1 ? count : static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(count)));
-}
-
-// Graph row buckets: powers of two up to 8, multiples of 8 up to 64, then powers of two.
-int32_t row_bucket(int32_t count) {
-  if (count <= 8 || count > 64) return pow2_bucket(count);
-  return (count + 7) / 8 * 8;
 }
 
 // Powers of two up to 16, then 8 buckets per octave.
@@ -352,7 +346,7 @@ void LlamaCudaRunner::State::tune_gemms(const ModelConfig& c) {
   const std::vector<const void*> head_w = {c.tie_word_embeddings ? embed.data() : lm_head.data()};
   const double num_layers = static_cast<double>(layers.size());
   int32_t buckets = 0, tuned_shapes = 0, lt_shapes = 0;
-  for (int32_t rows = 1; rows <= rows_max; rows = row_bucket(rows + 1)) {
+  for (int32_t rows = 1; rows <= rows_max; rows = gemm_row_bucket(rows + 1)) {
     struct Job {
       const char* name;
       GemmShape shape;
@@ -874,9 +868,10 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   if (rows == 0) return absl::OkStatus();
   bool any_top_logprobs = false;
   // Graph steps: decode-sized, no per-launch events (kPhases runs eagerly).
-  const bool graph_step = s.use_graphs && s.timing != StepTiming::kPhases &&
-                          rows <= kMaxGraphRows && row_bucket(rows) <= s.max_rows &&
-                          logit_rows <= kMaxGraphRows && row_bucket(logit_rows) <= s.max_rows &&
+  const bool graph_step =
+      s.use_graphs && s.timing != StepTiming::kPhases && rows <= kMaxGraphRows &&
+      gemm_row_bucket(rows) <= s.max_rows && logit_rows <= kMaxGraphRows &&
+      gemm_row_bucket(logit_rows) <= s.max_rows &&
                           plan.prefill_runs.empty();
   State::StepGraph* graph = nullptr;
   int32_t launch_rows = rows, launch_logit_rows = logit_rows;
@@ -887,8 +882,8 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
           std::max(max_task_entries, plan.task_entry_begin[t + 1] - plan.task_entry_begin[t]);
     }
     const State::GraphKey key{
-        .rows = row_bucket(rows),
-        .logit_rows = row_bucket(logit_rows),
+        .rows = gemm_row_bucket(rows),
+        .logit_rows = gemm_row_bucket(logit_rows),
         .tasks = task_bucket(plan.num_tasks()),
         .row_slices =
             s.deft_kernels ? kernels::deft_attention_row_slices(max_task_entries, s.dims) : 0,

@@ -56,10 +56,9 @@ TEST(AttentionPlanner, FlattenSplitsPiecesAroundTileLongRunsOfOneViewerSet) {
   AttentionPlan plan;
   ASSERT_TRUE(planner.plan(job.input(), plan).ok());
   EXPECT_EQ(plan.io.kv_tokens_read, 600);
-  // [0, 256) the prompt; [256, 512) splits into the prompt's tail [256, 300) (all three
-  // queries), leaf 0 [300, 400) and leaf 1 [400, 500) (one query each), then the 12 tokens of leaf
-  // 2 [500, 512) are too few to stand alone and neither are [512, 600) different viewers: leaf 2 alone
-  // is uniform. Nothing needs a mask.
+  // [0, 256) is the prompt; [256, 512) splits into the prompt's tail [256, 300) (all three
+  // queries), leaf 0 [300, 400) and leaf 1 [400, 500) (one query each) and leaf 2's first 12
+  // tokens [500, 512); [512, 600) is the rest of leaf 2. Nothing needs a mask.
   const std::vector<std::pair<int32_t, int32_t>> expected = {
       {0, 256}, {256, 300}, {300, 400}, {400, 500}, {500, 512}, {512, 600}};
   ASSERT_EQ(plan.num_tasks(), static_cast<int32_t>(expected.size()));
