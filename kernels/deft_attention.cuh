@@ -37,6 +37,9 @@ inline constexpr int kStage1Threads = kStage1Warps * 32;
 inline constexpr int kKvTileTokens = 64;  // tokens per cp.async tile
 inline constexpr int kMmaRows = 16;       // rows of one warp's m16n8k16 tile
 inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the PV MMA)
+// KV tiles in the shared-memory ring. 3 stages (2 CTAs per SM instead of 3) measured 4-35 %
+// slower on every snapshot of bench/kernel_attention_bench (H100, 2026-11-23).
+inline constexpr int kStages = 2;
 inline constexpr int kStage2Warps = 4;    // heads per stage-2 CTA
 inline constexpr int kStage2Threads = kStage2Warps * 32;
 
@@ -49,16 +52,14 @@ struct Stage1Smem {
   static constexpr int kBlockBytes = kKvTileTokens * kSwizzleRowBytes;  // 64 columns of a tile
   static constexpr int kTileBytes = kKvTileTokens * kHeadDim * 2;
   static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
-  static constexpr int kMaskOffset = 2 * kStageBytes;
+  static constexpr int kMaskOffset = kStages * kStageBytes;
   // Per row of the current pass: where its result goes (~query: final output, else entry).
-  static constexpr int kRowTargetOffset = kMaskOffset + 2 * kKvTileTokens * 8;
-  // Two buffers of a tile's KV slots, prefetched by cp.async one tile ahead of its KV.
-  static constexpr int kSlotOffset = kRowTargetOffset + kStage1Warps * kMmaRows * 4;
+  static constexpr int kRowTargetOffset = kMaskOffset + kStages * kKvTileTokens * 8;
   // Masked tasks: one bit per tile that some row of the pass sees (tiles past kNeededTiles are
   // always loaded).
   static constexpr int kNeededWords = 32;
   static constexpr int kNeededTiles = kNeededWords * 32;
-  static constexpr int kNeededOffset = kSlotOffset + 2 * kKvTileTokens * 4;
+  static constexpr int kNeededOffset = kRowTargetOffset + kStage1Warps * kMmaRows * 4;
   static constexpr int kAlignSlack = 1024;
   static constexpr int kBytes = kNeededOffset + kNeededWords * 4 + kAlignSlack;
   // The end-of-pass merge reuses the KV ring: per warp 16 rows of O, m and l (fp32).
@@ -139,12 +140,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
 __device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 8 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 4 : 0)
                : "memory");
 }
 
@@ -350,17 +345,6 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       return num_tiles;
     };
 
-    // A tile's 64 KV slots go to slot buffer `buffer` by cp.async, one tile ahead of its KV, so
-    // no thread waits for them when it issues the KV copies.
-    int32_t* slot_buffers = reinterpret_cast<int32_t*>(smem + Smem::kSlotOffset);
-    auto prefetch_slots = [&](int tile, int buffer) {
-      if (tile >= num_tiles || threadIdx.x >= kKvTileTokens) return;
-      const int token = tile * kKvTileTokens + threadIdx.x;
-      const bool valid = token < run_tokens;
-      cp_async_4(smem_address(slot_buffers + buffer * kKvTileTokens + threadIdx.x),
-                 plan.kv_slots + kv_begin + (valid ? token : 0), valid);
-    };
-
     // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile.
     constexpr int kTokenStride = kStage1Threads / kChunksPerRow;  // tokens between a thread's rows
     constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
@@ -368,17 +352,23 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     auto load_tile = [&](int tile, int stage) {
       unsigned char* k_tile = smem + stage * Smem::kStageBytes;
       unsigned char* v_tile = k_tile + Smem::kTileBytes;
-      const int32_t* slots = slot_buffers + stage * kKvTileTokens;
       const int token0 = tile * kKvTileTokens;
       const int part = threadIdx.x % kChunksPerRow;
       const int first_token = threadIdx.x / kChunksPerRow;
+      // The slots are loaded first, all at once (each next to its cp.async, whose "memory"
+      // clobber keeps the loads in program order, made a tile wait for serial L2 round trips).
+      int slots[kSlotsPerThread];
+#pragma unroll
+      for (int i = 0; i < kSlotsPerThread; ++i) {
+        const int token = token0 + first_token + i * kTokenStride;
+        slots[i] = token < run_tokens ? __ldg(plan.kv_slots + kv_begin + token) : 0;
+      }
 #pragma unroll
       for (int i = 0; i < kSlotsPerThread; ++i) {
         const int token = first_token + i * kTokenStride;
         const bool valid = token0 + token < run_tokens;
         const int64_t offset =
-            (static_cast<int64_t>(slots[token]) * params.num_kv_heads + kv_head) * kHeadDim +
-            part * 8;
+            (static_cast<int64_t>(slots[i]) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
         const int smem_offset = swizzled_offset(token, part, kKvTileTokens);
         cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
         cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
@@ -393,19 +383,18 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       }
     };
 
-    // Tiles in order of use: `tile` (computed), `next` (its KV in flight), and the one after
-    // (its slots in flight). The k-th tile of the pass uses KV stage and slot buffer k % 2.
-    // The pass's first tile is in flight while the rows' destinations and Q fragments load.
-    int tile = next_needed_tile(0);
-    int next = next_needed_tile(tile + 1);
-    int stage = 0;
-    prefetch_slots(tile, 0);
-    prefetch_slots(next, 1);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    if (tile < num_tiles) load_tile(tile, stage);
-    cp_async_commit();
+    // The ring holds kStages tiles: the one computed and up to kStages - 1 in flight. upcoming[i]
+    // is the i-th needed tile after the computed one; the k-th tile of the pass uses stage k %
+    // kStages. The pass's first tiles are in flight while the rows' destinations and Q load.
+    int upcoming[kStages];
+    upcoming[0] = next_needed_tile(0);
+#pragma unroll
+    for (int i = 1; i < kStages; ++i) upcoming[i] = next_needed_tile(upcoming[i - 1] + 1);
+#pragma unroll
+    for (int i = 0; i + 1 < kStages; ++i) {
+      if (upcoming[i] < num_tiles) load_tile(upcoming[i], i);
+      cp_async_commit();
+    }
 
     // Resolve each row's destination once per pass (not per output element in the epilogue:
     // those dependent plan loads made short CTAs latency-bound).
@@ -604,21 +593,22 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       }
     };
 
-    // Double-buffered pipeline: the next tile's KV copy (and the slots of the one after) overlap
-    // this tile's math.
-    while (tile < num_tiles) {
-      cp_async_wait<0>();    // this tile's KV and the next tile's slots have landed
-      fence_async_shared();  // this thread's copies become visible to wgmma's reads
+    // Pipeline: the copies of the next kStages - 1 tiles overlap this tile's math.
+    int stage = 0;
+    while (upcoming[0] < num_tiles) {
+      cp_async_wait<kStages - 2>();  // this tile's copy has landed
+      fence_async_shared();          // this thread's copies become visible to wgmma's reads
       __syncthreads();
-      if (next < num_tiles) load_tile(next, stage ^ 1);
-      const int after = next_needed_tile(next + 1);
-      prefetch_slots(after, stage);  // this tile's slots were used when its KV was loaded
+      // The stage of the tile computed last iteration is free: the kStages - 1'th tile ahead.
+      const int last = upcoming[kStages - 1];
+      if (last < num_tiles) load_tile(last, (stage + kStages - 1) % kStages);
       cp_async_commit();
-      if (use_wgmma || warp_has_rows) compute_tile(tile, stage);
+      if (use_wgmma || warp_has_rows) compute_tile(upcoming[0], stage);
       __syncthreads();
-      tile = next;
-      next = after;
-      stage ^= 1;
+#pragma unroll
+      for (int i = 0; i + 1 < kStages; ++i) upcoming[i] = upcoming[i + 1];
+      upcoming[kStages - 1] = next_needed_tile(last + 1);
+      stage = (stage + 1) % kStages;
     }
     cp_async_wait<0>();
     __syncthreads();
