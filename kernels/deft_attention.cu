@@ -68,7 +68,19 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   if (ctas > std::numeric_limits<int32_t>::max()) {
     fail("stage 1 grid too large; tasks", plan.num_tasks);
   }
-  stage1<<<static_cast<unsigned>(ctas), detail::kStage1Threads, kSmemBytes, stream>>>(params);
+  // Programmatic dependent launch: stage 1's CTAs start (and read the plan) while the kernel
+  // before them finishes; they wait for it in the kernel before reading Q or the KV.
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(detail::kStage1Threads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, stage1, params));
   DEFT_CUDA_CHECK_LAUNCH();
 
   // Stage 2 spans every query (a launch shape fixed by the plan's size); queries with a single
@@ -80,16 +92,9 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
                                            detail::kStage2Warps));
     // Programmatic dependent launch: stage 2's CTAs start (and read the plan) while stage 1's
     // last CTAs finish; they wait for stage 1's results in the kernel (griddepcontrol.wait).
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
     config.gridDim = grid2;
     config.blockDim = dim3(detail::kStage2Threads);
     config.dynamicSmemBytes = 0;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
     DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, &detail::deft_attention_stage2_kernel<T, kHeadDim>,
                                        plan, static_cast<const float*>(partial_out),
                                        static_cast<const float*>(partial_lse), static_cast<T*>(out),

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "kernels/attention_params.h"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/wgmma.cuh"
 
 namespace deft::kernels::detail {
@@ -230,21 +231,6 @@ __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
   return ones << lo;
 }
 
-// Programmatic dependent launch (sm_90): stage 1 lets stage 2 be scheduled as soon as all its
-// CTAs run; stage 2 reads the plan (written before stage 1) first and waits for stage 1's
-// results only before touching the partials. No-ops where unsupported.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisite_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // ---- stage 1 ----------------------------------------------------------------------------------
 
 template <typename T, int kHeadDim>
@@ -263,6 +249,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
                   (Smem::kAlignSlack - 1));
 
   // Stage 2 may be scheduled once every stage-1 CTA runs (it waits for our results itself).
+  // Stage 1 itself is launched dependent on the kernel before it (the KV write): it reads only
+  // the plan until wait_for_prerequisite_grid() below.
   allow_dependent_launch();
 
   const AttentionPlanView& plan = params.plan;
@@ -388,6 +376,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     // kStages. The pass's first tiles are in flight while the rows' destinations and Q load.
     int upcoming[kStages];
     upcoming[0] = next_needed_tile(0);
+    wait_for_prerequisite_grid();  // Q, the KV and our outputs: the kernel before is done
 #pragma unroll
     for (int i = 1; i < kStages; ++i) upcoming[i] = next_needed_tile(upcoming[i - 1] + 1);
 #pragma unroll
@@ -742,6 +731,8 @@ __global__ void __launch_bounds__(kStage2Threads)
                                  int32_t num_q_heads) {
   constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 consecutive floats per lane
   static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
+  // The next layer's stage 1 may be scheduled (it waits for us before touching our outputs).
+  allow_dependent_launch();
   const int query = blockIdx.x;
   const int begin = plan.query_entry_begin[query];
   const int count = plan.query_entry_begin[query + 1] - begin;

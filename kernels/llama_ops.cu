@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_convert.cuh"
 #include "kernels/llama_ops.h"
 
@@ -99,6 +100,8 @@ __global__ void __launch_bounds__(kThreads)
                           const int32_t* __restrict__ slots, const float* __restrict__ inv_freq,
                           const T* __restrict__ qkv, const float* __restrict__ bias,
                           T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache) {
+  // The attention after it may start reading its plan (it waits for us before Q and the KV).
+  detail::allow_dependent_launch();
   const int32_t half = dims.head_dim / 2;
   const int32_t heads = dims.num_q_heads + 2 * dims.num_kv_heads;
   const int32_t width = heads * dims.head_dim;
