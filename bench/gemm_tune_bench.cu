@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "bench/bench_result.h"
+#include "bench/graph_timing.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
@@ -56,31 +57,7 @@ constexpr double kBf16Tolerance = 4e-3;
 
 std::vector<double> time_graph(cudaStream_t stream, int reps,
                                const std::function<void(int)>& launch) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  DEFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kLaunchesPerGraph; ++i) launch(i);
-  DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  DEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int w = 0; w < 3; ++w) DEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  cudaEvent_t start, stop;
-  DEFT_CUDA_CHECK(cudaEventCreate(&start));
-  DEFT_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> samples_us;
-  for (int r = 0; r < reps; ++r) {
-    DEFT_CUDA_CHECK(cudaEventRecord(start, stream));
-    DEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    DEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
-    DEFT_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    samples_us.push_back(ms * 1e3 / kLaunchesPerGraph);
-  }
-  DEFT_CUDA_CHECK(cudaEventDestroy(start));
-  DEFT_CUDA_CHECK(cudaEventDestroy(stop));
-  DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
-  return samples_us;
+  return time_graph_replays(stream, kLaunchesPerGraph, /*warmup=*/3, reps, launch);
 }
 
 // y as floats (bf16 or fp32 on the device).

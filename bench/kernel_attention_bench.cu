@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bench/bench_result.h"
+#include "bench/graph_timing.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/sequence_tree.h"
@@ -214,9 +215,6 @@ int main(int argc, char** argv) {
   std::mt19937 rng(20261123);
   cudaStream_t stream;
   DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t start, stop;
-  DEFT_CUDA_CHECK(cudaEventCreate(&start));
-  DEFT_CUDA_CHECK(cudaEventCreate(&stop));
 
   std::printf("%-32s %-18s %9s %9s %7s %9s %8s\n", "case", "method", "median_us", "floor_us",
               "ratio", "GB/s", "rel_err");
@@ -325,25 +323,8 @@ int main(int argc, char** argv) {
       // neither host launch gaps nor idle clocks enter the numbers; one sample = one replay's
       // time / kLaunchesPerGraph.
       constexpr int kLaunchesPerGraph = 20;
-      cudaGraph_t graph;
-      cudaGraphExec_t graph_exec;
-      DEFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < kLaunchesPerGraph; ++i) launch(i % copies);
-      DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      DEFT_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
-      for (int w = 0; w < 5; ++w) DEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
-      std::vector<double> samples_us;
-      for (int r = 0; r < args.reps; ++r) {
-        DEFT_CUDA_CHECK(cudaEventRecord(start, stream));
-        DEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
-        DEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
-        DEFT_CUDA_CHECK(cudaEventSynchronize(stop));
-        float ms = 0;
-        DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        samples_us.push_back(ms * 1e3 / kLaunchesPerGraph);
-      }
-      DEFT_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
-      DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+      const std::vector<double> samples_us = time_graph_replays(
+          stream, kLaunchesPerGraph, /*warmup=*/5, args.reps, [&](int i) { launch(i % copies); });
       const Samples stats = summarize(samples_us);
       const int64_t kv_bytes = plan.io.kv_tokens_read * int64_t(kv_row) * kElemBytes * 2;
       std::printf("%-32s %-18s %9.1f %9.1f %7.2f %9.0f %8.1e%s\n", s.name.c_str(), m.name.c_str(),
