@@ -52,11 +52,10 @@ struct PlannerOptions {
 // The chunk size B used when PlannerOptions::chunk_tokens is 0, for a tree whose step has
 // `num_queries` queries over `visible_tokens` KV tokens. Stage 1 writes one fp32 partial per
 // query and chunk (16 KB at Llama-3-8B shapes) against 4 KB of KV per token, so larger chunks
-// cut partial traffic: 256, or 512 from 48 queries; then B halves (down to 64) while
-// chunks x ceil(queries / 16) (about the CTAs per KV head) stays under 32, so small trees still
-// fill the SMs. Fitted to the B sweeps on the H100 (bench/results/kernel_attention-h100-*.json
-// and kernel_attention-h100-notes.md, round 2): it picks the best measured B on every paper
-// snapshot but one (within 4 %).
+// cut partial traffic: 512; then B halves (down to 64) while the tree has fewer than 8 chunks
+// and chunks x ceil(queries / 16) (about the CTAs per KV head) stays under 32, so small trees
+// still fill the SMs. Fitted to the B sweep on the H100 (bench/results/kernel_attention-h100-*,
+// notes round 3): it picks the best measured B (or one within 2 %) on every paper snapshot.
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens);
 
 // One query: token `token_index` of `node`.

@@ -146,15 +146,18 @@ TEST(AttentionPlanner, BadQueriesAreRejectedAndLeaveThePlanEmpty) {
 }
 
 TEST(AttentionPlanner, AdaptiveChunkFollowsQueriesAndTreeSize) {
-  EXPECT_EQ(adaptive_chunk_tokens(20, 8000), 256);   // few-shot b = 20
+  EXPECT_EQ(adaptive_chunk_tokens(20, 8000), 512);   // few-shot b = 20
   EXPECT_EQ(adaptive_chunk_tokens(50, 14000), 512);  // few-shot b = 50
   EXPECT_EQ(adaptive_chunk_tokens(256, 6256), 512);  // 6000 prefix + 256-token tree
   EXPECT_EQ(adaptive_chunk_tokens(64, 1064), 128);   // 1000 prefix + 64-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(128, 1128), 256);  // 1000 prefix + 128-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(32, 1032), 128);   // 1000 prefix + 32-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(32, 6032), 512);   // 6000 prefix + 32-token tree: 12 chunks
   EXPECT_EQ(adaptive_chunk_tokens(1, 10), 64);
   FewShot job(4000, 20, 200);
   AttentionPlan plan;
   ASSERT_TRUE(AttentionPlanner().plan(job.input(), plan).ok());
-  EXPECT_EQ(plan.task_kv_end[0] - plan.task_kv_begin[0], 256);
+  EXPECT_EQ(plan.task_kv_end[0] - plan.task_kv_begin[0], 512);
   EXPECT_EQ(plan.io.kv_tokens_read, 8000);
 }
 
