@@ -55,12 +55,18 @@ constexpr int32_t kMinUnmaskedSplit = 64;
 
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens) {
   constexpr int32_t kMinChunk = 64;
-  constexpr int64_t kMinWork = 32;    // chunks x row passes below which the GPU is left idle
-  constexpr int64_t kMinChunks = 8;   // ... unless the tree has this many chunks anyway
-  int32_t chunk = 512;
+  // Chunks x row passes (about the CTAs per KV head) below which the GPU is left idle; a tree
+  // of fewer than kFewChunks chunks needs kMinWorkFewChunks.
+  constexpr int64_t kMinWork = 24;
+  constexpr int64_t kFewChunks = 8;
+  constexpr int64_t kMinWorkFewChunks = 32;
   const auto chunks = [&](int32_t b) { return (visible_tokens + b - 1) / b; };
   const auto work = [&](int32_t b) { return chunks(b) * ((num_queries + 15) / 16); };
-  while (chunk > kMinChunk && work(chunk) < kMinWork && chunks(chunk) < kMinChunks) chunk /= 2;
+  const auto too_little = [&](int32_t b) {
+    return work(b) < (chunks(b) < kFewChunks ? kMinWorkFewChunks : kMinWork);
+  };
+  int32_t chunk = 512;
+  while (chunk > kMinChunk && too_little(chunk)) chunk /= 2;
   return chunk;
 }
 

@@ -52,10 +52,12 @@ struct PlannerOptions {
 // The chunk size B used when PlannerOptions::chunk_tokens is 0, for a tree whose step has
 // `num_queries` queries over `visible_tokens` KV tokens. Stage 1 writes one fp32 partial per
 // query and chunk (16 KB at Llama-3-8B shapes) against 4 KB of KV per token, so larger chunks
-// cut partial traffic: 512; then B halves (down to 64) while the tree has fewer than 8 chunks
-// and chunks x ceil(queries / 16) (about the CTAs per KV head) stays under 32, so small trees
-// still fill the SMs. Fitted to the B sweep on the H100 (bench/results/kernel_attention-h100-*,
-// notes round 3): it picks the best measured B (or one within 2 %) on every paper snapshot.
+// cut partial traffic: 512; then B halves (down to 64) while chunks x ceil(queries / 16) (about
+// the CTAs per KV head) stays under 24 (under 32 for trees of fewer than 8 chunks), so small
+// trees still fill the SMs. Fitted to the B sweep on the H100 (bench/results/
+// kernel_attention-h100-*, notes round 3) and the end-to-end few-shot tree (a 4000-token prompt
+// and 20 short branches: 256): it picks the best measured B, or one within 2 %, on every paper
+// snapshot but specdec_p1000_t32 (64, 9 % slower than 128).
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens);
 
 // One query: token `token_index` of `node`.

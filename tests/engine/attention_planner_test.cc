@@ -151,7 +151,7 @@ TEST(AttentionPlanner, AdaptiveChunkFollowsQueriesAndTreeSize) {
   EXPECT_EQ(adaptive_chunk_tokens(256, 6256), 512);  // 6000 prefix + 256-token tree
   EXPECT_EQ(adaptive_chunk_tokens(64, 1064), 128);   // 1000 prefix + 64-token tree
   EXPECT_EQ(adaptive_chunk_tokens(128, 1128), 256);  // 1000 prefix + 128-token tree
-  EXPECT_EQ(adaptive_chunk_tokens(32, 1032), 128);   // 1000 prefix + 32-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(20, 5000), 256);   // e2e few-shot: 20 branches of ~50
   EXPECT_EQ(adaptive_chunk_tokens(32, 6032), 512);   // 6000 prefix + 32-token tree: 12 chunks
   EXPECT_EQ(adaptive_chunk_tokens(1, 10), 64);
   FewShot job(4000, 20, 200);
