@@ -48,10 +48,10 @@ constexpr int32_t kLogitRowsPerChunk = 256;
 //     read token 0 at position 0, write their K/V into a spare slot past the pool (sink_slot)
 //     and see nothing in attention; padded logit rows repeat row 0 and sample greedily;
 //   - the plan's task count rounded up to a bucket (task_bucket: < 12.5 % of empty tasks, which
-//     stage 1's CTAs skip at once), stage 1's row slices (its gridDim.z) and whether stage 2
-//     runs are part of the key; the plan is uploaded padded (DevicePlan::upload_padded) into
-//     the graph's own buffer, sized by power-of-two capacities that grow (and re-capture) when
-//     a step of the bucket needs more;
+//     stage 1's CTAs skip at once), stage 1's row slices (CTAs per task and KV head) and
+//     whether stage 2 runs are part of the key; the plan is uploaded padded
+//     (DevicePlan::upload_padded) into the graph's own buffer, sized by power-of-two capacities
+//     that grow (and re-capture) when a step of the bucket needs more;
 //   - everything from the embedding through the LM head and the sampling kernel is captured;
 //     the uploads of the step's inputs and plan and the downloads of logits / tokens stay
 //     outside (plain async copies around the launch).
