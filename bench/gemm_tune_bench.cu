@@ -27,6 +27,7 @@
 
 #include "bench/bench_result.h"
 #include "bench/graph_timing.h"
+#include "bench/relative_error.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
@@ -74,16 +75,6 @@ std::vector<float> download(const DeviceBuffer& y, size_t count, bool fp32) {
     std::memcpy(&out[i], &word, 4);
   }
   return out;
-}
-
-double relative_difference(const std::vector<float>& ours, const std::vector<float>& ref) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < ours.size(); ++i) {
-    if (!std::isfinite(ours[i])) return INFINITY;
-    diff += double(ours[i] - ref[i]) * (ours[i] - ref[i]);
-    norm += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
 }  // namespace
@@ -171,7 +162,7 @@ int main(int argc, char** argv) {
         Tuned run;
         run.method = wide ? "tuned_wide" : "tuned";
         run.result = tuner.tune(gemm_shape, weight_ptrs, x.data(), y.data());
-        run.difference = relative_difference(one_output(true), ref);
+        run.difference = relative_l2_error(one_output(true), ref);
         run.stats = timed(true);
         tuned_runs.push_back(std::move(run));
       }

@@ -22,6 +22,7 @@
 
 #include "bench/bench_result.h"
 #include "bench/graph_timing.h"
+#include "bench/relative_error.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
@@ -47,16 +48,6 @@ constexpr int kLaunchesPerGraph = 20;
 std::vector<double> time_graph(cudaStream_t stream, int reps,
                                const std::function<void(int)>& launch) {
   return time_graph_replays(stream, kLaunchesPerGraph, /*warmup=*/3, reps, launch);
-}
-
-double relative_error(const std::vector<float>& ours, const std::vector<float>& ref) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < ours.size(); ++i) {
-    if (std::isnan(ours[i])) return INFINITY;
-    diff += double(ours[i] - ref[i]) * (ours[i] - ref[i]);
-    norm += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
 }  // namespace
@@ -159,7 +150,7 @@ int main(int argc, char** argv) {
         DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
         std::vector<float> ours(y_count);
         DEFT_CUDA_CHECK(cudaMemcpy(ours.data(), y_skinny.data(), y_count * 4, cudaMemcpyDeviceToHost));
-        const double rel_err = relative_error(ours, ref);
+        const double rel_err = relative_l2_error(ours, ref);
         const int32_t used = split > 0 ? split : kernels::skinny_gemm_auto_split(dims);
         if (!(rel_err < 1e-4)) {
           std::printf("%-8s %4d skinny split %d FAILED CHECK (rel err %.2e, row not written)\n",
