@@ -57,18 +57,7 @@ absl::Status GenerateWork::add_rows(StepContext& step) {
   const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
   if (prefilled_ < prompt_size) {
     // Prefill, in chunks when the step budget is short; logits from the last chunk only.
-    const int64_t count = std::min(prompt_size - prefilled_, step.budget);
-    if (count <= 0) return absl::OkStatus();
-    const bool last = prefilled_ + count == prompt_size;
-    if (absl::Status status = step.add_run(
-            prompt_node_, std::span(job_.prompt).subspan(prefilled_, count),
-            last ? StepContext::Logits::kLast : StepContext::Logits::kNone);
-        !status.ok()) {
-      return status;
-    }
-    prefilled_ += count;
-    in_step_ = last;
-    return absl::OkStatus();
+    return step.add_chunk(prompt_node_, job_.prompt, &prefilled_, &in_step_);
   }
   if (step.budget < live_branches_) return absl::OkStatus();  // wait for a roomier step
   SamplingParams params = job_.sampling;

@@ -54,20 +54,7 @@ class PrefillWork final : public SessionWork {
   }
 
   absl::Status add_rows(StepContext& step) override {
-    in_step_ = false;
-    const auto total = static_cast<int64_t>(command_.tokens.size());
-    const int64_t count = std::min(total - next_, step.budget);
-    if (count <= 0) return absl::OkStatus();
-    const bool last = next_ + count == total;
-    if (absl::Status status =
-            step.add_run(node_, std::span(command_.tokens).subspan(next_, count),
-                         last ? StepContext::Logits::kLast : StepContext::Logits::kNone);
-        !status.ok()) {
-      return status;
-    }
-    next_ += count;
-    in_step_ = last;
-    return absl::OkStatus();
+    return step.add_chunk(node_, command_.tokens, &next_, &in_step_);
   }
 
   absl::Status take_logits(StepContext& step) override {

@@ -104,18 +104,7 @@ absl::Status TreeSearchWork::add_rows(StepContext& step) {
   in_step_ = false;
   const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
   if (prefilled_ < prompt_size) {
-    const int64_t count = std::min(prompt_size - prefilled_, step.budget);
-    if (count <= 0) return absl::OkStatus();
-    const bool last = prefilled_ + count == prompt_size;
-    if (absl::Status status = step.add_run(
-            live_[0]->node, std::span(job_.prompt).subspan(prefilled_, count),
-            last ? StepContext::Logits::kLast : StepContext::Logits::kNone);
-        !status.ok()) {
-      return status;
-    }
-    prefilled_ += count;
-    in_step_ = last;
-    return absl::OkStatus();
+    return step.add_chunk(live_[0]->node, job_.prompt, &prefilled_, &in_step_);
   }
   int64_t rows = 0;
   for (const auto& live : live_) {

@@ -1,5 +1,6 @@
 #include "engine/work.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -17,6 +18,23 @@ absl::Status StepContext::add_run(NodeId node, std::span<const TokenId> run, Log
     tokens.push_back(run[i]);
   }
   budget -= static_cast<int64_t>(run.size());
+  return absl::OkStatus();
+}
+
+absl::Status StepContext::add_chunk(NodeId node, std::span<const TokenId> tokens, int64_t* next,
+                                    bool* ended) {
+  *ended = false;
+  const auto total = static_cast<int64_t>(tokens.size());
+  const int64_t count = std::min(total - *next, budget);
+  if (count <= 0) return absl::OkStatus();
+  const bool last = *next + count == total;
+  if (absl::Status status =
+          add_run(node, tokens.subspan(*next, count), last ? Logits::kLast : Logits::kNone);
+      !status.ok()) {
+    return status;
+  }
+  *next += count;
+  *ended = last;
   return absl::OkStatus();
 }
 

@@ -36,6 +36,12 @@ class StepContext {
   // Appends `tokens` to leaf `node` and adds one query row per token, asking for the logits
   // of no row, the last row, or every row. Fails (nothing added) when KV is short.
   absl::Status add_run(NodeId node, std::span<const TokenId> tokens, Logits logits = Logits::kLast);
+  // Feeds `tokens` (a prompt, an extension) to `node` in chunks under the budget: appends
+  // tokens [*next, *next + budget) and advances *next; only the chunk that ends `tokens` asks
+  // for logits (its last row's). Sets *ended to whether this call added that chunk; adds
+  // nothing when the budget is spent.
+  absl::Status add_chunk(NodeId node, std::span<const TokenId> tokens, int64_t* next,
+                         bool* ended);
 
   // Rows of the step, for the planner and the runner.
   std::vector<QueryToken> queries;
