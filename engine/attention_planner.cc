@@ -334,7 +334,8 @@ class PlanBuilder {
           token = last;
         }
       }
-      if (token < visible) flat_.runs.push_back({flat + token, flat + visible, own_end, subtree_end});
+      if (token < visible)
+        flat_.runs.push_back({flat + token, flat + visible, own_end, subtree_end});
       flat += visible;
     }
     flat_.node_token_begin.push_back(flat);
@@ -390,7 +391,8 @@ class PlanBuilder {
   void add_piece(int32_t a, int32_t b) {
     while (flat_.runs[run_cursor_].flat_end <= a) ++run_cursor_;
     int32_t run_end = run_cursor_;
-    while (run_end < static_cast<int32_t>(flat_.runs.size()) && flat_.runs[run_end].flat_begin < b) {
+    while (run_end < static_cast<int32_t>(flat_.runs.size()) &&
+           flat_.runs[run_end].flat_begin < b) {
       ++run_end;
     }
     const std::span<const ViewRun> runs(flat_.runs.data() + run_cursor_, run_end - run_cursor_);

@@ -77,7 +77,8 @@ std::unique_ptr<Work> Session::next_work(Forest& forest) {
     switch (command.kind) {
       case Kind::kCreate:
         status = check_room(1);
-        if (status.ok()) status = check_context(static_cast<int64_t>(command.tokens.size()), "the prompt");
+        if (status.ok())
+          status = check_context(static_cast<int64_t>(command.tokens.size()), "the prompt");
         if (status.ok()) {
           busy_ = true;
           return make_prefill_work(shared_from_this(), std::move(command));
@@ -105,7 +106,8 @@ std::unique_ptr<Work> Session::next_work(Forest& forest) {
             status = absl::InvalidArgumentError(
                 absl::StrCat("decode.nodes[", i, "] = ", node, " is listed twice"));
           }
-          if (status.ok()) status = check_context(path_length(node) + command.max_tokens, "a decoded node");
+          if (status.ok())
+            status = check_context(path_length(node) + command.max_tokens, "a decoded node");
         }
         if (status.ok()) {
           busy_ = true;

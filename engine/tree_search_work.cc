@@ -145,7 +145,8 @@ absl::Status TreeSearchWork::take_logits(StepContext& step) {
   } else {
     for (size_t id = 0; id < live_.size(); ++id) {
       Live* live = live_[id].get();
-      if (live == nullptr || !(live->state == State::kDecoding || live->state == State::kReadying)) {
+      if (live == nullptr ||
+          !(live->state == State::kDecoding || live->state == State::kReadying)) {
         continue;
       }
       if (live->state == State::kReadying) {
@@ -246,7 +247,8 @@ absl::Status TreeSearchWork::expand(int32_t depth, StepContext& step) {
     absl::StatusOr<std::vector<NodeId>> children = forest.branch(parent.node, k);
     if (!children.ok()) return children.status();
     const TreeNode& parent_node = forest.tree().node(parent.node);
-    const auto position = static_cast<uint64_t>(parent_node.depth_begin + parent_node.tokens.size());
+    const auto position =
+        static_cast<uint64_t>(parent_node.depth_begin + parent_node.tokens.size());
     SamplingParams params = job_.sampling;
     params.seed = parent.seed;
     absl::StatusOr<std::vector<SampledToken>> first =

@@ -91,14 +91,15 @@ class DeftAttentionBuffers {
 // bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested), softmax_scale > 0.
 bool deft_attention_supported(const AttentionDims& dims);
 
-// Stage 1's CTAs per (task, KV head) for a plan whose largest task has `max_task_entries` entries: launches
-// with equal row slices (and equal plan views) have equal launch shapes.
+// Stage 1's CTAs per (task, KV head) for a plan whose largest task has `max_task_entries` entries:
+// launches with equal row slices (and equal plan views) have equal launch shapes.
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
 
 // Whether launch_deft_attention runs stage 2. kIfMerging: when the plan's counts say a query has
-// two partials (num_entries > num_queries, or the plan has prefill runs). A padded plan (DevicePlan::upload_padded) carries
-// capacities, not counts, so its caller decides from the step's own counts: kAlways or kNever.
-// Stage 2 is correct whenever it runs (a query with one partial returns at once).
+// two partials (num_entries > num_queries, or the plan has prefill runs). A padded plan
+// (DevicePlan::upload_padded) carries capacities, not counts, so its caller decides from the step's
+// own counts: kAlways or kNever. Stage 2 is correct whenever it runs (a query with one partial
+// returns at once).
 enum class DeftStage2 { kIfMerging, kAlways, kNever };
 
 // Runs both stages on `stream`. `device_plan` holds device pointers; `max_task_entries` is the

@@ -16,8 +16,9 @@ void deft_attention_stage1_cpu(const AttentionPlanView& plan, const AttentionDim
                                const float* q, const float* k_cache, const float* v_cache,
                                float* partial_out, float* partial_lse);
 
-// Stage 2. For every query row with entries (prefill-run rows have none) and head, merges the partials of its entries:
-// out = sum_i exp(lse_i - lse) * o_i with lse = log(sum_i exp(lse_i)). `lse_out` may be null.
+// Stage 2. For every query row with entries (prefill-run rows have none) and head, merges the
+// partials of its entries: out = sum_i exp(lse_i - lse) * o_i with lse = log(sum_i exp(lse_i)).
+// `lse_out` may be null.
 void deft_attention_stage2_cpu(const AttentionPlanView& plan, const AttentionDims& dims,
                                const float* partial_out, const float* partial_lse, float* out,
                                float* lse_out);
