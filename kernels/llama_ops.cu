@@ -30,6 +30,56 @@ void with_type(DType dtype, Body&& body) {
   }
 }
 
+// Sum of `value` over the block (kThreads threads); every thread gets the total.
+__device__ __forceinline__ float block_sum(float value) {
+  __shared__ float warp_sums[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = value;
+  __syncthreads();
+  value = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) value += warp_sums[w];
+  return value;
+}
+
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  return gate / (1.0f + __expf(-gate)) * up;
+}
+
+// Four consecutive outputs rounded to T, one 8-byte store.
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
+  uint2 bits;
+  T* y = reinterpret_cast<T*>(&bits);
+  y[0] = from_float<T>(a);
+  y[1] = from_float<T>(b);
+  y[2] = from_float<T>(c);
+  y[3] = from_float<T>(d);
+  *reinterpret_cast<uint2*>(dst) = bits;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Launches `kernel` with programmatic stream serialization: it may be scheduled while the kernel
+// before it drains, and waits for it (wait_for_prerequisite_grid) before touching its outputs.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), int grid, size_t smem, cudaStream_t stream,
+                      Args... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     embedding_kernel(int32_t num_tokens, int32_t width, const int32_t* __restrict__ tokens,
@@ -43,12 +93,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One block per output row: sum of squares in fp32 (block reduction), then the scaled row.
+// The general form: any width and alignment, the row read twice (from L2 the second time).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
                     float* __restrict__ x, const float* __restrict__ add_bias,
                     const float* __restrict__ weight, T* __restrict__ out) {
-  __shared__ float warp_sums[kThreads / 32];
+  detail::wait_for_prerequisite_grid();
   const int32_t i = blockIdx.x;
   const int64_t r = row_index != nullptr ? row_index[i] : i;
   float* in = x + r * dims.width;
@@ -61,34 +112,97 @@ __global__ void __launch_bounds__(kThreads)
     }
     sum += v * v;
   }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    sum = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.0f;
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (threadIdx.x == 0) warp_sums[0] = sum;
-  }
-  __syncthreads();
-  const float inv_rms = rsqrtf(warp_sums[0] / dims.width + dims.eps);
+  const float inv_rms = rsqrtf(block_sum(sum) / dims.width + dims.eps);
   T* dst = out + int64_t{i} * dims.width;
   for (int32_t c = threadIdx.x; c < dims.width; c += kThreads) {
     dst[c] = from_float<T>(weight[c] * (in[c] * inv_rms));
   }
 }
 
+// Rows of up to this many float4s per thread stay in registers (8192 wide at 256 threads).
+constexpr int kNormVectors = 8;
+
+// The common form (width a multiple of 4, 16-byte aligned rows, width <= 4 * kNormVectors *
+// kThreads): every load of the row and its weights issued at once as float4s, the row kept in
+// registers between the sum and the scaling (a decode step's norm is one short round trip).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_vector_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
+                           float* __restrict__ x, const float* __restrict__ add_bias,
+                           const float* __restrict__ weight, T* __restrict__ out) {
+  detail::wait_for_prerequisite_grid();
+  const int32_t i = blockIdx.x;
+  const int64_t r = row_index != nullptr ? row_index[i] : i;
+  const int32_t vectors = dims.width / 4;
+  float4* in = reinterpret_cast<float4*>(x + r * dims.width);
+  float4 v[kNormVectors];
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kNormVectors; ++k) {
+    const int32_t c = threadIdx.x + k * kThreads;
+    if (c < vectors) v[k] = in[c];
+  }
+#pragma unroll
+  for (int k = 0; k < kNormVectors; ++k) {
+    const int32_t c = threadIdx.x + k * kThreads;
+    if (c >= vectors) continue;
+    if (add_bias != nullptr) {
+      const float4 b = reinterpret_cast<const float4*>(add_bias)[c];
+      v[k] = make_float4(v[k].x + b.x, v[k].y + b.y, v[k].z + b.z, v[k].w + b.w);
+      in[c] = v[k];
+    }
+    sum += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+  }
+  const float inv_rms = rsqrtf(block_sum(sum) / dims.width + dims.eps);
+  T* dst = out + int64_t{i} * dims.width;
+#pragma unroll
+  for (int k = 0; k < kNormVectors; ++k) {
+    const int32_t c = threadIdx.x + k * kThreads;
+    if (c >= vectors) continue;
+    const float4 w = reinterpret_cast<const float4*>(weight)[c];
+    store4(dst + 4 * c, w.x * (v[k].x * inv_rms), w.y * (v[k].y * inv_rms),
+           w.z * (v[k].z * inv_rms), w.w * (v[k].w * inv_rms));
+  }
+}
+
+// out = silu(gate) * up, one element per thread (any width).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     silu_mul_kernel(int32_t num_rows, int32_t width, const T* __restrict__ gate_up,
                     T* __restrict__ out) {
+  detail::wait_for_prerequisite_grid();
   const int64_t total = int64_t{num_rows} * width;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * kThreads) {
     const int64_t r = i / width;
     const int64_t c = i - r * width;
-    const float gate = to_float(gate_up[r * 2 * width + c]);
-    const float up = to_float(gate_up[r * 2 * width + width + c]);
-    out[i] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
+    out[i] = from_float<T>(silu_mul(to_float(gate_up[r * 2 * width + c]),
+                                    to_float(gate_up[r * 2 * width + width + c])));
+  }
+}
+
+// The same, 8 elements (16 bytes) per thread, for widths that are a multiple of 8 on 16-byte
+// aligned buffers.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    silu_mul_vector_kernel(int32_t num_rows, int32_t width, const T* __restrict__ gate_up,
+                           T* __restrict__ out) {
+  detail::wait_for_prerequisite_grid();
+  const int32_t vectors_per_row = width / 8;
+  const int64_t total = int64_t{num_rows} * vectors_per_row;
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * kThreads) {
+    const int64_t r = i / vectors_per_row;
+    const int64_t c = (i - r * vectors_per_row) * 8;
+    const uint4 gate_bits = *reinterpret_cast<const uint4*>(gate_up + r * 2 * width + c);
+    const uint4 up_bits = *reinterpret_cast<const uint4*>(gate_up + r * 2 * width + width + c);
+    const T* gate = reinterpret_cast<const T*>(&gate_bits);
+    const T* up = reinterpret_cast<const T*>(&up_bits);
+    uint4 result;
+    T* y = reinterpret_cast<T*>(&result);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) y[j] = from_float<T>(silu_mul(to_float(gate[j]), to_float(up[j])));
+    *reinterpret_cast<uint4*>(out + r * width + c) = result;
   }
 }
 
@@ -100,6 +214,7 @@ __global__ void __launch_bounds__(kThreads)
                           const int32_t* __restrict__ slots, const float* __restrict__ inv_freq,
                           const T* __restrict__ qkv, const float* __restrict__ bias,
                           T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache) {
+  detail::wait_for_prerequisite_grid();
   // The attention after it may start reading its plan (it waits for us before Q and the KV).
   detail::allow_dependent_launch();
   const int32_t half = dims.head_dim / 2;
@@ -180,10 +295,13 @@ void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_in
     std::abort();
   }
   if (dims.num_rows <= 0) return;
+  const bool vector = dims.width % 4 == 0 && dims.width <= 4 * kNormVectors * kThreads &&
+                      aligned16(x) && aligned16(weight) && aligned16(out) &&
+                      (add_bias == nullptr || aligned16(add_bias));
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_kernel<T><<<dims.num_rows, kThreads, 0, stream>>>(dims, row_index, x, add_bias, weight,
-                                                               static_cast<T*>(out));
+    launch_dependent(vector ? &rms_norm_vector_kernel<T> : &rms_norm_kernel<T>, dims.num_rows, 0,
+                     stream, dims, row_index, x, add_bias, weight, static_cast<T*>(out));
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
@@ -191,10 +309,12 @@ void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_in
 void launch_silu_mul(int32_t num_rows, int32_t width, DType dtype, const void* gate_up, void* out,
                      cudaStream_t stream) {
   if (num_rows <= 0) return;
+  const bool vector = width % 8 == 0 && aligned16(gate_up) && aligned16(out);
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_kernel<T><<<grid_for(int64_t{num_rows} * width), kThreads, 0, stream>>>(
-        num_rows, width, static_cast<const T*>(gate_up), static_cast<T*>(out));
+    const int64_t items = int64_t{num_rows} * (vector ? width / 8 : width);
+    launch_dependent(vector ? &silu_mul_vector_kernel<T> : &silu_mul_kernel<T>, grid_for(items), 0,
+                     stream, num_rows, width, static_cast<const T*>(gate_up), static_cast<T*>(out));
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
@@ -212,9 +332,9 @@ void launch_qkv_rope_write(const QkvRopeDims& dims, DType dtype, const int32_t* 
   if (items <= 0) return;
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
-    qkv_rope_write_kernel<T><<<grid_for(items), kThreads, 0, stream>>>(
-        dims, positions, slots, inv_freq, static_cast<const T*>(qkv), bias, static_cast<T*>(q_out),
-        static_cast<T*>(k_cache), static_cast<T*>(v_cache));
+    launch_dependent(&qkv_rope_write_kernel<T>, grid_for(items), 0, stream, dims, positions, slots,
+                     inv_freq, static_cast<const T*>(qkv), bias, static_cast<T*>(q_out),
+                     static_cast<T*>(k_cache), static_cast<T*>(v_cache));
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }

@@ -63,50 +63,57 @@ TEST_P(LlamaOpsGpuTest, EmbeddingGathersRows) {
   EXPECT_EQ(to_host<float>(d_out, expected.size()), expected) << "seed " << seed_;
 }
 
+// Widths of the vector kernel (a multiple of 4, up to 8192) and of the general one.
 TEST_P(LlamaOpsGpuTest, RmsNormWithBiasAndGather) {
-  const int32_t rows = 7, width = 1000;
-  const Tensor16 x = random_tensor(static_cast<size_t>(rows) * width, dtype(), rng_, 3.0f);
-  const Tensor16 bias = random_tensor(width, dtype(), rng_, 0.5f);
-  const Tensor16 weight = random_tensor(width, dtype(), rng_);
-  const RmsNormDims dims{.num_rows = rows, .width = width, .eps = 1e-5f};
-  // Pass 1: bias folded into the residual; pass 2: gathered rows, no bias.
-  std::vector<float> residual = x.values;
-  std::vector<float> expected(static_cast<size_t>(rows) * width);
-  rms_norm_cpu(dims, nullptr, residual.data(), bias.values.data(), weight.values.data(),
-               expected.data());
-  const std::vector<int32_t> gather = {6, 0, 3, 3};
-  std::vector<float> expected_gathered(gather.size() * width);
-  rms_norm_cpu({.num_rows = 4, .width = width, .eps = 1e-5f}, gather.data(), residual.data(),
-               nullptr, weight.values.data(), expected_gathered.data());
+  for (const int32_t width : {1000, 4096, 8192, 1002, 8196}) {
+    const int32_t rows = 7;
+    const Tensor16 x = random_tensor(static_cast<size_t>(rows) * width, dtype(), rng_, 3.0f);
+    const Tensor16 bias = random_tensor(width, dtype(), rng_, 0.5f);
+    const Tensor16 weight = random_tensor(width, dtype(), rng_);
+    const RmsNormDims dims{.num_rows = rows, .width = width, .eps = 1e-5f};
+    // Pass 1: bias folded into the residual; pass 2: gathered rows, no bias.
+    std::vector<float> residual = x.values;
+    std::vector<float> expected(static_cast<size_t>(rows) * width);
+    rms_norm_cpu(dims, nullptr, residual.data(), bias.values.data(), weight.values.data(),
+                 expected.data());
+    const std::vector<int32_t> gather = {6, 0, 3, 3};
+    std::vector<float> expected_gathered(gather.size() * width);
+    rms_norm_cpu({.num_rows = 4, .width = width, .eps = 1e-5f}, gather.data(), residual.data(),
+                 nullptr, weight.values.data(), expected_gathered.data());
 
-  DeviceBuffer d_x = to_device(x.values), d_bias = to_device(bias.values);
-  DeviceBuffer d_weight = to_device(weight.values), d_gather = to_device(gather);
-  DeviceBuffer d_out(expected.size() * 2);
-  launch_rms_norm(dims, dtype(), nullptr, d_x.as<float>(), d_bias.as<float>(), d_weight.as<float>(),
-                  d_out.data(), nullptr);
-  const double error =
-      error_of(widen(to_host<uint16_t>(d_out, expected.size()), dtype()), expected);
-  EXPECT_LT(error, tolerance(dtype())) << "seed " << seed_;
-  EXPECT_LT(error_of(to_host<float>(d_x, residual.size()), residual), 1e-6);
-  launch_rms_norm({.num_rows = 4, .width = width, .eps = 1e-5f}, dtype(), d_gather.as<int32_t>(),
-                  d_x.as<float>(), nullptr, d_weight.as<float>(), d_out.data(), nullptr);
-  const double gathered_error = error_of(
-      widen(to_host<uint16_t>(d_out, expected_gathered.size()), dtype()), expected_gathered);
-  EXPECT_LT(gathered_error, tolerance(dtype())) << "seed " << seed_;
-  std::printf("[rms_norm] %s: relative error %.3g, gathered %.3g\n",
-              std::string(dtype_name(dtype())).c_str(), error, gathered_error);
+    DeviceBuffer d_x = to_device(x.values), d_bias = to_device(bias.values);
+    DeviceBuffer d_weight = to_device(weight.values), d_gather = to_device(gather);
+    DeviceBuffer d_out(expected.size() * 2);
+    launch_rms_norm(dims, dtype(), nullptr, d_x.as<float>(), d_bias.as<float>(),
+                    d_weight.as<float>(), d_out.data(), nullptr);
+    const double error =
+        error_of(widen(to_host<uint16_t>(d_out, expected.size()), dtype()), expected);
+    EXPECT_LT(error, tolerance(dtype())) << "width " << width << ", seed " << seed_;
+    EXPECT_LT(error_of(to_host<float>(d_x, residual.size()), residual), 1e-6) << "width " << width;
+    launch_rms_norm({.num_rows = 4, .width = width, .eps = 1e-5f}, dtype(), d_gather.as<int32_t>(),
+                    d_x.as<float>(), nullptr, d_weight.as<float>(), d_out.data(), nullptr);
+    const double gathered_error = error_of(
+        widen(to_host<uint16_t>(d_out, expected_gathered.size()), dtype()), expected_gathered);
+    EXPECT_LT(gathered_error, tolerance(dtype())) << "width " << width << ", seed " << seed_;
+    std::printf("[rms_norm] %s width %d: relative error %.3g, gathered %.3g\n",
+                std::string(dtype_name(dtype())).c_str(), width, error, gathered_error);
+  }
 }
 
+// Widths of the 8-wide vector kernel and of the general one (300, 12).
 TEST_P(LlamaOpsGpuTest, SiluMul) {
-  const int32_t rows = 5, width = 300;
-  const Tensor16 gate_up = random_tensor(static_cast<size_t>(rows) * 2 * width, dtype(), rng_, 2.0f);
-  std::vector<float> expected(static_cast<size_t>(rows) * width);
-  silu_mul_cpu(rows, width, gate_up.values.data(), expected.data());
-  DeviceBuffer d_in = to_device(gate_up.bits), d_out(expected.size() * 2);
-  launch_silu_mul(rows, width, dtype(), d_in.data(), d_out.data(), nullptr);
-  const double error =
-      error_of(widen(to_host<uint16_t>(d_out, expected.size()), dtype()), expected);
-  EXPECT_LT(error, tolerance(dtype())) << "seed " << seed_;
+  for (const int32_t width : {300, 12, 8, 1000, 14336}) {
+    const int32_t rows = 5;
+    const Tensor16 gate_up =
+        random_tensor(static_cast<size_t>(rows) * 2 * width, dtype(), rng_, 2.0f);
+    std::vector<float> expected(static_cast<size_t>(rows) * width);
+    silu_mul_cpu(rows, width, gate_up.values.data(), expected.data());
+    DeviceBuffer d_in = to_device(gate_up.bits), d_out(expected.size() * 2);
+    launch_silu_mul(rows, width, dtype(), d_in.data(), d_out.data(), nullptr);
+    const double error =
+        error_of(widen(to_host<uint16_t>(d_out, expected.size()), dtype()), expected);
+    EXPECT_LT(error, tolerance(dtype())) << "width " << width << ", seed " << seed_;
+  }
 }
 
 TEST_P(LlamaOpsGpuTest, QkvBiasRopeAndKvWrite) {
