@@ -61,19 +61,19 @@ __device__ __forceinline__ void store4(T* dst, float a, float b, float c, float 
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 // Launches `kernel` with programmatic stream serialization: it may be scheduled while the kernel
 // before it drains, and waits for it (wait_for_prerequisite_grid) before touching its outputs.
 template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), int grid, size_t smem, cudaStream_t stream,
+void launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, cudaStream_t stream,
                       Args... args) {
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(threads));
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;
@@ -259,6 +259,84 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Heads per block of the vector QKV kernel: a block is (token, run of heads), so a decode step
+// of few tokens still spreads over many SMs.
+constexpr int kRopeHeadsPerBlock = 8;
+constexpr int kRopeThreads = 128;
+constexpr int kRopeMaxHalf = 128;  // head_dim <= 256
+
+// Four consecutive values of T (8 bytes) and back.
+template <typename T>
+__device__ __forceinline__ float4 load4(const T* src) {
+  const uint2 bits = *reinterpret_cast<const uint2*>(src);
+  const T* v = reinterpret_cast<const T*>(&bits);
+  return make_float4(to_float(v[0]), to_float(v[1]), to_float(v[2]), to_float(v[3]));
+}
+
+// The same as qkv_rope_write_kernel, 4 consecutive pairs a thread with 8-byte loads and stores,
+// each angle's sine and cosine computed once per block (not once per head). For head_dim / 2 a
+// multiple of 4, at most kRopeMaxHalf, and 8-byte aligned buffers.
+template <typename T>
+__global__ void __launch_bounds__(kRopeThreads)
+    qkv_rope_write_vector_kernel(const QkvRopeDims dims, const int32_t* __restrict__ positions,
+                                 const int32_t* __restrict__ slots,
+                                 const float* __restrict__ inv_freq, const T* __restrict__ qkv,
+                                 const float* __restrict__ bias, T* __restrict__ q_out,
+                                 T* __restrict__ k_cache, T* __restrict__ v_cache) {
+  __shared__ float cos_table[kRopeMaxHalf], sin_table[kRopeMaxHalf];
+  detail::wait_for_prerequisite_grid();
+  // The attention after it may start reading its plan (it waits for us before Q and the KV).
+  detail::allow_dependent_launch();
+  const int32_t token = blockIdx.x;
+  const int32_t half = dims.head_dim / 2;
+  const int32_t heads = dims.num_q_heads + 2 * dims.num_kv_heads;
+  const int32_t first_head = blockIdx.y * kRopeHeadsPerBlock;
+  const int32_t last_head = min(heads, first_head + kRopeHeadsPerBlock);
+  const int32_t slot = slots[token];
+  if (threadIdx.x < half && first_head < dims.num_q_heads + dims.num_kv_heads) {
+    // fp32 angle as transformers computes it; accurate sincosf (angles reach 1e5 rad).
+    const float angle = static_cast<float>(positions[token]) * inv_freq[threadIdx.x];
+    sincosf(angle, &sin_table[threadIdx.x], &cos_table[threadIdx.x]);
+  }
+  __syncthreads();
+  const int32_t quads = half / 4;
+  const int64_t kv_size = int64_t{dims.num_kv_heads} * dims.head_dim;
+  const T* row = qkv + int64_t{token} * heads * dims.head_dim;
+  for (int32_t item = threadIdx.x; item < (last_head - first_head) * quads;
+       item += kRopeThreads) {
+    const int32_t head = first_head + item / quads;
+    const int32_t pair = (item % quads) * 4;
+    const int32_t c1 = head * dims.head_dim + pair;
+    float4 x1 = load4(row + c1);
+    float4 x2 = load4(row + c1 + half);
+    if (bias != nullptr) {
+      x1.x += bias[c1], x1.y += bias[c1 + 1], x1.z += bias[c1 + 2], x1.w += bias[c1 + 3];
+      x2.x += bias[c1 + half], x2.y += bias[c1 + half + 1], x2.z += bias[c1 + half + 2],
+          x2.w += bias[c1 + half + 3];
+    }
+    T* dst;
+    if (head < dims.num_q_heads) {
+      dst = q_out + (int64_t{token} * dims.num_q_heads + head) * dims.head_dim;
+    } else if (slot < 0) {
+      continue;
+    } else if (head < dims.num_q_heads + dims.num_kv_heads) {
+      dst = k_cache + slot * kv_size + (head - dims.num_q_heads) * dims.head_dim;
+    } else {
+      dst = v_cache + slot * kv_size +
+            (head - dims.num_q_heads - dims.num_kv_heads) * dims.head_dim;
+      store4(dst + pair, x1.x, x1.y, x1.z, x1.w);
+      store4(dst + pair + half, x2.x, x2.y, x2.z, x2.w);
+      continue;
+    }
+    const float4 c = *reinterpret_cast<const float4*>(cos_table + pair);
+    const float4 s = *reinterpret_cast<const float4*>(sin_table + pair);
+    store4(dst + pair, x1.x * c.x - x2.x * s.x, x1.y * c.y - x2.y * s.y, x1.z * c.z - x2.z * s.z,
+           x1.w * c.w - x2.w * s.w);
+    store4(dst + pair + half, x2.x * c.x + x1.x * s.x, x2.y * c.y + x1.y * s.y,
+           x2.z * c.z + x1.z * s.z, x2.w * c.w + x1.w * s.w);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     random_uniform_kernel(int64_t count, uint64_t seed, float scale, float offset,
@@ -300,8 +378,9 @@ void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_in
                       (add_bias == nullptr || aligned16(add_bias));
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
-    launch_dependent(vector ? &rms_norm_vector_kernel<T> : &rms_norm_kernel<T>, dims.num_rows, 0,
-                     stream, dims, row_index, x, add_bias, weight, static_cast<T*>(out));
+    launch_dependent(vector ? &rms_norm_vector_kernel<T> : &rms_norm_kernel<T>,
+                     dim3(static_cast<unsigned>(dims.num_rows)), kThreads, stream, dims, row_index,
+                     x, add_bias, weight, static_cast<T*>(out));
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
@@ -313,8 +392,9 @@ void launch_silu_mul(int32_t num_rows, int32_t width, DType dtype, const void* g
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t items = int64_t{num_rows} * (vector ? width / 8 : width);
-    launch_dependent(vector ? &silu_mul_vector_kernel<T> : &silu_mul_kernel<T>, grid_for(items), 0,
-                     stream, num_rows, width, static_cast<const T*>(gate_up), static_cast<T*>(out));
+    launch_dependent(vector ? &silu_mul_vector_kernel<T> : &silu_mul_kernel<T>,
+                     dim3(static_cast<unsigned>(grid_for(items))), kThreads, stream, num_rows,
+                     width, static_cast<const T*>(gate_up), static_cast<T*>(out));
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
@@ -330,10 +410,21 @@ void launch_qkv_rope_write(const QkvRopeDims& dims, DType dtype, const int32_t* 
   const int64_t items =
       int64_t{dims.num_tokens} * (dims.num_q_heads + 2 * dims.num_kv_heads) * (dims.head_dim / 2);
   if (items <= 0) return;
+  const int32_t half = dims.head_dim / 2;
+  const bool vector = half % 4 == 0 && half <= kRopeMaxHalf && aligned8(qkv) && aligned8(q_out) &&
+                      aligned8(k_cache) && aligned8(v_cache);
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
-    launch_dependent(&qkv_rope_write_kernel<T>, grid_for(items), 0, stream, dims, positions, slots,
-                     inv_freq, static_cast<const T*>(qkv), bias, static_cast<T*>(q_out),
+    using Kernel = void (*)(QkvRopeDims, const int32_t*, const int32_t*, const float*, const T*,
+                            const float*, T*, T*, T*);
+    const Kernel kernel = vector ? &qkv_rope_write_vector_kernel<T> : &qkv_rope_write_kernel<T>;
+    const int32_t heads = dims.num_q_heads + 2 * dims.num_kv_heads;
+    const dim3 grid = vector ? dim3(static_cast<unsigned>(dims.num_tokens),
+                                    static_cast<unsigned>((heads + kRopeHeadsPerBlock - 1) /
+                                                          kRopeHeadsPerBlock))
+                             : dim3(static_cast<unsigned>(grid_for(items)));
+    launch_dependent(kernel, grid, vector ? kRopeThreads : kThreads, stream, dims, positions,
+                     slots, inv_freq, static_cast<const T*>(qkv), bias, static_cast<T*>(q_out),
                      static_cast<T*>(k_cache), static_cast<T*>(v_cache));
   });
   DEFT_CUDA_CHECK_LAUNCH();

@@ -1,3 +1,4 @@
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -12,9 +13,16 @@ namespace deft::kernels {
 
 namespace {
 
-// One block per row. 1024 threads: a decode step has few rows, so each row's block must keep
-// many loads in flight on its own (a 128256-logit row is 501 KiB; it stays in L2 across passes).
+namespace cg = cooperative_groups;
+
+// A cluster of kRowSplit blocks per row: each block finds the most and least likely keys and the
+// log-softmax sum of its share of the row, block rank 0 combines them (distributed shared
+// memory) and does the rest alone (greedy rows need nothing more). 1024 threads: a decode step
+// has few rows, so each block must keep many loads in flight on its own (a 128256-logit row is
+// 501 KiB; it stays in L2 across passes). One block per row spent ~40 µs on 20 rows' first two
+// passes on the H100 (20 SMs busy).
 constexpr int kThreads = 1024;
+constexpr int kRowSplit = 8;  // portable cluster size
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;  // radix-select bins per pass
 // Histogram masses are summed as 64-bit fixed point (weights are in [0, 1]) with two native
@@ -109,7 +117,15 @@ struct SumOp {
   }
 };
 
+// A block's share of the row: pass 1 and 2 results.
+struct RowShare {
+  uint64_t key_max, key_min;  // 0 / ~0 when the share is empty
+  double sum;                 // sum of exp(logit - key_logit(key_max)); 0 when that is -inf
+  int32_t bad;                // first non-finite logit's token, INT_MAX when none
+};
+
 struct SharedState {
+  RowShare share;
   union {
     uint64_t u64[kWarps];
     double f64[kWarps];
@@ -238,23 +254,58 @@ __global__ void __launch_bounds__(kThreads)
                        const RowSamplingParams* __restrict__ params, float* __restrict__ workspace,
                        SampledRow* __restrict__ out, SampledTop* __restrict__ top) {
   __shared__ SharedState sh;
-  const int32_t r = blockIdx.x;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int32_t r = blockIdx.x / kRowSplit;
+  const int32_t rank = static_cast<int32_t>(cluster.block_rank());
   const int32_t vocab = dims.vocab_size;
   const float* row = logits + static_cast<int64_t>(r) * dims.row_stride;
   const RowSamplingParams p = params[r];
 
-  // Pass 1: most and least likely keys, first non-finite logit.
+  // Passes 1 and 2 over this block's share (a multiple of 4 tokens, so float4 alignment holds):
+  // most and least likely keys, first non-finite logit, the sum relative to the share's max.
+  {
+    const int32_t share = (vocab + 4 * kRowSplit - 1) / (4 * kRowSplit) * 4;
+    const int32_t begin = min(vocab, rank * share);
+    const int32_t count = min(vocab, begin + share) - begin;
+    uint64_t key_max = 0, key_min = ~uint64_t{0};
+    int32_t bad = INT_MAX;
+    for_each_logit(row + begin, count, [&](int32_t i, float logit) {
+      if (isnan(logit) || logit == INFINITY) bad = min(bad, begin + i);
+      const uint64_t key = likelihood_key(logit, begin + i);
+      key_max = max(key_max, key);
+      key_min = min(key_min, key);
+    });
+    bad = block_reduce(bad, MinOp{}, sh.reduce.i32);
+    key_max = block_reduce(key_max, MaxOp{}, sh.reduce.u64);
+    key_min = block_reduce(key_min, MinOp{}, sh.reduce.u64);
+    double sum = 0.0;
+    const float share_max = key_max != 0 ? key_logit(key_max) : -INFINITY;
+    if (bad == INT_MAX && share_max != -INFINITY) {
+      for_each_logit(row + begin, count, [&](int32_t, float logit) {
+        sum += static_cast<double>(expf(logit - share_max));
+      });
+      sum = block_reduce(sum, SumOp{}, sh.reduce.f64);
+    }
+    if (threadIdx.x == 0) sh.share = {key_max, key_min, sum, bad};
+  }
+  cluster.sync();  // every share is written
   uint64_t key_max = 0, key_min = ~uint64_t{0};
   int32_t bad = INT_MAX;
-  for_each_logit(row, vocab, [&](int32_t token, float logit) {
-    if (isnan(logit) || logit == INFINITY) bad = min(bad, token);
-    const uint64_t key = likelihood_key(logit, token);
-    key_max = max(key_max, key);
-    key_min = min(key_min, key);
-  });
-  bad = block_reduce(bad, MinOp{}, sh.reduce.i32);
-  key_max = block_reduce(key_max, MaxOp{}, sh.reduce.u64);
-  key_min = block_reduce(key_min, MinOp{}, sh.reduce.u64);
+  double share_sums[kRowSplit];
+  float share_maxes[kRowSplit];
+  if (rank == 0) {
+#pragma unroll
+    for (int b = 0; b < kRowSplit; ++b) {
+      const RowShare other = *cluster.map_shared_rank(&sh.share, b);
+      key_max = max(key_max, other.key_max);
+      key_min = min(key_min, other.key_min);
+      bad = min(bad, other.bad);
+      share_sums[b] = other.sum;
+      share_maxes[b] = other.key_max != 0 ? key_logit(other.key_max) : -INFINITY;
+    }
+  }
+  cluster.sync();  // rank 0 has read the other blocks' shares: they may exit
+  if (rank != 0) return;
   const float max_logit = key_logit(key_max);
   if (bad != INT_MAX || max_logit == -INFINITY) {
     if (threadIdx.x == 0) {
@@ -267,12 +318,14 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
 
-  // Pass 2: the raw log-softmax normaliser.
+  // The raw log-softmax normaliser from the shares' sums.
   double raw_sum = 0.0;
-  for_each_logit(row, vocab, [&](int32_t, float logit) {
-    raw_sum += static_cast<double>(expf(logit - max_logit));
-  });
-  raw_sum = block_reduce(raw_sum, SumOp{}, sh.reduce.f64);
+#pragma unroll
+  for (int b = 0; b < kRowSplit; ++b) {
+    if (share_maxes[b] != -INFINITY) {
+      raw_sum += share_sums[b] * exp(static_cast<double>(share_maxes[b]) - max_logit);
+    }
+  }
   const double log_normaliser = static_cast<double>(max_logit) + log(raw_sum);
 
   int32_t chosen = key_token(key_max);
@@ -418,8 +471,19 @@ void launch_sample_rows(const SamplingDims& dims, const float* logits,
                         const RowSamplingParams* params, float* workspace, SampledRow* out,
                         SampledTop* top, cudaStream_t stream) {
   if (dims.num_rows <= 0) return;
-  sample_rows_kernel<<<dims.num_rows, kThreads, 0, stream>>>(dims, logits, params, workspace, out,
-                                                             top);
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kRowSplit;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(dims.num_rows) * kRowSplit);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  DEFT_CUDA_CHECK(
+      cudaLaunchKernelEx(&config, sample_rows_kernel, dims, logits, params, workspace, out, top));
   DEFT_CUDA_CHECK_LAUNCH();
 }
 

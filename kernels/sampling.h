@@ -1,4 +1,4 @@
-// Token sampling on the GPU: one block per fp32 logits row picks the row's token (greedy,
+// Token sampling on the GPU: a cluster of blocks per fp32 logits row picks the row's token (greedy,
 // temperature, top-k, top-p, seeded), the raw log-probability of that token and, when asked,
 // the n most likely tokens with theirs, so only a few bytes per row go back to the host.
 //
