@@ -174,15 +174,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // One step of the online softmax over an MMA accumulator tile (rows a and b of each thread's
 // fragment; a row's 4 threads reduce with shuffles): the running maxima move to the step's
-// (scores scaled to base 2), the scores become exp2 weights in place, the running sums grow,
-// and the O accumulator is rescaled when some row's maximum moved (rare once the maxima
-// settle; a warp-uniform branch). Masked scores are -inf; a row that has seen nothing yet
-// keeps max -inf and subtracts 0 (exp2(-inf) = 0). Shared by the DeFT and prefill kernels.
-template <int kBlocks, int kOBlocks>
-__device__ __forceinline__ void online_softmax_step(float (&scores)[kBlocks][4],
-                                                    float (&o_acc)[kOBlocks][4], float scale,
-                                                    float& max_a, float& max_b, float& sum_a,
-                                                    float& sum_b) {
+// (scores scaled to base 2), the scores become exp2 weights in place and the running sums grow.
+// Returns in alpha_a / alpha_b the factors the O accumulator must be scaled by (1 unless a row's
+// maximum moved). Masked scores are -inf; a row that has seen nothing yet keeps max -inf and
+// subtracts 0 (exp2(-inf) = 0).
+template <int kBlocks>
+__device__ __forceinline__ void softmax_update(float (&scores)[kBlocks][4], float scale,
+                                               float& max_a, float& max_b, float& sum_a,
+                                               float& sum_b, float& alpha_a, float& alpha_b) {
   float step_max_a = kNegInf, step_max_b = kNegInf;
 #pragma unroll
   for (int nb = 0; nb < kBlocks; ++nb) {
@@ -197,8 +196,8 @@ __device__ __forceinline__ void online_softmax_step(float (&scores)[kBlocks][4],
   const float new_max_b = fmaxf(max_b, step_max_b * scale);
   const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
   const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
-  const float alpha_a = fast_exp2(max_a - base_a);
-  const float alpha_b = fast_exp2(max_b - base_b);
+  alpha_a = fast_exp2(max_a - base_a);
+  alpha_b = fast_exp2(max_b - base_b);
   max_a = new_max_a;
   max_b = new_max_b;
   float step_sum_a = 0.0f, step_sum_b = 0.0f;
@@ -213,6 +212,13 @@ __device__ __forceinline__ void online_softmax_step(float (&scores)[kBlocks][4],
   }
   sum_a = sum_a * alpha_a + step_sum_a;
   sum_b = sum_b * alpha_b + step_sum_b;
+}
+
+// Scales the O accumulator's rows a and b (skipped, warp-uniformly, when no row's maximum moved:
+// rare once the maxima settle).
+template <int kOBlocks>
+__device__ __forceinline__ void rescale_rows(float (&o_acc)[kOBlocks][4], float alpha_a,
+                                             float alpha_b) {
   if (__any_sync(0xffffffffu, alpha_a != 1.0f || alpha_b != 1.0f)) {
 #pragma unroll
     for (int nb = 0; nb < kOBlocks; ++nb) {
@@ -222,6 +228,17 @@ __device__ __forceinline__ void online_softmax_step(float (&scores)[kBlocks][4],
       o_acc[nb][3] *= alpha_b;
     }
   }
+}
+
+// softmax_update, then the O accumulator rescaled at once. Shared by the DeFT and prefill kernels.
+template <int kBlocks, int kOBlocks>
+__device__ __forceinline__ void online_softmax_step(float (&scores)[kBlocks][4],
+                                                    float (&o_acc)[kOBlocks][4], float scale,
+                                                    float& max_a, float& max_b, float& sum_a,
+                                                    float& sum_b) {
+  float alpha_a, alpha_b;
+  softmax_update(scores, scale, max_a, max_b, sum_a, sum_b, alpha_a, alpha_b);
+  rescale_rows(o_acc, alpha_a, alpha_b);
 }
 
 // Bits [lo, hi] of a mask word (0 <= lo <= hi < 64).
@@ -445,8 +462,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     // deft_attention_supported, so the order is the same) and exp2(s * scale - max) is one FFMA
     // and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should here). Steps every row
     // sees entirely (no mask, no tail) skip the per-element visibility tests.
-    auto mask_and_softmax = [&](auto& scores, const uint64_t* mask_tile, int token0,
-                                int step_token0) {
+    auto mask_scores = [&](auto& scores, const uint64_t* mask_tile, int token0, int step_token0) {
       constexpr int kBlocks = std::extent_v<std::remove_reference_t<decltype(scores)>>;
       const bool step_full = !masked && token0 + step_token0 + 8 * kBlocks <= run_tokens;
       if (!step_full) {
@@ -462,6 +478,10 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
           }
         }
       }
+    };
+    auto mask_and_softmax = [&](auto& scores, const uint64_t* mask_tile, int token0,
+                                int step_token0) {
+      mask_scores(scores, mask_tile, token0, step_token0);
       online_softmax_step(scores, o_acc, params.scale_log2, max_a, max_b, sum_a, sum_b);
     };
 
@@ -518,41 +538,63 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     };
 
     // A whole 64-token tile for the pass's 64 rows on warpgroup MMAs: S = Q K^T from Q fragments
-    // in registers and the K tile (K-major); P V from P fragments and the V tile (MN-major).
+    // in registers and the K tile (K-major); P V from P fragments and the V tile (MN-major). The
+    // tile is two halves of 32 tokens so that the tensor cores and the softmax overlap: the
+    // first half's softmax runs while the second half's QK^T does, and the second half's softmax
+    // while the first half's PV does (its O rescale waits for that PV).
     auto compute_tile_wgmma = [&](uint32_t k_tile, uint32_t v_tile, const uint64_t* mask_tile,
                                   int token0) {
-      float scores[kKvTileTokens / 8][4];
-#pragma unroll
-      for (int nb = 0; nb < kKvTileTokens / 8; ++nb) {
-        scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
-      }
+      constexpr int kHalf = kKvTileTokens / 2;
+      float scores[2][kHalf / 8][4];
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        // 16 columns = 32 bytes into the column block: the swizzle acts on the absolute address.
-        const uint32_t start = k_tile + (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32;
-        wgmma_rs<T, kKvTileTokens, false>(
-            scores, q_frag[kk], wgmma_descriptor(start, 16, 8 * kSwizzleRowBytes), kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait_all();
-      wgmma_fence_operands(scores);
-      mask_and_softmax(scores, mask_tile, token0, 0);
-      uint32_t p_frag[kKvTileTokens / 16][4];
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-      for (int pair = 0; pair < kKvTileTokens / 16; ++pair) p_fragment(scores, pair, p_frag[pair]);
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          // 16 columns = 32 bytes into the column block (the swizzle acts on the absolute
+          // address); a half starts 32 rows (4 swizzle atoms) down.
+          const uint32_t start = k_tile + (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32 +
+                                 half * kHalf * kSwizzleRowBytes;
+          wgmma_rs<T, kHalf, false>(scores[half], q_frag[kk],
+                                    wgmma_descriptor(start, 16, 8 * kSwizzleRowBytes), kk > 0);
+        }
+        wgmma_commit();
+      }
+      // PV of one half: 16 tokens a k-step, two groups of 8 rows; column blocks
+      // Smem::kBlockBytes apart.
+      uint32_t p_frag[2][kHalf / 16][4];
+      auto issue_pv = [&](int half) {
+        wgmma_fence_operands(o_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int pair = 0; pair < kHalf / 16; ++pair) {
+          const uint32_t start = v_tile + (half * kHalf + pair * 16) * kSwizzleRowBytes;
+          wgmma_rs<T, kHeadDim, true>(
+              o_acc, p_frag[half][pair],
+              wgmma_descriptor(start, Smem::kBlockBytes, 8 * kSwizzleRowBytes), true);
+        }
+        wgmma_commit();
+      };
+      float alpha_a, alpha_b;
+      wgmma_wait<1>();  // the first half's scores (the second's QK^T still running)
+      wgmma_fence_operands(scores[0]);
+      mask_scores(scores[0], mask_tile, token0, 0);
+      softmax_update(scores[0], params.scale_log2, max_a, max_b, sum_a, sum_b, alpha_a, alpha_b);
+      rescale_rows(o_acc, alpha_a, alpha_b);  // no wgmma writes O now
+#pragma unroll
+      for (int pair = 0; pair < kHalf / 16; ++pair) p_fragment(scores[0], pair, p_frag[0][pair]);
+      issue_pv(0);
+      wgmma_wait<1>();  // the second half's scores (the first half's PV still running)
+      wgmma_fence_operands(scores[1]);
+      mask_scores(scores[1], mask_tile, token0, kHalf);
+      softmax_update(scores[1], params.scale_log2, max_a, max_b, sum_a, sum_b, alpha_a, alpha_b);
+#pragma unroll
+      for (int pair = 0; pair < kHalf / 16; ++pair) p_fragment(scores[1], pair, p_frag[1][pair]);
+      wgmma_wait<0>();  // the first half's PV: O may be rescaled
       wgmma_fence_operands(o_acc);
-      wgmma_fence();
-#pragma unroll
-      for (int pair = 0; pair < kKvTileTokens / 16; ++pair) {
-        // 16 tokens = two groups of 8 rows; column blocks Smem::kBlockBytes apart.
-        const uint32_t start = v_tile + pair * 16 * kSwizzleRowBytes;
-        wgmma_rs<T, kHeadDim, true>(
-            o_acc, p_frag[pair],
-            wgmma_descriptor(start, Smem::kBlockBytes, 8 * kSwizzleRowBytes), true);
-      }
-      wgmma_commit();
-      wgmma_wait_all();
+      rescale_rows(o_acc, alpha_a, alpha_b);
+      issue_pv(1);
+      wgmma_wait<0>();
       wgmma_fence_operands(o_acc);
     };
 

@@ -63,6 +63,14 @@ __device__ __forceinline__ void wgmma_wait_all() {
 #endif
 }
 
+// Waits until at most kPending committed groups are still running (groups complete in order).
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+#if DEFT_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
 // Shared memory written by ordinary stores or cp.async becomes visible to wgmma's reads (the
 // async proxy): each writing thread runs this after its writes, before the barrier.
 __device__ __forceinline__ void fence_async_shared() {
@@ -82,12 +90,14 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kBlocks][4]) {
 }
 
 #define DEFT_WGMMA_D4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define DEFT_WGMMA_D16 DEFT_WGMMA_D4(0), DEFT_WGMMA_D4(1), DEFT_WGMMA_D4(2), DEFT_WGMMA_D4(3)
 #define DEFT_WGMMA_D32                                                                      \
-  DEFT_WGMMA_D4(0), DEFT_WGMMA_D4(1), DEFT_WGMMA_D4(2), DEFT_WGMMA_D4(3), DEFT_WGMMA_D4(4), \
-      DEFT_WGMMA_D4(5), DEFT_WGMMA_D4(6), DEFT_WGMMA_D4(7)
+  DEFT_WGMMA_D16, DEFT_WGMMA_D4(4), DEFT_WGMMA_D4(5), DEFT_WGMMA_D4(6), DEFT_WGMMA_D4(7)
 #define DEFT_WGMMA_D64                                                                          \
   DEFT_WGMMA_D32, DEFT_WGMMA_D4(8), DEFT_WGMMA_D4(9), DEFT_WGMMA_D4(10), DEFT_WGMMA_D4(11),     \
       DEFT_WGMMA_D4(12), DEFT_WGMMA_D4(13), DEFT_WGMMA_D4(14), DEFT_WGMMA_D4(15)
+#define DEFT_WGMMA_REGS16 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20"
 #define DEFT_WGMMA_REGS32                                                                   \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
   "%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36"
@@ -106,15 +116,25 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kBlocks][4]) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor), "r"(accumulate ? 1 : 0))
 
 // D[64 x N] (+)= A[64 x 16] * B[16 x N]; kTransB: B is MN-major in shared memory (N contiguous),
-// else K-major (K contiguous). N is 64 or 128.
+// else K-major (K contiguous). N is 32, 64 or 128.
 template <typename T, int kN, bool kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 8][4], const uint32_t (&a)[4],
                                          uint64_t descriptor, bool accumulate) {
-  static_assert(kN == 64 || kN == 128, "wgmma_rs: N is 64 or 128");
+  static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma_rs: N is 32, 64 or 128");
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or fp16");
 #if DEFT_HAS_WGMMA
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (kN == 64) {
+  if constexpr (kN == 32) {
+    if constexpr (kBf16 && kTransB) {
+      DEFT_WGMMA_ASM(32, "bf16", 1, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
+    } else if constexpr (kBf16) {
+      DEFT_WGMMA_ASM(32, "bf16", 0, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
+    } else if constexpr (kTransB) {
+      DEFT_WGMMA_ASM(32, "f16", 1, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
+    } else {
+      DEFT_WGMMA_ASM(32, "f16", 0, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
+    }
+  } else if constexpr (kN == 64) {
     if constexpr (kBf16 && kTransB) {
       DEFT_WGMMA_ASM(64, "bf16", 1, DEFT_WGMMA_REGS32, "%37", DEFT_WGMMA_D32);
     } else if constexpr (kBf16) {
@@ -147,8 +167,10 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 8][4], const uint32_t (
 #undef DEFT_WGMMA_ASM
 #undef DEFT_WGMMA_REGS64
 #undef DEFT_WGMMA_REGS32
+#undef DEFT_WGMMA_REGS16
 #undef DEFT_WGMMA_D64
 #undef DEFT_WGMMA_D32
+#undef DEFT_WGMMA_D16
 #undef DEFT_WGMMA_D4
 
 }  // namespace deft::kernels::detail

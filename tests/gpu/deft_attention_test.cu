@@ -134,9 +134,11 @@ struct HostPlan {
 enum class Kind { kFlatten, kNode, kNodeChunk, kSequence, kDenseMask };
 
 // Adds the tasks of one KV run for the candidate queries: queries that see every token share
-// unmasked tasks (up to 256 entries), the others masked tasks of up to 64 entries.
+// unmasked tasks (up to `unmasked_cap` entries, the planner's default 256), the others masked
+// tasks of up to 64 entries.
 void add_run(const Tree& tree, const std::vector<int>& run, const std::vector<int>& candidates,
-             HostPlan& plan, std::vector<std::vector<int32_t>>& entries_of_query) {
+             HostPlan& plan, std::vector<std::vector<int32_t>>& entries_of_query,
+             size_t unmasked_cap = 256) {
   std::vector<int> full, partial;
   for (int q : candidates) {
     int seen = 0;
@@ -174,11 +176,11 @@ void add_run(const Tree& tree, const std::vector<int>& run, const std::vector<in
            masked);
     }
   };
-  split(full, 256, false);
+  split(full, unmasked_cap, false);
   split(partial, kMaskWordBits, true);
 }
 
-HostPlan build_plan(const Tree& tree, Kind kind, int chunk_tokens) {
+HostPlan build_plan(const Tree& tree, Kind kind, int chunk_tokens, size_t unmasked_cap = 256) {
   HostPlan plan;
   const int num_queries = static_cast<int>(tree.queries.size());
   plan.num_queries = num_queries;
@@ -208,7 +210,8 @@ HostPlan build_plan(const Tree& tree, Kind kind, int chunk_tokens) {
         const int end = begin + tree.nodes[node].length;
         const int chunk = kind == Kind::kNode ? end - begin : chunk_tokens;
         for (int b = begin; b < end; b += chunk) {
-          add_run(tree, range(b, std::min(end, b + chunk)), all, plan, entries_of_query);
+          add_run(tree, range(b, std::min(end, b + chunk)), all, plan, entries_of_query,
+                  unmasked_cap);
         }
       }
       break;
@@ -413,7 +416,11 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
                           buffers, out_dev.data(), stream);
     DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     DEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int replay = 0; replay < 2; ++replay) DEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    // Output poisoned before each replay: the second one must write every row again.
+    for (int replay = 0; replay < 2; ++replay) {
+      DEFT_CUDA_CHECK(cudaMemsetAsync(out_dev.data(), 0xff, q_count * 2, stream));
+      DEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    }
     DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
     DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
@@ -440,9 +447,9 @@ class DeftAttentionGpuTest : public testing::TestWithParam<Config> {
   }
 
   void check(const Tree& tree, Kind kind, int chunk_tokens, const char* what,
-             bool use_graph = false) {
+             bool use_graph = false, size_t unmasked_cap = 256) {
     SCOPED_TRACE(testing::Message() << what << " seed=" << seed_);
-    const HostPlan plan = build_plan(tree, kind, chunk_tokens);
+    const HostPlan plan = build_plan(tree, kind, chunk_tokens, unmasked_cap);
     const Comparison c = run_and_compare(tree, plan, GetParam(), rng_, use_graph);
     EXPECT_EQ(c.nan_count, 0);
     EXPECT_LE(c.relative_error, tolerance(GetParam().dtype));
@@ -490,12 +497,21 @@ TEST_P(DeftAttentionGpuTest, FewShotLongRuns) {
 // passes on warpgroup MMAs with 1 to 4 warps holding rows, and short last passes on mma.sync.
 TEST_P(DeftAttentionGpuTest, EveryPassRowCount) {
   const int group = GetParam().group_size;
-  for (int rows : {16, 40, 56, 64, 80, 136}) {
+  for (int rows : {16, 40, 56, 64, 80, 136, 200, 264}) {
     const int queries = std::max(1, rows / group);
     const Tree tree = finished(few_shot_tree(200, queries, 5));
     const std::string what = "node, " + std::to_string(queries * group) + " rows";
     check(tree, Kind::kNode, 0, what.c_str());
   }
+}
+
+// One task wider than the launch's row slices (an unmasked cap above the planner's default):
+// each CTA runs several passes one after another in the same shared memory.
+TEST_P(DeftAttentionGpuTest, MorePassesThanRowSlices) {
+  const int queries = 2320 / GetParam().group_size;  // 37 passes: 36 of 64 rows, one of 16
+  const Tree tree = finished(few_shot_tree(200, queries, 5));
+  check(tree, Kind::kNode, 0, "node, 2320 rows in one task", /*use_graph=*/false,
+        /*unmasked_cap=*/static_cast<size_t>(queries));
 }
 
 TEST_P(DeftAttentionGpuTest, PrefillCausal) {
