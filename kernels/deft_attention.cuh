@@ -10,9 +10,11 @@
 // KV tiles of 64 tokens are gathered through kv_slots (paged KV) with cp.async into a
 // double-buffered, swizzled shared-memory ring; QK^T and PV run on tensor cores with fp32
 // accumulation: a 64-row pass on warpgroup MMAs (wgmma, sm_90a: Q and P from registers, K and V
-// straight from shared memory), fewer rows on mma.sync; per-token 64-bit mask words mask scores; tiles no row of the pass sees are
-// never loaded; online softmax in base 2. Rows whose query has a single partial write the final
-// output directly, the others write partial O (normalised) and LSE (natural log).
+// straight from shared memory; a tile in two 32-token halves, one half's softmax overlapping the
+// other half's MMAs), fewer rows on mma.sync; per-token 64-bit mask words mask scores; tiles no
+// row of the pass sees are never loaded; online softmax in base 2. Rows whose query has a single
+// partial write the final output directly, the others write partial O (normalised) and LSE
+// (natural log).
 //
 // Stage 2: one warp per (query, head); queries with a single partial return at once; the others
 // merge their partials: out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max).
