@@ -592,11 +592,11 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       softmax_update(scores[1], params.scale_log2, max_a, max_b, sum_a, sum_b, alpha_a, alpha_b);
 #pragma unroll
       for (int pair = 0; pair < kHalf / 16; ++pair) p_fragment(scores[1], pair, p_frag[1][pair]);
-      wgmma_wait<0>();  // the first half's PV: O may be rescaled
+      wgmma_wait_all();  // the first half's PV: O may be rescaled
       wgmma_fence_operands(o_acc);
       rescale_rows(o_acc, alpha_a, alpha_b);
       issue_pv(1);
-      wgmma_wait<0>();
+      wgmma_wait_all();
       wgmma_fence_operands(o_acc);
     };
 

@@ -57,12 +57,6 @@ __device__ __forceinline__ void wgmma_commit() {
 #endif
 }
 
-__device__ __forceinline__ void wgmma_wait_all() {
-#if DEFT_HAS_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
-
 // Waits until at most kPending committed groups are still running (groups complete in order).
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
@@ -70,6 +64,8 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
+
+__device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 
 // Shared memory written by ordinary stores or cp.async becomes visible to wgmma's reads (the
 // async proxy): each writing thread runs this after its writes, before the barrier.
@@ -107,12 +103,12 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kBlocks][4]) {
   "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "               \
   "{%64,%65,%66,%67}, %68"
 // One wgmma of shape m64n<N>k16, A from registers; `accumulate` false: D = A * B.
-#define DEFT_WGMMA_ASM(N, TYPE, TRANS_B, REGS, PRED_OPERAND, D_OPERANDS)                      \
+#define DEFT_WGMMA_ASM(N, TYPE, TRANS_B, REGS, PRED_OPERAND, ...)                             \
   asm volatile(                                                                              \
       "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED_OPERAND ", 0;\n"                             \
       "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS              \
       ", p, 1, 1, " #TRANS_B ";\n}\n"                                                        \
-      : D_OPERANDS                                                                           \
+      : __VA_ARGS__ /* the D operands */                                                     \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor), "r"(accumulate ? 1 : 0))
 
 // D[64 x N] (+)= A[64 x 16] * B[16 x N]; kTransB: B is MN-major in shared memory (N contiguous),
@@ -124,37 +120,25 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 8][4], const uint32_t (
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or fp16");
 #if DEFT_HAS_WGMMA
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (kN == 32) {
-    if constexpr (kBf16 && kTransB) {
-      DEFT_WGMMA_ASM(32, "bf16", 1, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
-    } else if constexpr (kBf16) {
-      DEFT_WGMMA_ASM(32, "bf16", 0, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
-    } else if constexpr (kTransB) {
-      DEFT_WGMMA_ASM(32, "f16", 1, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
-    } else {
-      DEFT_WGMMA_ASM(32, "f16", 0, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16);
-    }
-  } else if constexpr (kN == 64) {
-    if constexpr (kBf16 && kTransB) {
-      DEFT_WGMMA_ASM(64, "bf16", 1, DEFT_WGMMA_REGS32, "%37", DEFT_WGMMA_D32);
-    } else if constexpr (kBf16) {
-      DEFT_WGMMA_ASM(64, "bf16", 0, DEFT_WGMMA_REGS32, "%37", DEFT_WGMMA_D32);
-    } else if constexpr (kTransB) {
-      DEFT_WGMMA_ASM(64, "f16", 1, DEFT_WGMMA_REGS32, "%37", DEFT_WGMMA_D32);
-    } else {
-      DEFT_WGMMA_ASM(64, "f16", 0, DEFT_WGMMA_REGS32, "%37", DEFT_WGMMA_D32);
-    }
-  } else {
-    if constexpr (kBf16 && kTransB) {
-      DEFT_WGMMA_ASM(128, "bf16", 1, DEFT_WGMMA_REGS64, "%69", DEFT_WGMMA_D64);
-    } else if constexpr (kBf16) {
-      DEFT_WGMMA_ASM(128, "bf16", 0, DEFT_WGMMA_REGS64, "%69", DEFT_WGMMA_D64);
-    } else if constexpr (kTransB) {
-      DEFT_WGMMA_ASM(128, "f16", 1, DEFT_WGMMA_REGS64, "%69", DEFT_WGMMA_D64);
-    } else {
-      DEFT_WGMMA_ASM(128, "f16", 0, DEFT_WGMMA_REGS64, "%69", DEFT_WGMMA_D64);
-    }
+  // The four (type, B layout) forms of one N; the D operands last.
+#define DEFT_WGMMA_FORMS(N, REGS, PRED_OPERAND, ...)              \
+  if constexpr (kBf16 && kTransB) {                                \
+    DEFT_WGMMA_ASM(N, "bf16", 1, REGS, PRED_OPERAND, __VA_ARGS__); \
+  } else if constexpr (kBf16) {                                    \
+    DEFT_WGMMA_ASM(N, "bf16", 0, REGS, PRED_OPERAND, __VA_ARGS__); \
+  } else if constexpr (kTransB) {                                  \
+    DEFT_WGMMA_ASM(N, "f16", 1, REGS, PRED_OPERAND, __VA_ARGS__);  \
+  } else {                                                         \
+    DEFT_WGMMA_ASM(N, "f16", 0, REGS, PRED_OPERAND, __VA_ARGS__);  \
   }
+  if constexpr (kN == 32) {
+    DEFT_WGMMA_FORMS(32, DEFT_WGMMA_REGS16, "%21", DEFT_WGMMA_D16)
+  } else if constexpr (kN == 64) {
+    DEFT_WGMMA_FORMS(64, DEFT_WGMMA_REGS32, "%37", DEFT_WGMMA_D32)
+  } else {
+    DEFT_WGMMA_FORMS(128, DEFT_WGMMA_REGS64, "%69", DEFT_WGMMA_D64)
+  }
+#undef DEFT_WGMMA_FORMS
 #else
   (void)d;
   (void)a;
