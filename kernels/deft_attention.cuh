@@ -174,11 +174,18 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// A row's exponent base moves only when its maximum grew by more than this (base 2), so weights
+// stay below 2^8 (exact in fp32, in range for bf16 and fp16 P) and the O rescale, 64-128
+// multiplies a row, runs only a few times a task instead of on almost every tile.
+inline constexpr float kRescaleSlack = 8.0f;
+
 // One step of the online softmax over an MMA accumulator tile (rows a and b of each thread's
-// fragment; a row's 4 threads reduce with shuffles): the running maxima move to the step's
-// (scores scaled to base 2), the scores become exp2 weights in place and the running sums grow.
-// Returns in alpha_a / alpha_b the factors the O accumulator must be scaled by (1 unless a row's
-// maximum moved). Masked scores are -inf; a row that has seen nothing yet keeps max -inf and
+// fragment; a row's 4 threads reduce with shuffles): each row's exponent base (max_a / max_b,
+// scores scaled to base 2) moves to the step's maximum when that exceeds it by more than
+// kRescaleSlack, the scores become exp2 weights in place and the running sums grow. The base is
+// not the exact maximum, but base + log2(sum) is the exact log-sum-exp all the same. Returns in
+// alpha_a / alpha_b the factors the O accumulator must be scaled by (exactly 1 unless a row's
+// base moved). Masked scores are -inf; a row that has seen nothing yet keeps base -inf and
 // subtracts 0 (exp2(-inf) = 0).
 template <int kBlocks>
 __device__ __forceinline__ void softmax_update(float (&scores)[kBlocks][4], float scale,
@@ -194,14 +201,17 @@ __device__ __forceinline__ void softmax_update(float (&scores)[kBlocks][4], floa
   step_max_a = fmaxf(step_max_a, __shfl_xor_sync(0xffffffffu, step_max_a, 2));
   step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 1));
   step_max_b = fmaxf(step_max_b, __shfl_xor_sync(0xffffffffu, step_max_b, 2));
-  const float new_max_a = fmaxf(max_a, step_max_a * scale);  // -inf * scale = -inf
-  const float new_max_b = fmaxf(max_b, step_max_b * scale);
-  const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a;
-  const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b;
-  alpha_a = fast_exp2(max_a - base_a);
-  alpha_b = fast_exp2(max_b - base_b);
-  max_a = new_max_a;
-  max_b = new_max_b;
+  // -inf * scale = -inf; a row's first finite maximum always moves its base (-inf + slack).
+  const float step_a = step_max_a * scale;
+  const float step_b = step_max_b * scale;
+  const bool move_a = step_a > max_a + kRescaleSlack;
+  const bool move_b = step_b > max_b + kRescaleSlack;
+  alpha_a = move_a ? fast_exp2(max_a - step_a) : 1.0f;
+  alpha_b = move_b ? fast_exp2(max_b - step_b) : 1.0f;
+  if (move_a) max_a = step_a;
+  if (move_b) max_b = step_b;
+  const float base_a = max_a == kNegInf ? 0.0f : max_a;
+  const float base_b = max_b == kNegInf ? 0.0f : max_b;
   float step_sum_a = 0.0f, step_sum_b = 0.0f;
 #pragma unroll
   for (int nb = 0; nb < kBlocks; ++nb) {
@@ -305,9 +315,21 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const int num_passes = (num_rows + rows_per_pass - 1) / rows_per_pass;
 
   const T* q = static_cast<const T*>(params.q);
-  const T* k_cache = static_cast<const T*>(params.k_cache);
-  const T* v_cache = static_cast<const T*>(params.v_cache);
   const int q_row_stride = params.num_q_heads * kHeadDim;
+
+  // This thread's part of every KV tile copy: the 16-byte chunk copy_part of head kv_head in the
+  // slots of tile tokens copy_token, copy_token + kTokenStride, ... Those tokens are 8k rows
+  // apart, so their swizzled destinations are copy_dst + 8k rows (the swizzle pattern repeats
+  // every 8 rows), and a slot's source is slot * slot_bytes + part_offset bytes into the cache.
+  constexpr int kTokenStride = kStage1Threads / kChunksPerRow;
+  constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
+  static_assert(kKvTileTokens % kTokenStride == 0 && kTokenStride % 8 == 0, "tile rows per thread");
+  const int copy_part = threadIdx.x % kChunksPerRow;
+  const int copy_token = threadIdx.x / kChunksPerRow;
+  const int part_offset = (kv_head * kHeadDim + copy_part * 8) * static_cast<int>(sizeof(T));
+  const int slot_bytes = params.num_kv_heads * kHeadDim * static_cast<int>(sizeof(T));
+  const uint32_t copy_dst =
+      smem_address(smem) + swizzled_offset(copy_token, copy_part, kKvTileTokens);
 
   for (int pass = slice; pass < num_passes; pass += params.row_slices) {
     const int pass_row0 = pass * rows_per_pass;
@@ -352,33 +374,26 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       return num_tiles;
     };
 
-    // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile.
-    constexpr int kTokenStride = kStage1Threads / kChunksPerRow;  // tokens between a thread's rows
-    constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
-    static_assert(kKvTileTokens % kTokenStride == 0, "tile rows per thread");
+    // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile (copy_part).
     auto load_tile = [&](int tile, int stage) {
-      unsigned char* k_tile = smem + stage * Smem::kStageBytes;
-      unsigned char* v_tile = k_tile + Smem::kTileBytes;
       const int token0 = tile * kKvTileTokens;
-      const int part = threadIdx.x % kChunksPerRow;
-      const int first_token = threadIdx.x / kChunksPerRow;
       // The slots are loaded first, all at once (each next to its cp.async, whose "memory"
       // clobber keeps the loads in program order, made a tile wait for serial L2 round trips).
       int slots[kSlotsPerThread];
 #pragma unroll
       for (int i = 0; i < kSlotsPerThread; ++i) {
-        const int token = token0 + first_token + i * kTokenStride;
+        const int token = token0 + copy_token + i * kTokenStride;
         slots[i] = token < run_tokens ? __ldg(plan.kv_slots + kv_begin + token) : 0;
       }
+      const uint32_t k_dst = copy_dst + stage * Smem::kStageBytes;
 #pragma unroll
       for (int i = 0; i < kSlotsPerThread; ++i) {
-        const int token = first_token + i * kTokenStride;
-        const bool valid = token0 + token < run_tokens;
-        const int64_t offset =
-            (static_cast<int64_t>(slots[i]) * params.num_kv_heads + kv_head) * kHeadDim + part * 8;
-        const int smem_offset = swizzled_offset(token, part, kKvTileTokens);
-        cp_async_16(smem_address(k_tile + smem_offset), k_cache + offset, valid);
-        cp_async_16(smem_address(v_tile + smem_offset), v_cache + offset, valid);
+        const bool valid = token0 + copy_token + i * kTokenStride < run_tokens;
+        const int64_t offset = static_cast<int64_t>(slots[i]) * slot_bytes + part_offset;
+        const uint32_t dst = k_dst + i * kTokenStride * kSwizzleRowBytes;
+        cp_async_16(dst, static_cast<const char*>(params.k_cache) + offset, valid);
+        cp_async_16(dst + Smem::kTileBytes, static_cast<const char*>(params.v_cache) + offset,
+                    valid);
       }
       if (masked && threadIdx.x < kKvTileTokens) {
         const int token = token0 + threadIdx.x;
@@ -455,7 +470,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     for (int nb = 0; nb < kOBlocks; ++nb) {
       o_acc[nb][0] = o_acc[nb][1] = o_acc[nb][2] = o_acc[nb][3] = 0.0f;
     }
-    float max_a = kNegInf, max_b = kNegInf;  // running max of scaled scores (base 2)
+    float max_a = kNegInf, max_b = kNegInf;  // exponent bases (scaled scores, base 2)
     float sum_a = 0.0f, sum_b = 0.0f;        // this thread's share of the running denominators
 
     // Mask (tail tokens, mask bits) and online softmax update of a warp's 16 rows x (8 * kBlocks)
@@ -547,6 +562,9 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     auto compute_tile_wgmma = [&](uint32_t k_tile, uint32_t v_tile, const uint64_t* mask_tile,
                                   int token0) {
       constexpr int kHalf = kKvTileTokens / 2;
+      // Built once a tile; each MMA's operand start is a constant offset from these.
+      const uint64_t k_desc = wgmma_descriptor(k_tile, 16, 8 * kSwizzleRowBytes);
+      const uint64_t v_desc = wgmma_descriptor(v_tile, Smem::kBlockBytes, 8 * kSwizzleRowBytes);
       float scores[2][kHalf / 8][4];
       wgmma_fence();
 #pragma unroll
@@ -555,10 +573,10 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         for (int kk = 0; kk < kKSteps; ++kk) {
           // 16 columns = 32 bytes into the column block (the swizzle acts on the absolute
           // address); a half starts 32 rows (4 swizzle atoms) down.
-          const uint32_t start = k_tile + (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32 +
-                                 half * kHalf * kSwizzleRowBytes;
+          const uint32_t offset =
+              (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32 + half * kHalf * kSwizzleRowBytes;
           wgmma_rs<T, kHalf, false>(scores[half], q_frag[kk],
-                                    wgmma_descriptor(start, 16, 8 * kSwizzleRowBytes), kk > 0);
+                                    wgmma_descriptor_advance(k_desc, offset), kk > 0);
         }
         wgmma_commit();
       }
@@ -570,10 +588,9 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         wgmma_fence();
 #pragma unroll
         for (int pair = 0; pair < kHalf / 16; ++pair) {
-          const uint32_t start = v_tile + (half * kHalf + pair * 16) * kSwizzleRowBytes;
-          wgmma_rs<T, kHeadDim, true>(
-              o_acc, p_frag[half][pair],
-              wgmma_descriptor(start, Smem::kBlockBytes, 8 * kSwizzleRowBytes), true);
+          const uint32_t offset = (half * kHalf + pair * 16) * kSwizzleRowBytes;
+          wgmma_rs<T, kHeadDim, true>(o_acc, p_frag[half][pair],
+                                      wgmma_descriptor_advance(v_desc, offset), true);
         }
         wgmma_commit();
       };
@@ -651,41 +668,54 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
     sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
 
-    // Columns [col, col + kWidth) of pass row `pass_row`, normalised: to the output when its
-    // query has a single partial, else to the entry's partial (with the LSE at column 0). An
-    // entry that saw no token (a plan bug) yields zeros and LSE -inf, never NaN.
-    auto store_row_part = [&](int pass_row, int col, const float (&values)[4], auto width_tag,
-                              float row_max, float row_sum) {
-      constexpr int kWidth = decltype(width_tag)::value;  // 2 or 4
-      const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    // Where pass row `pass_row` goes, resolved once a row: the output when its query has a single
+    // partial, else the entry's partial, whose LSE is written here when `with_lse`. Values are
+    // scaled by inv_sum (normalised). An entry that saw no token (a plan bug) yields zeros and
+    // LSE -inf, never NaN.
+    struct RowDestination {
+      T* out;  // null: a partial
+      float* partial;
+      float inv_sum;
+    };
+    auto row_destination = [&](int pass_row, float row_max, float row_sum, bool with_lse) {
       const int row = pass_row0 + pass_row;
       const int head = kv_head * group + row % group;
       const int target = row_target[pass_row];
+      RowDestination dest{nullptr, nullptr, row_sum > 0.0f ? 1.0f / row_sum : 0.0f};
       if (target < 0) {
-        T* out = static_cast<T*>(params.out) + static_cast<int64_t>(~target) * q_row_stride +
-                 head * kHeadDim + col;
-        const uint32_t lo = Traits::pack(values[0] * inv_sum, values[1] * inv_sum);
-        if constexpr (kWidth == 4) {
-          *reinterpret_cast<uint2*>(out) =
-              make_uint2(lo, Traits::pack(values[2] * inv_sum, values[3] * inv_sum));
-        } else {
-          *reinterpret_cast<uint32_t*>(out) = lo;
-        }
-        return;
+        dest.out = static_cast<T*>(params.out) + static_cast<int64_t>(~target) * q_row_stride +
+                   head * kHeadDim;
+        return dest;
       }
       const int64_t partial_row = static_cast<int64_t>(target) * params.num_q_heads + head;
-      float* partial = params.partial_out + partial_row * kHeadDim + col;
-      if constexpr (kWidth == 4) {
-        *reinterpret_cast<float4*>(partial) =
+      dest.partial = params.partial_out + partial_row * kHeadDim;
+      if (with_lse) {
+        // Natural-log LSE of the scaled scores: (base + log2(sum)) * ln(2).
+        params.partial_lse[partial_row] =
+            row_sum > 0.0f ? (row_max + log2f(row_sum)) * 0.69314718055994531f : kNegInf;
+      }
+      return dest;
+    };
+    // Columns [col, col + kWidth) of a row, kWidth = 2 or 4.
+    auto store_row_part = [&](const RowDestination& dest, int col, const float (&values)[4],
+                              auto width_tag) {
+      constexpr int kWidth = decltype(width_tag)::value;
+      const float inv_sum = dest.inv_sum;
+      if (dest.out != nullptr) {
+        const uint32_t lo = Traits::pack(values[0] * inv_sum, values[1] * inv_sum);
+        if constexpr (kWidth == 4) {
+          *reinterpret_cast<uint2*>(dest.out + col) =
+              make_uint2(lo, Traits::pack(values[2] * inv_sum, values[3] * inv_sum));
+        } else {
+          *reinterpret_cast<uint32_t*>(dest.out + col) = lo;
+        }
+      } else if constexpr (kWidth == 4) {
+        *reinterpret_cast<float4*>(dest.partial + col) =
             make_float4(values[0] * inv_sum, values[1] * inv_sum, values[2] * inv_sum,
                         values[3] * inv_sum);
       } else {
-        *reinterpret_cast<float2*>(partial) = make_float2(values[0] * inv_sum, values[1] * inv_sum);
-      }
-      if (col == 0) {
-        // Natural-log LSE of the scaled scores: (max + log2(sum)) * ln(2).
-        params.partial_lse[partial_row] =
-            row_sum > 0.0f ? (row_max + log2f(row_sum)) * 0.69314718055994531f : kNegInf;
+        *reinterpret_cast<float2*>(dest.partial + col) =
+            make_float2(values[0] * inv_sum, values[1] * inv_sum);
       }
     };
 
@@ -697,12 +727,12 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         for (int half = 0; half < 2; ++half) {
           const int pass_row = pass_row_a + 8 * half;
           if (pass_row >= pass_rows) continue;
+          const RowDestination dest = row_destination(pass_row, half == 0 ? max_a : max_b,
+                                                      half == 0 ? sum_a : sum_b, lane_col == 0);
 #pragma unroll
           for (int nb = 0; nb < kOBlocks; ++nb) {
             const float values[4] = {o_acc[nb][2 * half], o_acc[nb][2 * half + 1], 0.0f, 0.0f};
-            store_row_part(pass_row, nb * 8 + 2 * lane_col, values,
-                           std::integral_constant<int, 2>{}, half == 0 ? max_a : max_b,
-                           half == 0 ? sum_a : sum_b);
+            store_row_part(dest, nb * 8 + 2 * lane_col, values, std::integral_constant<int, 2>{});
           }
         }
       }
@@ -754,7 +784,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
             acc[3] += weight * o.w;
           }
         }
-        store_row_part(pass_row, col, acc, std::integral_constant<int, 4>{}, row_max, row_sum);
+        store_row_part(row_destination(pass_row, row_max, row_sum, col == 0), col, acc,
+                       std::integral_constant<int, 4>{});
       }
     }
     __syncthreads();  // the merge scratch is the next pass's KV ring

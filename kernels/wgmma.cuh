@@ -45,6 +45,14 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t smem_address, uint
          (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (uint64_t{1} << 62);
 }
 
+// `descriptor` with its start address moved `bytes` (a multiple of 16) on. The start address is
+// the low 14 bits (address / 16) and shared-memory addresses stay below 2^18, so the sum never
+// carries out of it: one 32-bit add instead of rebuilding the descriptor.
+__device__ __forceinline__ uint64_t wgmma_descriptor_advance(uint64_t descriptor, uint32_t bytes) {
+  const uint32_t low = static_cast<uint32_t>(descriptor) + (bytes >> 4);
+  return (descriptor & 0xFFFFFFFF00000000ull) | low;
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #if DEFT_HAS_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
