@@ -63,8 +63,10 @@ struct Stage1Smem {
   static constexpr int kNeededWords = 32;
   static constexpr int kNeededTiles = kNeededWords * 32;
   static constexpr int kNeededOffset = kRowTargetOffset + kStage1Warps * kMmaRows * 4;
+  // The KV slots of the tile each stage will hold next, copied one tile ahead of the KV.
+  static constexpr int kSlotRingOffset = kNeededOffset + kNeededWords * 4;
   static constexpr int kAlignSlack = 1024;
-  static constexpr int kBytes = kNeededOffset + kNeededWords * 4 + kAlignSlack;
+  static constexpr int kBytes = kSlotRingOffset + kStages * kKvTileTokens * 4 + kAlignSlack;
   // The end-of-pass merge reuses the KV ring: per warp 16 rows of O, m and l (fp32).
   static constexpr int kMergeOBytes = kStage1Warps * kMmaRows * kHeadDim * 4;
   static constexpr int kMergeBytes = kMergeOBytes + 2 * kStage1Warps * kMmaRows * 4;
@@ -137,6 +139,12 @@ __device__ __forceinline__ uint32_t smem_address(const void* ptr) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0)
                : "memory");
 }
 
@@ -374,16 +382,30 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       return num_tiles;
     };
 
-    // Each thread copies the same 16-byte part of kSlotsPerThread tokens of a tile (copy_part).
+    // The slots of tile `tile` into the slot ring's `stage`, one 4-byte copy a token (zeros past
+    // the task's tokens), a tile ahead of its KV copies: loaded from global memory next to those
+    // copies, a tile waited a full memory round trip before its copies could be issued.
+    // (The loop reads a stage's slots one iteration after their copy was issued: its wait for
+    // all but kStages - 2 groups covers that only with two stages.)
+    static_assert(kStages == 2, "the slot ring is one tile ahead");
+    const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + Smem::kSlotRingOffset);
+    auto prefetch_slots = [&](int tile, int stage) {
+      if (threadIdx.x < kKvTileTokens) {
+        const int token = tile * kKvTileTokens + threadIdx.x;
+        const bool valid = token < run_tokens;
+        cp_async_4(smem_address(slot_ring + stage * kKvTileTokens + threadIdx.x),
+                   plan.kv_slots + kv_begin + (valid ? token : 0), valid);
+      }
+    };
+    // Tile `tile` (K, V and, in masked tasks, its mask words) into `stage`, its slots already in
+    // the slot ring's `stage`: each thread copies the same 16-byte part of kSlotsPerThread tokens
+    // (see copy_part), their slots read first, all at once.
     auto load_tile = [&](int tile, int stage) {
       const int token0 = tile * kKvTileTokens;
-      // The slots are loaded first, all at once (each next to its cp.async, whose "memory"
-      // clobber keeps the loads in program order, made a tile wait for serial L2 round trips).
       int slots[kSlotsPerThread];
 #pragma unroll
       for (int i = 0; i < kSlotsPerThread; ++i) {
-        const int token = token0 + copy_token + i * kTokenStride;
-        slots[i] = token < run_tokens ? __ldg(plan.kv_slots + kv_begin + token) : 0;
+        slots[i] = slot_ring[stage * kKvTileTokens + copy_token + i * kTokenStride];
       }
       const uint32_t k_dst = copy_dst + stage * Smem::kStageBytes;
 #pragma unroll
@@ -407,17 +429,11 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 
     // The ring holds kStages tiles: the one computed and up to kStages - 1 in flight. upcoming[i]
     // is the i-th needed tile after the computed one; the k-th tile of the pass uses stage k %
-    // kStages. The pass's first tiles are in flight while the rows' destinations and Q load.
+    // kStages. The pass's first tiles are in flight while Q loads.
     int upcoming[kStages];
     upcoming[0] = next_needed_tile(0);
-    wait_for_prerequisite_grid();  // Q, the KV and our outputs: the kernel before is done
 #pragma unroll
     for (int i = 1; i < kStages; ++i) upcoming[i] = next_needed_tile(upcoming[i - 1] + 1);
-#pragma unroll
-    for (int i = 0; i + 1 < kStages; ++i) {
-      if (upcoming[i] < num_tiles) load_tile(upcoming[i], i);
-      cp_async_commit();
-    }
 
     // Resolve each row's destination once per pass (not per output element in the epilogue:
     // those dependent plan loads made short CTAs latency-bound).
@@ -428,6 +444,22 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       const bool single_partial =
           plan.query_entry_begin[query + 1] - plan.query_entry_begin[query] == 1;
       row_target[threadIdx.x] = single_partial ? ~query : entry;
+    }
+
+    // The plan (row targets, the first tiles' slots) is read before waiting for the kernel
+    // before, which a programmatic launch overlaps.
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) {
+      if (upcoming[i] < num_tiles) prefetch_slots(upcoming[i], i);
+    }
+    cp_async_commit();
+    wait_for_prerequisite_grid();  // Q, the KV and our outputs: the kernel before is done
+    cp_async_wait<0>();
+    __syncthreads();  // the slots are in the ring
+#pragma unroll
+    for (int i = 0; i + 1 < kStages; ++i) {
+      if (upcoming[i] < num_tiles) load_tile(upcoming[i], i);
+      cp_async_commit();
     }
 
     // This thread's two fragment rows (lane_row and lane_row + 8 of the warp's 16).
@@ -649,15 +681,19 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       cp_async_wait<kStages - 2>();  // this tile's copy has landed
       fence_async_shared();          // this thread's copies become visible to wgmma's reads
       __syncthreads();
-      // The stage of the tile computed last iteration is free: the kStages - 1'th tile ahead.
+      // The stage of the tile computed last iteration is free: the kStages - 1'th tile ahead,
+      // whose slots landed with this tile; the slots of the tile after it go to the slot ring's
+      // entry of this stage (its tile is loaded into this stage next iteration).
       const int last = upcoming[kStages - 1];
+      const int after = last < num_tiles ? next_needed_tile(last + 1) : num_tiles;
       if (last < num_tiles) load_tile(last, (stage + kStages - 1) % kStages);
+      if (after < num_tiles) prefetch_slots(after, stage);
       cp_async_commit();
       if (use_wgmma || warp_has_rows) compute_tile(upcoming[0], stage);
       __syncthreads();
 #pragma unroll
       for (int i = 0; i + 1 < kStages; ++i) upcoming[i] = upcoming[i + 1];
-      upcoming[kStages - 1] = next_needed_tile(last + 1);
+      upcoming[kStages - 1] = after;
       stage = (stage + 1) % kStages;
     }
     cp_async_wait<0>();
