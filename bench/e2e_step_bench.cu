@@ -20,11 +20,13 @@
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
 //                  [--gemm tuned|cublas|skinny[,...]] [--gemm-search heuristic|wide]
+//                  [--chunk-tokens B]
 //   --gemm: tuned (the runner's default: cuBLASLt algorithms tuned at load, models/gemm_tuner.h),
 //   cublas (cuBLAS's default algorithm), skinny (kernels/skinny_gemm.h for <= 64-row steps); a
 //   comma-separated list runs every case and method once per mode in the same process (same
 //   weights), rows of modes after the first named "<method>_gemm_<mode>";
 //   --gemm-search wide: the tuner also tries every other cuBLASLt algorithm id.
+//   --chunk-tokens B: DeFT-Flatten's chunk size (default 0: the planner's adaptive B).
 // Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_runtime_api.h>
 
@@ -100,8 +102,8 @@ struct Run {
 
 class Bench {
  public:
-  Bench(models::LlamaCudaRunner& runner, const models::ModelConfig& config)
-      : runner_(runner), config_(config) {
+  Bench(models::LlamaCudaRunner& runner, const models::ModelConfig& config, int chunk_tokens)
+      : runner_(runner), config_(config), chunk_tokens_(chunk_tokens) {
     greedy_.temperature = 0.0f;
     const size_t embed_bytes = size_t{2} * config.vocab_size * config.hidden_size;
     weight_read_bytes_ = runner.weight_bytes() - embed_bytes;
@@ -194,7 +196,7 @@ class Bench {
     runner_.set_step_timing(models::StepTiming::kOff);
     KvCacheManager kv({.page_tokens = kPageTokens, .num_pages = kNumPages});
     SequenceTree tree(0, &kv);
-    AttentionPlanner planner({.kind = kind});
+    AttentionPlanner planner(planner_options(kind));
     must(tree.append(0, std::vector<TokenId>(prompt, 1)), "prompt");
     prefill(tree, 0, prompt);
     absl::StatusOr<std::vector<NodeId>> leaves = tree.branch(0, branches);
@@ -233,7 +235,7 @@ class Bench {
     runner_.set_step_timing(models::StepTiming::kOff);
     KvCacheManager kv({.page_tokens = kPageTokens, .num_pages = kNumPages});
     SequenceTree tree(0, &kv);
-    AttentionPlanner planner({.kind = kind});
+    AttentionPlanner planner(planner_options(kind));
     engine::SpecDecReplay replay(trace, tree, prefix);
     must(replay.status(), "specdec replay");
     prefill(tree, 0, prefix);
@@ -267,8 +269,14 @@ class Bench {
   }
 
  private:
+  // The sequence baseline keeps the planner's default chunks.
+  engine::PlannerOptions planner_options(PlanKind kind) const {
+    return {.kind = kind, .chunk_tokens = kind == PlanKind::kDeftFlatten ? chunk_tokens_ : 0};
+  }
+
   models::LlamaCudaRunner& runner_;
   models::ModelConfig config_;
+  int chunk_tokens_;  // DeFT-Flatten's B; 0: adaptive
   AttentionPlan plan_;
   std::vector<int32_t> logit_rows_;
   engine::SamplingParams greedy_;  // temperature 0 (set in the constructor)
@@ -292,7 +300,7 @@ int main(int argc, char** argv) {
   using namespace deft;
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
-  int fewshot_steps = 100, spec_steps = 50;
+  int fewshot_steps = 100, spec_steps = 50, chunk_tokens = 0;
   std::string gemm_arg = "tuned";
   bool wide_search = false;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -303,6 +311,11 @@ int main(int argc, char** argv) {
     else if (flag == "--spec-steps") spec_steps = std::atoi(argv[i + 1]);
     else if (flag == "--gemm") gemm_arg = argv[i + 1];
     else if (flag == "--gemm-search") wide_search = std::string(argv[i + 1]) == "wide";
+    else if (flag == "--chunk-tokens") chunk_tokens = std::atoi(argv[i + 1]);
+  }
+  if (chunk_tokens < 0) {
+    std::fprintf(stderr, "--chunk-tokens: %d is negative (0: adaptive)\n", chunk_tokens);
+    return 1;
   }
   std::vector<std::string> gemm_modes;
   for (size_t begin = 0; begin <= gemm_arg.size();) {
@@ -339,7 +352,7 @@ int main(int argc, char** argv) {
   const std::string gpu = prop.name;
   const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
   BenchResult result("e2e_step", gpu, tag, argc, argv);
-  Bench bench(**runner, config);
+  Bench bench(**runner, config, chunk_tokens);
 
   struct Method {
     PlanKind kind;
@@ -469,7 +482,10 @@ int main(int argc, char** argv) {
                                                       : "cuBLASLt algorithms tuned at load for "
                                                         "<= 256 rows")
                                        : "cuBLAS default algorithm"},
-              {"chunk_policy", "planner default (Flatten: adaptive B; sequence: 128)"},
+              {"chunk_policy", chunk_tokens == 0
+                                   ? "planner default (Flatten: adaptive B; sequence: 128)"
+                                   : "Flatten: B = " + std::to_string(chunk_tokens) +
+                                         "; sequence: planner default (128)"},
               {"queries_per_step", c.spec ? trace->tree_size() : 20},
               {"tokens_per_s", tokens_per_s},
               {"tokens_per_step_mean", tokens / st.size()},
