@@ -48,18 +48,6 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
   return gate / (1.0f + __expf(-gate)) * up;
 }
 
-// Four consecutive outputs rounded to T, one 8-byte store.
-template <typename T>
-__device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
-  uint2 bits;
-  T* y = reinterpret_cast<T*>(&bits);
-  y[0] = from_float<T>(a);
-  y[1] = from_float<T>(b);
-  y[2] = from_float<T>(c);
-  y[3] = from_float<T>(d);
-  *reinterpret_cast<uint2*>(dst) = bits;
-}
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
@@ -264,14 +252,6 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kRopeHeadsPerBlock = 8;
 constexpr int kRopeThreads = 128;
 constexpr int kRopeMaxHalf = 128;  // head_dim <= 256
-
-// Four consecutive values of T (8 bytes) and back.
-template <typename T>
-__device__ __forceinline__ float4 load4(const T* src) {
-  const uint2 bits = *reinterpret_cast<const uint2*>(src);
-  const T* v = reinterpret_cast<const T*>(&bits);
-  return make_float4(to_float(v[0]), to_float(v[1]), to_float(v[2]), to_float(v[3]));
-}
 
 // The same as qkv_rope_write_kernel, 4 consecutive pairs a thread with 8-byte loads and stores,
 // each angle's sine and cosine computed once per block (not once per head). For head_dim / 2 a
