@@ -55,18 +55,17 @@ constexpr int32_t kMinUnmaskedSplit = 64;
 
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens) {
   constexpr int32_t kMinChunk = 64;
-  // Chunks x row passes (about the CTAs per KV head) below which the GPU is left idle; a tree
-  // of fewer than kFewChunks chunks needs kMinWorkFewChunks.
+  // Chunks x row passes (about the CTAs per KV head) below which the GPU is left idle.
   constexpr int64_t kMinWork = 24;
+  // A tree of fewer than kFewChunks chunks of 512 takes 512 only from kMinWorkFewChunks (about
+  // a wave of CTAs at Llama-3-8B shapes), else 256: smaller chunks only added partials there.
   constexpr int64_t kFewChunks = 8;
-  constexpr int64_t kMinWorkFewChunks = 32;
+  constexpr int64_t kMinWorkFewChunks = 48;
   const auto chunks = [&](int32_t b) { return (visible_tokens + b - 1) / b; };
   const auto work = [&](int32_t b) { return chunks(b) * ((num_queries + 15) / 16); };
-  const auto too_little = [&](int32_t b) {
-    return work(b) < (chunks(b) < kFewChunks ? kMinWorkFewChunks : kMinWork);
-  };
+  if (chunks(512) < kFewChunks) return work(512) >= kMinWorkFewChunks ? 512 : 256;
   int32_t chunk = 512;
-  while (chunk > kMinChunk && too_little(chunk)) chunk /= 2;
+  while (chunk > kMinChunk && work(chunk) < kMinWork) chunk /= 2;
   return chunk;
 }
 

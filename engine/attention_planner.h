@@ -53,11 +53,11 @@ struct PlannerOptions {
 // `num_queries` queries over `visible_tokens` KV tokens. Stage 1 writes one fp32 partial per
 // query and chunk (16 KB at Llama-3-8B shapes) against 4 KB of KV per token, so larger chunks
 // cut partial traffic: 512; then B halves (down to 64) while chunks x ceil(queries / 16) (about
-// the CTAs per KV head) stays under 24 (under 32 for trees of fewer than 8 chunks), so small
-// trees still fill the SMs. Fitted to the B sweep on the H100 (bench/results/
-// kernel_attention-h100-*, notes round 3) and the end-to-end few-shot tree (a 4000-token prompt
-// and 20 short branches: 256): it picks the best measured B, or one within 2 %, on every paper
-// snapshot but specdec_p1000_t32 (64, 9 % slower than 128).
+// the CTAs per KV head) stays under 24, so that trees still fill the SMs. A tree of fewer than 8
+// chunks of 512 gets 512 when that gives at least 48, else 256. Fitted to the B sweeps on the
+// H100 (bench/results/kernel_attention-h100-*, notes rounds 3 and 6) and the end-to-end few-shot
+// tree (a 4000-token prompt and 20 short branches: 256): it picks the best measured B on every
+// paper snapshot of round 6's sweep.
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens);
 
 // One query: token `token_index` of `node`.

@@ -149,11 +149,15 @@ TEST(AttentionPlanner, AdaptiveChunkFollowsQueriesAndTreeSize) {
   EXPECT_EQ(adaptive_chunk_tokens(20, 8000), 512);   // few-shot b = 20
   EXPECT_EQ(adaptive_chunk_tokens(50, 14000), 512);  // few-shot b = 50
   EXPECT_EQ(adaptive_chunk_tokens(256, 6256), 512);  // 6000 prefix + 256-token tree
-  EXPECT_EQ(adaptive_chunk_tokens(64, 1064), 128);   // 1000 prefix + 64-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(32, 1032), 256);   // 1000 prefix + 32-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(64, 1064), 256);   // 1000 prefix + 64-token tree
   EXPECT_EQ(adaptive_chunk_tokens(128, 1128), 256);  // 1000 prefix + 128-token tree
+  EXPECT_EQ(adaptive_chunk_tokens(256, 1256), 512);  // 1000 prefix + 256-token tree: 48 passes
+  EXPECT_EQ(adaptive_chunk_tokens(100, 14000), 512);  // reasoning: 1000 + 10 x 300 + 100 x 100
   EXPECT_EQ(adaptive_chunk_tokens(20, 5000), 256);   // e2e few-shot: 20 branches of ~50
   EXPECT_EQ(adaptive_chunk_tokens(32, 6032), 512);   // 6000 prefix + 32-token tree: 12 chunks
-  EXPECT_EQ(adaptive_chunk_tokens(1, 10), 64);
+  EXPECT_EQ(adaptive_chunk_tokens(1, 10), 256);  // one chunk: no partials to merge
+  EXPECT_EQ(adaptive_chunk_tokens(1, 4100), 128);  // 9 chunks of 512, one query: 33 of 128
   FewShot job(4000, 20, 200);
   AttentionPlan plan;
   ASSERT_TRUE(AttentionPlanner().plan(job.input(), plan).ok());
