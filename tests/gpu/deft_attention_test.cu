@@ -374,8 +374,10 @@ std::vector<double> reference_attention(const Tree& tree, const AttentionDims& d
 
 // Random Q and KV cache for `tree` (unused slots hold NaN), the GPU run of `plan`, and the
 // comparison with the dense reference. `use_graph` captures the launches in a CUDA graph.
+// `key_growth` > 0 scales the key of the token at flat position f by 1 + f * key_growth, so that
+// a query's maximum score keeps climbing along the tree.
 Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config& config,
-                           std::mt19937& rng, bool use_graph = false) {
+                           std::mt19937& rng, bool use_graph = false, float key_growth = 0.0f) {
   const AttentionDims dims = dims_of(config);
   const DType dtype = config.dtype;
   const size_t q_count = tree.queries.size() * dims.num_q_heads * dims.head_dim;
@@ -384,6 +386,13 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
   const Tensor16 q = random_tensor(q_count, dtype, rng);
   Tensor16 k = random_tensor(kv_count, dtype, rng);
   Tensor16 v = random_tensor(kv_count, dtype, rng);
+  for (size_t f = 0; key_growth > 0.0f && f < tree.flat.size(); ++f) {
+    const float factor = 1.0f + static_cast<float>(f) * key_growth;
+    for (size_t i = tree.slot[f] * kv_row; i < (tree.slot[f] + 1) * kv_row; ++i) {
+      k.bits[i] = to_bits(k.values[i] * factor, dtype);
+      k.values[i] = from_bits(k.bits[i], dtype);
+    }
+  }
   std::vector<bool> used(tree.num_slots, false);
   for (int32_t s : tree.slot) used[s] = true;
   for (int32_t s = 0; s < tree.num_slots; ++s) {
@@ -447,10 +456,10 @@ class DeftAttentionGpuTest : public testing::TestWithParam<Config> {
   }
 
   void check(const Tree& tree, Kind kind, int chunk_tokens, const char* what,
-             bool use_graph = false, size_t unmasked_cap = 256) {
+             bool use_graph = false, size_t unmasked_cap = 256, float key_growth = 0.0f) {
     SCOPED_TRACE(testing::Message() << what << " seed=" << seed_);
     const HostPlan plan = build_plan(tree, kind, chunk_tokens, unmasked_cap);
-    const Comparison c = run_and_compare(tree, plan, GetParam(), rng_, use_graph);
+    const Comparison c = run_and_compare(tree, plan, GetParam(), rng_, use_graph, key_growth);
     EXPECT_EQ(c.nan_count, 0);
     EXPECT_LE(c.relative_error, tolerance(GetParam().dtype));
     std::printf("  %-34s tasks %5zu entries %5zu  rel err %.2e\n", what, plan.task_kv_begin.size(),
@@ -512,6 +521,21 @@ TEST_P(DeftAttentionGpuTest, MorePassesThanRowSlices) {
   const Tree tree = finished(few_shot_tree(200, queries, 5));
   check(tree, Kind::kNode, 0, "node, 2320 rows in one task", /*use_graph=*/false,
         /*unmasked_cap=*/static_cast<size_t>(queries));
+}
+
+// Keys grow along the tree (x(1 + f / 32) at flat position f), so a row's maximum score climbs
+// by more than the lazy rescale's slack (2^8) again and again within a task: the O rescale runs
+// mid-task on 64-row wgmma passes, mma.sync passes and the few-row passes that split tiles.
+TEST_P(DeftAttentionGpuTest, GrowingScores) {
+  constexpr float kGrowth = 1.0f / 32;
+  const Tree shared = finished(few_shot_tree(600, 40, 30));
+  check(shared, Kind::kNode, 0, "node, growing keys", false, 256, kGrowth);
+  check(shared, Kind::kFlatten, 100, "flatten B=100, growing keys", false, 256, kGrowth);
+  Tree chain;
+  chain.nodes.push_back({-1, 630});
+  chain.queries.push_back({0, 629});
+  const Tree single = finished(chain);
+  check(single, Kind::kFlatten, 256, "one query, growing keys", false, 256, kGrowth);
 }
 
 TEST_P(DeftAttentionGpuTest, PrefillCausal) {
