@@ -7,14 +7,15 @@
 // rows (4 warps x 16 rows of an m16n8k16 MMA); tasks with fewer rows split each KV tile among
 // the warps instead (rows <= 16: 4 warps x 16 tokens of every 64-token tile), and the warps'
 // softmax states are merged through shared memory at the end of the pass.
-// KV tiles of 64 tokens are gathered through kv_slots (paged KV) with cp.async into a
-// double-buffered, swizzled shared-memory ring; QK^T and PV run on tensor cores with fp32
-// accumulation: a 64-row pass on warpgroup MMAs (wgmma, sm_90a: Q and P from registers, K and V
-// straight from shared memory; a tile in two 32-token halves, one half's softmax overlapping the
-// other half's MMAs), fewer rows on mma.sync; per-token 64-bit mask words mask scores; tiles no
-// row of the pass sees are never loaded; online softmax in base 2. Rows whose query has a single
-// partial write the final output directly, the others write partial O (normalised) and LSE
-// (natural log).
+// KV tiles of 64 tokens are gathered through kv_slots (paged KV; each tile's slots copied into
+// shared memory a tile ahead) with cp.async into a double-buffered, swizzled shared-memory ring;
+// QK^T and PV run on tensor cores with fp32 accumulation: a 64-row pass on warpgroup MMAs
+// (wgmma, sm_90a: Q and P from registers, K and V straight from shared memory; a tile in two
+// 32-token halves, one half's softmax overlapping the other half's MMAs), fewer rows on
+// mma.sync; per-token 64-bit mask words mask scores; tiles no row of the pass sees are never
+// loaded; online softmax in base 2 whose O rescale waits until a row's maximum grew by more than
+// 2^8 (kRescaleSlack). Rows whose query has a single partial write the final output directly,
+// the others write partial O (normalised) and LSE (natural log).
 //
 // Stage 2: one warp per (query, head); queries with a single partial return at once; the others
 // merge their partials: out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max).
