@@ -143,15 +143,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                : "memory");
 }
 
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 8 : 0)
+// 4- or 8-byte async copy through L1 (the same zero fill when !valid).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bool valid) {
+  static_assert(kBytes == 4 || kBytes == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+               "n"(kBytes), "r"(valid ? kBytes : 0)
                : "memory");
 }
 
@@ -389,13 +386,13 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     // (The loop reads a stage's slots one iteration after their copy was issued: its wait for
     // all but kStages - 2 groups covers that only with two stages.)
     static_assert(kStages == 2, "the slot ring is one tile ahead");
-    const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + Smem::kSlotRingOffset);
+    int32_t* const slot_ring = reinterpret_cast<int32_t*>(smem + Smem::kSlotRingOffset);
     auto prefetch_slots = [&](int tile, int stage) {
       if (threadIdx.x < kKvTileTokens) {
         const int token = tile * kKvTileTokens + threadIdx.x;
         const bool valid = token < run_tokens;
-        cp_async_4(smem_address(slot_ring + stage * kKvTileTokens + threadIdx.x),
-                   plan.kv_slots + kv_begin + (valid ? token : 0), valid);
+        cp_async_small<4>(smem_address(slot_ring + stage * kKvTileTokens + threadIdx.x),
+                          plan.kv_slots + kv_begin + (valid ? token : 0), valid);
       }
     };
     // Tile `tile` (K, V and, in masked tasks, its mask words) into `stage`, its slots already in
@@ -423,8 +420,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         const bool valid = token < run_tokens;
         uint64_t* mask_tile =
             reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
-        cp_async_8(smem_address(mask_tile + threadIdx.x),
-                   plan.mask_words + mask_begin + (valid ? token : 0), valid);
+        cp_async_small<8>(smem_address(mask_tile + threadIdx.x),
+                          plan.mask_words + mask_begin + (valid ? token : 0), valid);
       }
     };
 
