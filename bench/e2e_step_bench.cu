@@ -19,10 +19,11 @@
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
-//                  [--gemm tuned|cublas|skinny[,...]] [--gemm-search heuristic|wide]
+//                  [--gemm tuned|cublas|skinny|skinny_wide[,...]] [--gemm-search heuristic|wide]
 //                  [--chunk-tokens B]
 //   --gemm: tuned (the runner's default: cuBLASLt algorithms tuned at load, models/gemm_tuner.h),
-//   cublas (cuBLAS's default algorithm), skinny (kernels/skinny_gemm.h for <= 64-row steps); a
+//   cublas (cuBLAS's default algorithm), skinny (kernels/skinny_gemm.h for every GEMM of a
+//   <= 64-row step), skinny_wide (only for its wide shapes, kernels::skinny_gemm_wide); a
 //   comma-separated list runs every case and method once per mode in the same process (same
 //   weights), rows of modes after the first named "<method>_gemm_<mode>";
 //   --gemm-search wide: the tuner also tries every other cuBLASLt algorithm id.
@@ -322,8 +323,8 @@ int main(int argc, char** argv) {
     const size_t end = std::min(gemm_arg.find(',', begin), gemm_arg.size());
     gemm_modes.push_back(gemm_arg.substr(begin, end - begin));
     if (gemm_modes.back() != "tuned" && gemm_modes.back() != "cublas" &&
-        gemm_modes.back() != "skinny") {
-      std::fprintf(stderr, "--gemm: unknown mode '%s' (tuned, cublas, skinny)\n",
+        gemm_modes.back() != "skinny" && gemm_modes.back() != "skinny_wide") {
+      std::fprintf(stderr, "--gemm: unknown mode '%s' (tuned, cublas, skinny, skinny_wide)\n",
                    gemm_modes.back().c_str());
       return 1;
     }
@@ -367,8 +368,10 @@ int main(int argc, char** argv) {
   const std::vector<Case> cases = {{"fewshot_p4000_b20_s100", false}, {"specdec_p6000_t64", true}};
 
   for (const std::string& gemm : gemm_modes) {
-    (*runner)->set_gemm_tuning(gemm == "tuned");
-    (*runner)->set_skinny_gemm(gemm == "skinny");
+    (*runner)->set_gemm_tuning(gemm != "cublas");
+    (*runner)->set_skinny_gemm(gemm == "skinny"        ? models::LlamaCudaRunner::SkinnyGemmUse::kAll
+                               : gemm == "skinny_wide" ? models::LlamaCudaRunner::SkinnyGemmUse::kWide
+                                                       : models::LlamaCudaRunner::SkinnyGemmUse::kOff);
     const std::string method_suffix = gemm == gemm_modes.front() ? "" : "_gemm_" + gemm;
     std::printf("GEMMs: %s\n", gemm.c_str());
     // Warm-up (cuBLAS heuristics, kernel loading, clocks): a short run of each scenario.
@@ -476,7 +479,9 @@ int main(int argc, char** argv) {
           row.floor_us = floor.median;
           row.extra = {
               {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
-              {"gemm", gemm == "skinny"  ? "skinny GEMM (<= 64 rows), cuBLAS otherwise"
+              {"gemm", gemm == "skinny"        ? "skinny GEMM (<= 64 rows), tuned cuBLASLt otherwise"
+                     : gemm == "skinny_wide" ? "skinny GEMM for the wide shapes (<= 64 rows), "
+                                               "tuned cuBLASLt otherwise"
                      : gemm == "tuned" ? (wide_search ? "cuBLASLt algorithms tuned at load for "
                                                         "<= 256 rows (wide search)"
                                                       : "cuBLASLt algorithms tuned at load for "

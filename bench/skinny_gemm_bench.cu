@@ -4,9 +4,17 @@
 // residual, QKV / gate-up write bf16; the weight stream is the same). Floor = weight bytes /
 // 3.0 TB/s. Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated
 // over copies larger than 4x the L2, median after warm-up. Each skinny row is checked against
-// cuBLAS's output (relative error < 1e-4) before it is written.
+// cuBLAS's output (relative error < 1e-4) before it is written. The skinny GEMM is a programmatic
+// dependent launch that reads its first weights while the launch before it runs: `skinny` rows
+// replay it back to back (as in a decode step, where the kernel before it lets it start early),
+// `skinny_isolated` rows with a 4-byte memset between launches, which keeps launches from
+// overlapping. As in a decode step, `<method>_after_norm` rows run an RMSNorm that writes x
+// (kernels/llama_ops.h, a programmatic dependent launch that lets the next kernel start early)
+// before every GEMM; `norm` rows time the RMSNorm alone, so the GEMM's share is the difference. `read` rows: a plain kernel reading the same weights once with 16-byte loads (what
+// this GPU streams; no output).
 //
-//   skinny_gemm_bench [--out DIR] [--reps N] [--sweep 1]   (--sweep: also every forced split)
+//   skinny_gemm_bench [--out DIR] [--reps N] [--sweep 1] [--shape NAME] [--rows M]
+//   (--sweep: also every forced split; --shape / --rows: only that shape / row count)
 // Writes <out>/skinny_gemm-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -45,6 +53,17 @@ constexpr Shape kShapes[] = {{"qkv", 6144, 4096},
 constexpr size_t kRotateBytes = 200u << 20;  // > 4x the H100's 50 MB L2
 constexpr int kLaunchesPerGraph = 20;
 
+// Reads n 16-byte words and keeps the compiler from dropping the loads.
+__global__ void read_kernel(const uint4* __restrict__ data, int64_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint4 v = __ldcs(data + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) *sink = acc;
+}
+
 std::vector<double> time_graph(cudaStream_t stream, int reps,
                                const std::function<void(int)>& launch) {
   return time_graph_replays(stream, kLaunchesPerGraph, /*warmup=*/3, reps, launch);
@@ -59,11 +78,15 @@ int main(int argc, char** argv) {
   std::string out_dir;
   int reps = 30;
   bool sweep = false;
+  std::string only_shape;
+  int only_rows = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--out") out_dir = argv[i + 1];
     if (flag == "--reps") reps = std::atoi(argv[i + 1]);
     if (flag == "--sweep") sweep = std::atoi(argv[i + 1]) != 0;
+    if (flag == "--shape") only_shape = argv[i + 1];
+    if (flag == "--rows") only_rows = std::atoi(argv[i + 1]);
   }
   cudaDeviceProp prop;
   DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -79,9 +102,10 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(1234);
   const kernels::DType dtype = kernels::DType::kBf16;
-  std::printf("%-8s %4s %-14s %9s %9s %6s %8s %8s\n", "shape", "m", "method", "median_us", "floor_us",
+  std::printf("%-8s %4s %-16s %9s %9s %6s %8s %8s\n", "shape", "m", "method", "median_us", "floor_us",
               "ratio", "TB/s", "vs_cublas");
   for (const Shape& shape : kShapes) {
+    if (!only_shape.empty() && only_shape != shape.name) continue;
     const size_t w_bytes = size_t{2} * shape.out * shape.in;
     const int copies = static_cast<int>(std::max<size_t>(1, (kRotateBytes + w_bytes - 1) / w_bytes));
     std::vector<DeviceBuffer> weights;
@@ -93,6 +117,7 @@ int main(int argc, char** argv) {
     }
     const double floor_us = w_bytes / BenchResult::kHbmBytesPerS * 1e6;
     for (int32_t rows : {1, 7, 20, 64, 128}) {
+      if (only_rows > 0 && rows != only_rows) continue;
       DeviceBuffer x(size_t{2} * rows * shape.in);
       kernels::launch_random_uniform(int64_t{rows} * shape.in, rng(), 1.7f, 0.0f, dtype, x.data(),
                                      stream);
@@ -108,6 +133,24 @@ int main(int argc, char** argv) {
           std::exit(1);
         }
       };
+      // The decode step's pattern: RMSNorm of the residual into x, then the GEMM.
+      DeviceBuffer residual(size_t{4} * rows * shape.in), norm_weight(size_t{4} * shape.in);
+      {
+        std::vector<float> host(static_cast<size_t>(rows) * shape.in);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (float& v : host) v = normal(rng);
+        DEFT_CUDA_CHECK(cudaMemcpy(residual.data(), host.data(), host.size() * 4,
+                                   cudaMemcpyHostToDevice));
+        host.assign(shape.in, 1.0f);
+        DEFT_CUDA_CHECK(cudaMemcpy(norm_weight.data(), host.data(), shape.in * 4,
+                                   cudaMemcpyHostToDevice));
+      }
+      const auto norm_launch = [&](int) {
+        kernels::launch_rms_norm({.num_rows = rows, .width = shape.in}, dtype, nullptr,
+                                 static_cast<float*>(residual.data()), nullptr,
+                                 static_cast<const float*>(norm_weight.data()), x.data(), stream);
+      };
+      norm_launch(0);  // x = the norm's output from here on (the same every launch)
       const kernels::SkinnyGemmDims dims{.rows = rows, .in = shape.in, .out = shape.out};
       cublas_launch(0);
       DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -130,14 +173,32 @@ int main(int argc, char** argv) {
                      {"weight_bytes", w_bytes},
                      {"achieved_tb_per_s", w_bytes / stats.median / 1e6},
                      {"speedup_vs_cublas", cublas_stats.median / stats.median}};
-        if (split > 0) row.extra["split_k"] = split;
+        if (split > 0) row.extra["ctas"] = split;
         if (rel_err >= 0) row.extra["rel_err_vs_cublas"] = rel_err;
-        std::printf("%-8s %4d %-14s %9.1f %9.1f %6.2f %8.2f %8.2f\n", shape.name, rows,
+        std::printf("%-8s %4d %-16s %9.1f %9.1f %6.2f %8.2f %8.2f", shape.name, rows,
                     method.c_str(), stats.median, floor_us, stats.median / floor_us,
                     w_bytes / stats.median / 1e6, cublas_stats.median / stats.median);
+        std::printf(split > 0 ? "   %d CTAs\n" : "\n", split);
         result.add(row);
       };
       add_row("cublas", cublas_stats, 0, -1);
+      const Samples norm_stats = summarize(time_graph(stream, reps, norm_launch));
+      add_row("norm", norm_stats, 0, -1);
+      add_row("cublas_after_norm", summarize(time_graph(stream, reps, [&](int i) {
+                norm_launch(i);
+                cublas_launch(i);
+              })),
+              0, -1);
+      if (rows == 1) {
+        DeviceBuffer sink(4);
+        const auto read_launch = [&](int i) {
+          read_kernel<<<prop.multiProcessorCount * 4, 512, 0, stream>>>(
+              static_cast<const uint4*>(weights[i % copies].data()),
+              static_cast<int64_t>(w_bytes / 16), static_cast<uint32_t*>(sink.data()));
+          DEFT_CUDA_CHECK_LAUNCH();
+        };
+        add_row("read", summarize(time_graph(stream, reps, read_launch)), 0, -1);
+      }
       std::vector<int32_t> splits = {0};
       if (sweep) splits = {0, 1, 2, 3, 4, 6, 8};
       for (int32_t split : splits) {
@@ -151,7 +212,7 @@ int main(int argc, char** argv) {
         std::vector<float> ours(y_count);
         DEFT_CUDA_CHECK(cudaMemcpy(ours.data(), y_skinny.data(), y_count * 4, cudaMemcpyDeviceToHost));
         const double rel_err = relative_l2_error(ours, ref);
-        const int32_t used = split > 0 ? split : kernels::skinny_gemm_auto_split(dims);
+        const int32_t used = kernels::skinny_gemm_ctas(dims, split);
         if (!(rel_err < 1e-4)) {
           std::printf("%-8s %4d skinny split %d FAILED CHECK (rel err %.2e, row not written)\n",
                       shape.name, rows, used, rel_err);
@@ -160,6 +221,20 @@ int main(int argc, char** argv) {
         const Samples stats = summarize(time_graph(stream, reps, skinny_launch));
         add_row(split == 0 ? "skinny" : "skinny_split" + std::to_string(split), stats, used,
                 rel_err);
+        if (split == 0) {
+          add_row("skinny_after_norm", summarize(time_graph(stream, reps, [&](int i) {
+                    norm_launch(i);
+                    skinny_launch(i);
+                  })),
+                  used, rel_err);
+          DeviceBuffer scratch(4);
+          const auto isolated_launch = [&](int i) {
+            DEFT_CUDA_CHECK(cudaMemsetAsync(scratch.data(), 0, 4, stream));
+            skinny_launch(i);
+          };
+          add_row("skinny_isolated", summarize(time_graph(stream, reps, isolated_launch)), used,
+                  rel_err);
+        }
       }
     }
   }

@@ -87,6 +87,8 @@ __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
                     float* __restrict__ x, const float* __restrict__ add_bias,
                     const float* __restrict__ weight, T* __restrict__ out) {
+  // The GEMM after it may start streaming its weights (it waits for our output itself).
+  detail::allow_dependent_launch();
   detail::wait_for_prerequisite_grid();
   const int32_t i = blockIdx.x;
   const int64_t r = row_index != nullptr ? row_index[i] : i;
@@ -118,6 +120,8 @@ __global__ void __launch_bounds__(kThreads)
     rms_norm_vector_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
                            float* __restrict__ x, const float* __restrict__ add_bias,
                            const float* __restrict__ weight, T* __restrict__ out) {
+  // The GEMM after it may start streaming its weights (it waits for our output itself).
+  detail::allow_dependent_launch();
   detail::wait_for_prerequisite_grid();
   const int32_t i = blockIdx.x;
   const int64_t r = row_index != nullptr ? row_index[i] : i;
@@ -158,6 +162,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     silu_mul_kernel(int32_t num_rows, int32_t width, const T* __restrict__ gate_up,
                     T* __restrict__ out) {
+  detail::allow_dependent_launch();  // the GEMM after it, as above
   detail::wait_for_prerequisite_grid();
   const int64_t total = int64_t{num_rows} * width;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total;
@@ -175,6 +180,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     silu_mul_vector_kernel(int32_t num_rows, int32_t width, const T* __restrict__ gate_up,
                            T* __restrict__ out) {
+  detail::allow_dependent_launch();  // the GEMM after it, as above
   detail::wait_for_prerequisite_grid();
   const int32_t vectors_per_row = width / 8;
   const int64_t total = int64_t{num_rows} * vectors_per_row;

@@ -1,22 +1,30 @@
-// Skinny GEMM (kernels/skinny_gemm.h): y^T = w · x^T on tensor cores, so the weight rows fill
-// the 16-row side of mma.sync m16n8k16 and the few x rows its 8-column side.
+// Skinny GEMM (kernels/skinny_gemm.h): y^T = w · x^T on warpgroup MMAs, the weight rows on the
+// 64-row side of wgmma m64nNk16 and the few x rows (padded to N = 32 or 64) on its N side.
 //
-// Work: a CTA of 8 warps owns a slab of 128 weight rows (16 per warp) and one K slice; the
-// split_k CTAs of a slab form one cluster. Each warp streams its 16 rows with 16-byte loads
-// (L1 bypassed) straight into A fragments, kStages 32-wide K chunks in flight per thread; x is
-// read through L1 (all 8 warps of a CTA read the same x chunk, so it is fetched from L2 once per
-// CTA: x traffic / w traffic = rows / 128).
+// Work: the weight is cut into tiles of 128 rows (two wgmmas share each x box, so x, read from
+// L2 for every tile, costs at most half as much traffic as w), each tile into k-blocks of 64
+// columns. In each CTA a producer warp streams the [128 rows][64 K] boxes of w and the matching
+// [N][64] boxes of x with the bulk tensor copy engine into a ring of stages completing on
+// mbarriers, and one consumer warpgroup multiplies each stage straight from shared memory (both
+// operands in the 128-byte swizzle) and frees it as soon as its MMAs are done. Before waiting for
+// the kernel ahead of it (programmatic dependent launch) the producer already fills the ring with
+// weights: they do not depend on that kernel.
 //
-// No shared memory in the main loop: the dot product does not care in which order K is summed,
-// so A and B use the same permutation of each 32-wide chunk. Thread (g, t) of the warp loads
-// w[row g][8t, 8t+8) and w[row g+8][8t, 8t+8) (one uint4 each) and x[col g][8t, 8t+8); in mma
-// k-step s, its logical k pairs {2t, 2t+1} and {2t+8, 2t+9} are the physical elements
-// 8t + 4s + {0, 1} and 8t + 4s + {2, 3}, for A and B alike.
-//
-// Epilogue: accumulators go to shared memory ([cols][128 rows], padded); with split_k > 1 the
-// cluster synchronises and CTA rank r sums a 1/split_k share of the tile over all ranks through
-// distributed shared memory, in rank order (deterministic), adds y when accumulating and writes
-// fp32 or 16-bit outputs.
+// The grid (grid_for) takes one of three forms; every CTA's range of (tile, k-block) items is
+// contiguous, tile by tile:
+// - a tile per CTA when there are at least as many tiles as SMs (and at most two per SM);
+// - each tile split along K among a cluster of 2..8 CTAs when there are fewer tiles: the CTAs
+//   put their partial tiles in their (idle) rings, and after a cluster barrier rank r sums a
+//   1/cluster share over the ranks in rank order through distributed shared memory;
+// - stream-K for more than two tiles per SM: the items are divided evenly among two CTAs per SM.
+//   A tile shared by several CTAs is owned by the one holding its first k-blocks (that piece is
+//   the last of its range); every other CTA's piece is the first of its range, and it hands it
+//   over, in its accumulator registers' layout, through a global workspace slot and a flag
+//   (release / acquire). The owner adds the pieces in CTA order and clears the flags for the
+//   next launch. Waits only go to higher CTAs, whose first piece comes before any wait of
+//   theirs, so they cannot cycle.
+// Sums are in a fixed order, so results are deterministic. Outputs are written from registers;
+// fp32 accumulation into y is one reduction per element (y has one writer), with no round trip.
 #include "kernels/skinny_gemm.h"
 
 #include <cooperative_groups.h>
@@ -26,172 +34,328 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
+#include <vector>
 
+#include "kernels/bulk_copy.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_convert.cuh"
+#include "kernels/tensor_map.h"
+#include "kernels/wgmma.cuh"
 
 namespace deft::kernels {
 namespace {
 
 namespace cg = cooperative_groups;
+using detail::mbarrier_wait;
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kSlabRows = kWarps * 16;  // weight rows per CTA
-constexpr int kChunk = 32;              // K elements per pipeline stage
-constexpr int kTileStride = kSlabRows + 4;  // floats per column of the shared tile: no conflicts
-constexpr int kMaxSplit = 8;            // portable cluster size
+constexpr int kMmaRows = 64;                     // the M of a wgmma
+constexpr int kTileRows = 128;                   // weight rows per tile: two wgmmas
+constexpr int kBlockK = 64;                      // K elements per stage: one swizzled row
+constexpr int kConsumerWarps = 4;                // one warpgroup
+constexpr int kConsumerThreads = kConsumerWarps * 32;
+constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp
+constexpr int kCtasPerSm = 2;                    // one CTA's epilogue overlaps the other's stream
+constexpr int kMaxCluster = 8;                   // portable cluster size
+constexpr int kMaxN = 64;
+constexpr int kWBoxBytes = kTileRows * kBlockK * 2;
+constexpr int kSlotFloats = kMaxN * kTileRows;   // a CTA's workspace slot
 
-// Weights are read once: no L1 allocation, keep L1 for x.
-__device__ __forceinline__ uint4 load_stream(const void* ptr, bool valid) {
-  uint4 v = make_uint4(0, 0, 0, 0);
-  if (valid) {
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(ptr));
-  }
-  return v;
-}
-
-__device__ __forceinline__ uint4 load_cached(const void* ptr, bool valid) {
-  uint4 v = make_uint4(0, 0, 0, 0);
-  if (valid) v = __ldg(static_cast<const uint4*>(ptr));
-  return v;
-}
-
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
+// Shared memory for N padded x rows: the ring and its barriers (two CTAs fit on an SM's 228 KB).
+template <int kN>
+struct Layout {
+  static constexpr int kXBoxBytes = kN * kBlockK * 2;
+  static constexpr int kStageBytes = kWBoxBytes + kXBoxBytes;  // a multiple of 1024
+  static constexpr int kStages = kN == 32 ? 5 : 4;
+  static constexpr int kBarrierOffset = kStages * kStageBytes;
+  // full[kStages], empty[kStages]
+  static constexpr int kAlignSlack = 1024;  // swizzled boxes need 1024-byte alignment
+  static constexpr int kBytes = kBarrierOffset + 2 * kStages * 8 + kAlignSlack;
+};
 
 struct Params {
-  const void* x;
-  const void* w;
   void* y;
+  float* workspace;  // [ctas][kMaxN * kTileRows]: each CTA's handed-over piece
+  uint32_t* flags;   // [ctas]: 1 while a CTA's piece waits for its owner
   int32_t rows, in, out;
-  int32_t chunks;  // ceil(in / kChunk)
+  int32_t k_blocks;  // ceil(in / kBlockK)
+  int64_t items;     // tiles * k_blocks
+  int32_t cluster;   // > 1: the grid is tiles x cluster, a tile's CTAs one cluster (see top)
   bool y_fp32, accumulate;
 };
 
-// kCols: mma columns of 8 x rows (rows <= 8 * kCols); kStages: K chunks of w in flight per
-// thread; kXDepth: chunks of x loaded ahead (x comes from L1/L2: its latency must not sit
-// between a chunk's mma and the next w load). kStages % kXDepth == 0 (ring slots by stage).
-template <typename T, int kCols, int kStages, int kXDepth>
-__global__ void __launch_bounds__(kThreads, 2) skinny_gemm_kernel(const Params p) {
-  static_assert(kStages % kXDepth == 0);
-  extern __shared__ float tile[];  // [8 * kCols][kTileStride]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int split = gridDim.y, rank = blockIdx.y;
-  const int slab_row = blockIdx.x * kSlabRows;
-  const int row_lo = slab_row + warp * 16 + g, row_hi = row_lo + 8;
-  const bool lo_ok = row_lo < p.out, hi_ok = row_hi < p.out;
-  const int chunk_begin = static_cast<int>(static_cast<int64_t>(rank) * p.chunks / split);
-  const int chunk_count =
-      static_cast<int>(static_cast<int64_t>(rank + 1) * p.chunks / split) - chunk_begin;
-  const int k_first = chunk_begin * kChunk + 8 * t;  // this thread's first element
+// First item of CTA c's range.
+__device__ __forceinline__ int64_t range_begin(int64_t items, int ctas, int c) {
+  return items * c / ctas;
+}
 
-  const T* w = static_cast<const T*>(p.w);
-  const T* w_lo = w + static_cast<int64_t>(lo_ok ? row_lo : 0) * p.in + k_first;
-  const T* w_hi = w + static_cast<int64_t>(hi_ok ? row_hi : 0) * p.in + k_first;
-  // Column c of x is row 8c + g; rows past p.rows are read as zeros.
-  const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(g) * p.in + k_first;
-  const int64_t x_col_step = int64_t{8} * p.in;
-  const int x_cols_ok = p.rows > g ? (p.rows - g + 7) / 8 : 0;  // columns c with 8c + g < rows
+// The CTA whose range holds `item`.
+__device__ __forceinline__ int cta_of(int64_t items, int ctas, int64_t item) {
+  int c = static_cast<int>(item * ctas / items);
+  while (c + 1 < ctas && range_begin(items, ctas, c + 1) <= item) ++c;
+  while (range_begin(items, ctas, c) > item) --c;
+  return c;
+}
 
-  float acc[kCols][4];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
+__device__ __forceinline__ void add4(float4& a, const float4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
 
-  const auto k_ok = [&](int chunk) {
-    return chunk < chunk_count && k_first + chunk * kChunk < p.in;
-  };
-  uint4 a_lo[kStages], a_hi[kStages];
-  uint4 b[kXDepth][kCols];
-  const auto load_x = [&](uint4(&slot)[kCols], int chunk) {
-    const bool ok = k_ok(chunk);
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      slot[c] = load_cached(x + c * x_col_step + chunk * kChunk, ok && c < x_cols_ok);
+// y[at] = value, or y[at] += value (fp32: a reduction in L2, no round trip; each element has one
+// writer, so the single add keeps the result deterministic).
+template <typename T>
+__device__ __forceinline__ void write_y(const Params& p, int64_t at, float value) {
+  if (p.y_fp32) {
+    float* y = static_cast<float*>(p.y) + at;
+    if (p.accumulate) {
+      atomicAdd(y, value);
+    } else {
+      *y = value;
     }
-  };
-#pragma unroll
-  for (int s = 0; s < kStages; ++s) {
-    const bool ok = k_ok(s);
-    a_lo[s] = load_stream(w_lo + s * kChunk, ok && lo_ok);
-    a_hi[s] = load_stream(w_hi + s * kChunk, ok && hi_ok);
+  } else {
+    T* y = static_cast<T*>(p.y) + at;
+    *y = from_float<T>(p.accumulate ? to_float(*y) + value : value);
   }
+}
+
+// All threads of every CTA of the cluster (barrier.cluster, not warp-aligned: the producer
+// warp's lanes arrive apart).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void consumer_barrier() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
+}
+
+__device__ __forceinline__ void flag_release(uint32_t* flag) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
+}
+
+__device__ __forceinline__ void flag_acquire(const uint32_t* flag) {
+  uint32_t value = 0;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+    if (value != 0) return;
+    __nanosleep(64);
+  }
+}
+
+template <typename T, int kN>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    skinny_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
+                       const __grid_constant__ CUtensorMap x_map, const Params p) {
+#if DEFT_HAS_WGMMA
+  using L = Layout<kN>;
+  constexpr int kFragVecs = kTileRows / kMmaRows * kN / 8;  // accumulator float4s a thread
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + L::kAlignSlack - 1) & ~uintptr_t{L::kAlignSlack - 1});
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
+  uint64_t* empty = full + L::kStages;
+
+  const int ctas = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int64_t begin = range_begin(p.items, ctas, cta);
+  const int64_t end = range_begin(p.items, ctas, cta + 1);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      detail::mbarrier_init(&full[s], 1);
+      detail::mbarrier_init(&empty[s], kConsumerWarps);
+    }
+    detail::mbarrier_init_fence();
+  }
+  // The kernel after this one may be scheduled now; it waits for our outputs itself.
+  detail::allow_dependent_launch();
+  __syncthreads();
+
+  if (warp == kConsumerWarps) {
+    // Producer: ring index i is item begin + i.
+    if (lane == 0) {
+      const uint64_t stream_policy = detail::l2_evict_first_policy();
+      const uint64_t keep_policy = detail::l2_evict_last_policy();
+      const int total = static_cast<int>(end - begin);
+      const auto issue_w = [&](int i) {
+        const int64_t item = begin + i;
+        const int s = i % L::kStages;
+        detail::mbarrier_arrive_expect_bytes(&full[s], L::kStageBytes);
+        detail::bulk_copy_tile_2d(smem + s * L::kStageBytes, &w_map,
+                                  static_cast<int>(item % p.k_blocks) * kBlockK,
+                                  static_cast<int>(item / p.k_blocks) * kTileRows, &full[s],
+                                  stream_policy);
+      };
+      const auto issue_x = [&](int i) {
+        const int s = i % L::kStages;
+        detail::bulk_copy_tile_2d(smem + s * L::kStageBytes + kWBoxBytes, &x_map,
+                                  static_cast<int>((begin + i) % p.k_blocks) * kBlockK, 0,
+                                  &full[s], keep_policy);
+      };
+      // Weights do not depend on the kernel before: fill the ring with them first.
+      const int head = min(total, L::kStages);
+      for (int i = 0; i < head; ++i) issue_w(i);
+      detail::wait_for_prerequisite_grid();  // x is that kernel's output
+      for (int i = 0; i < head; ++i) issue_x(i);
+      for (int i = head; i < total; ++i) {
+        mbarrier_wait(&empty[i % L::kStages], ((i / L::kStages) & 1) ^ 1);
+        issue_w(i);
+        issue_x(i);
+      }
+    }
+    if (p.cluster > 1) {
+      cluster_sync();  // the consumers' two (their partial tiles written; read)
+      cluster_sync();
+    }
+    return;
+  }
+
+  // Consumers: one segment (a tile's k-blocks within our range) at a time.
+  detail::wait_for_prerequisite_grid();  // y (accumulated into), the flags, and their readers
+  const int g = lane / 4, t4 = lane % 4;
+  const int tid = static_cast<int>(threadIdx.x);
+  int i = 0;
+  for (int64_t item = begin; item < end;) {
+    const int tile_index = static_cast<int>(item / p.k_blocks);
+    const int64_t tile_end = int64_t{tile_index + 1} * p.k_blocks;
+    const int64_t segment_end = min(end, tile_end);
+    const int count = static_cast<int>(segment_end - item);
+    const bool owner = item % p.k_blocks == 0;
+    const int tile_row0 = tile_index * kTileRows;
+    float d[kTileRows / kMmaRows][kN / 8][4];
+    for (int kb = 0; kb < count; ++kb, ++i) {
+      const int s = i % L::kStages;
+      mbarrier_wait(&full[s], (i / L::kStages) & 1);
+      const uint32_t w_address = detail::smem_address(smem + s * L::kStageBytes);
+      const uint64_t a = detail::wgmma_descriptor(w_address, 16, 8 * detail::kSwizzleRowBytes);
+      const uint64_t b =
+          detail::wgmma_descriptor(w_address + kWBoxBytes, 16, 8 * detail::kSwizzleRowBytes);
+      detail::wgmma_fence();
 #pragma unroll
-  for (int d = 0; d < kXDepth; ++d) load_x(b[d], d);
-  for (int base = 0; base < chunk_count; base += kStages) {
+      for (int k = 0; k < kBlockK / 16; ++k) {
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      const int chunk = base + s;
-      uint4(&bx)[kCols] = b[s % kXDepth];
-      if (chunk < chunk_count) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          mma_16816<T>(acc[c], a_lo[s].x, a_hi[s].x, a_lo[s].y, a_hi[s].y, bx[c].x, bx[c].y);
-          mma_16816<T>(acc[c], a_lo[s].z, a_hi[s].z, a_lo[s].w, a_hi[s].w, bx[c].z, bx[c].w);
+        for (int mb = 0; mb < kTileRows / kMmaRows; ++mb) {
+          detail::wgmma_ss<T, kN>(
+              d[mb], detail::wgmma_descriptor_advance(a, mb * kMmaRows * 128 + 32 * k),
+              detail::wgmma_descriptor_advance(b, 32 * k), kb > 0 || k > 0);
         }
       }
-      const int next = chunk + kStages;
-      const bool ok = k_ok(next);
-      a_lo[s] = load_stream(w_lo + next * kChunk, ok && lo_ok);
-      a_hi[s] = load_stream(w_hi + next * kChunk, ok && hi_ok);
-      load_x(bx, chunk + kXDepth);
+      detail::wgmma_commit();
+      // Free the stage at once (the MMAs are short): every stage but the one being read stays
+      // in flight.
+      detail::wgmma_wait<0>();
+      if (lane == 0) detail::mbarrier_arrive(&empty[s]);
     }
-  }
-
-  // C fragment: rows g / g + 8 of the warp's 16, columns 2t, 2t + 1 of each 8.
-  const int r = warp * 16 + g;
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    const int m = c * 8 + 2 * t;
-    tile[m * kTileStride + r] = acc[c][0];
-    tile[(m + 1) * kTileStride + r] = acc[c][1];
-    tile[m * kTileStride + r + 8] = acc[c][2];
-    tile[(m + 1) * kTileStride + r + 8] = acc[c][3];
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  if (split > 1) {
-    cluster.sync();
-  } else {
-    __syncthreads();
-  }
-  const int elements = p.rows * kSlabRows;
-  const int share = (elements + split - 1) / split;
-  const int end = min(elements, (rank + 1) * share);
-  for (int i = rank * share + static_cast<int>(threadIdx.x); i < end; i += kThreads) {
-    const int m = i / kSlabRows, rr = i % kSlabRows, n = slab_row + rr;
-    if (n >= p.out) continue;
-    float sum = 0.0f;
-    for (int q = 0; q < split; ++q) {
-      const float* part = split > 1 ? cluster.map_shared_rank(tile, q) : tile;
-      sum += part[m * kTileStride + rr];
-    }
-    const int64_t at = static_cast<int64_t>(m) * p.out + n;
-    if (p.y_fp32) {
-      float* y = static_cast<float*>(p.y);
-      y[at] = p.accumulate ? y[at] + sum : sum;
+    for (int mb = 0; mb < kTileRows / kMmaRows; ++mb) detail::wgmma_fence_operands(d[mb]);
+
+    // Accumulator block c8 of wgmma mb holds weight rows 64 mb + 16 warp + g (+ 8) and x rows
+    // 8 c8 + 2 t4 (+ 1). Pieces travel in this layout: float4 j of thread tid at j * 128 + tid.
+    float4* const mine = reinterpret_cast<float4*>(d);
+    if (p.cluster > 1) {
+      // Our range is this one segment, so the ring is idle: each CTA puts its partial tile there,
+      // and rank r sums a 1/cluster share of the float4s over the ranks in rank order.
+      float4* staged = reinterpret_cast<float4*>(smem);
+#pragma unroll
+      for (int j = 0; j < kFragVecs; ++j) staged[j * kConsumerThreads + tid] = mine[j];
+      cluster_sync();
+      cg::cluster_group cluster = cg::this_cluster();
+      const int rank = static_cast<int>(cluster.block_rank());
+      constexpr int kVecs = kFragVecs * kConsumerThreads;
+      const int share = (kVecs + p.cluster - 1) / p.cluster;
+      for (int k = rank * share + tid; k < min(kVecs, (rank + 1) * share);
+           k += kConsumerThreads) {
+        float4 sum = cluster.map_shared_rank(staged, 0)[k];
+        for (int q = 1; q < p.cluster; ++q) add4(sum, cluster.map_shared_rank(staged, q)[k]);
+        // Float4 k is accumulator block j = k / 128 of thread k % 128 (layout above).
+        const int j = k / kConsumerThreads, owner_tid = k % kConsumerThreads;
+        const int mb = j / (kN / 8), c8 = j % (kN / 8);
+        const int owner_lane = owner_tid % 32;
+        const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = c8 * 8 + 2 * (owner_lane % 4) + (e & 1);
+          const int n = tile_row0 + mb * kMmaRows + (owner_tid / 32) * 16 + owner_lane / 4 +
+                        8 * (e >> 1);
+          if (m < p.rows && n < p.out) write_y<T>(p, int64_t{m} * p.out + n, v[e]);
+        }
+      }
+      cluster_sync();  // every rank has read our partial tile
+    } else if (!owner) {
+      // Hand the piece to the tile's owner (a lower CTA).
+      float4* slot = reinterpret_cast<float4*>(p.workspace + int64_t{cta} * kSlotFloats) + tid;
+#pragma unroll
+      for (int j = 0; j < kFragVecs; ++j) slot[j * kConsumerThreads] = mine[j];
+      __threadfence();
+      consumer_barrier();
+      if (tid == 0) flag_release(&p.flags[cta]);
     } else {
-      T* y = static_cast<T*>(p.y);
-      y[at] = from_float<T>(p.accumulate ? to_float(y[at]) + sum : sum);
+      const int last = segment_end == tile_end ? cta : cta_of(p.items, ctas, tile_end - 1);
+      if (last > cta) {
+        // The other CTAs' pieces, added in CTA order.
+        if (tid == 0) {
+          for (int c = cta + 1; c <= last; ++c) flag_acquire(&p.flags[c]);
+        }
+        consumer_barrier();
+        for (int c = cta + 1; c <= last; ++c) {
+          const float4* slot =
+              reinterpret_cast<const float4*>(p.workspace + int64_t{c} * kSlotFloats) + tid;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            float4 piece[kFragVecs / 2];
+#pragma unroll
+            for (int j = 0; j < kFragVecs / 2; ++j) {
+              piece[j] = __ldcg(slot + (half * kFragVecs / 2 + j) * kConsumerThreads);
+            }
+#pragma unroll
+            for (int j = 0; j < kFragVecs / 2; ++j) add4(mine[half * kFragVecs / 2 + j], piece[j]);
+          }
+        }
+        consumer_barrier();
+        if (tid == 0) {
+          for (int c = cta + 1; c <= last; ++c) p.flags[c] = 0;  // for the next launch
+        }
+      }
+#pragma unroll
+      for (int mb = 0; mb < kTileRows / kMmaRows; ++mb) {
+#pragma unroll
+        for (int c8 = 0; c8 < kN / 8; ++c8) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int m = c8 * 8 + 2 * t4 + (e & 1);
+            const int n = tile_row0 + mb * kMmaRows + warp * 16 + g + 8 * (e >> 1);
+            if (m < p.rows && n < p.out) write_y<T>(p, int64_t{m} * p.out + n, d[mb][c8][e]);
+          }
+        }
+      }
     }
+    item = segment_end;
   }
-  // No CTA may leave while others still read its shared memory.
-  if (split > 1) cluster.sync();
+#else
+  (void)w_map;
+  (void)x_map;
+  (void)p;
+  __trap();  // built without sm_90a: skinny_gemm_available() is false
+#endif
+}
+
+template <typename T, int kN>
+auto kernel_of() {
+  return skinny_gemm_kernel<T, kN>;
+}
+
+// Raises the kernel's dynamic shared-memory limit (once per instantiation).
+template <typename T, int kN>
+void prepare() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    DEFT_CUDA_CHECK(cudaFuncSetAttribute(kernel_of<T, kN>(),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Layout<kN>::kBytes));
+  });
 }
 
 int sm_count() {
@@ -204,41 +368,103 @@ int sm_count() {
   return count;
 }
 
-template <typename T, int kCols>
-void launch_cols(const Params& p, int split, cudaStream_t stream) {
-  // Registers (2 CTAs of 256 threads per SM: 128 a thread) hold kCols * 4 accumulators,
-  // kStages * 8 words of w in flight and kXDepth * kCols * 4 words of x.
-  // (ptxas -v: no spills with these).
-  constexpr int kStages = kCols <= 2 ? 8 : kCols == 4 ? 6 : 4;
-  constexpr int kXDepth = kCols == 1 ? 4 : kCols <= 4 ? 2 : 1;
-  const auto kernel = skinny_gemm_kernel<T, kCols, kStages, kXDepth>;
+// The handed-over pieces and their flags, one set per device, for the largest grid.
+struct Workspace {
+  float* pieces = nullptr;
+  uint32_t* flags = nullptr;
+};
+
+Workspace workspace(cudaStream_t stream, bool create) {
+  static std::mutex mutex;
+  static std::vector<Workspace> by_device;
+  int device = 0;
+  DEFT_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device < static_cast<int>(by_device.size()) && by_device[device].pieces != nullptr) {
+    return by_device[device];
+  }
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (create && stream != nullptr) DEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  if (!create || capturing != cudaStreamCaptureStatusNone) {
+    std::fprintf(stderr,
+                 "launch_skinny_gemm: call skinny_gemm_reserve() before capturing a graph\n");
+    std::abort();
+  }
+  const size_t ctas = static_cast<size_t>(kCtasPerSm) * sm_count();
+  Workspace w;
+  DEFT_CUDA_CHECK(cudaMalloc(&w.pieces, ctas * kSlotFloats * sizeof(float)));
+  DEFT_CUDA_CHECK(cudaMalloc(&w.flags, ctas * sizeof(uint32_t)));
+  DEFT_CUDA_CHECK(cudaMemset(w.flags, 0, ctas * sizeof(uint32_t)));
+  DEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  if (device >= static_cast<int>(by_device.size())) by_device.resize(device + 1);
+  by_device[device] = w;
+  return w;
+}
+
+struct Grid {
+  int ctas = 1;
+  int cluster = 1;  // > 1: ctas = tiles x cluster, each tile's k-blocks split among one cluster
+};
+
+// The grid (bench/results/skinny_gemm-h100-notes.md has the sweep behind it): for many tiles two
+// CTAs per SM sharing the items evenly; for at least one tile per SM a tile each (no partial
+// sums); for fewer, each tile split among a cluster of up to 8 CTAs, about one CTA per SM.
+// split_k > 0: tiles x split_k. At most two CTAs per SM, at least 4 k-blocks each.
+Grid grid_for(int tiles, int k_blocks, int split_k) {
+  const int64_t sms = sm_count();
+  const int64_t items = int64_t{tiles} * k_blocks;
+  int64_t split;
+  if (split_k > 0) {
+    split = split_k;
+  } else if (tiles >= kCtasPerSm * sms) {
+    split = 0;  // stream-K over two CTAs per SM
+  } else if (tiles >= sms) {
+    split = 1;
+  } else {
+    split = std::min<int64_t>(kMaxCluster, sms / tiles);
+  }
+  if (split > 0 && split <= kMaxCluster && split <= k_blocks / 4 &&
+      tiles * split <= kCtasPerSm * sms) {
+    return {static_cast<int>(tiles * split), static_cast<int>(split)};
+  }
+  int64_t ctas = split > 0 ? tiles * split : kCtasPerSm * sms;
+  ctas = std::min<int64_t>(ctas, kCtasPerSm * sms);
+  ctas = std::min<int64_t>(ctas, std::max<int64_t>(1, items / 4));
+  return {static_cast<int>(std::max<int64_t>(1, ctas)), 1};
+}
+
+template <typename T, int kN>
+void launch_pass(const Params& p, const void* x, const void* w, DType dtype, int ctas,
+                 cudaStream_t stream) {
+  // p.cluster > 1: the tile's CTAs form one cluster.
+  prepare<T, kN>();
+  const CUtensorMap w_map = swizzled_tile_map(w, p.out, p.in, dtype, kTileRows);
+  const CUtensorMap x_map = swizzled_tile_map(x, p.rows, p.in, dtype, kN);
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = static_cast<unsigned>(p.cluster);
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((p.out + kSlabRows - 1) / kSlabRows, split, 1);
+  config.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
   config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = sizeof(float) * 8 * kCols * kTileStride;
+  config.dynamicSmemBytes = Layout<kN>::kBytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = 1;
-  attribute[0].val.clusterDim.y = split;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  config.attrs = attributes;
+  config.numAttrs = p.cluster > 1 ? 2 : 1;
+  DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel_of<T, kN>(), w_map, x_map, p));
   DEFT_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
-void launch_pass(const Params& p, int split, cudaStream_t stream) {
-  const int cols = (p.rows + 7) / 8;
-  switch (cols) {
-    case 1: return launch_cols<T, 1>(p, split, stream);
-    case 2: return launch_cols<T, 2>(p, split, stream);
-    case 3: return launch_cols<T, 3>(p, split, stream);
-    case 4: return launch_cols<T, 4>(p, split, stream);
-    case 5:
-    case 6: return launch_cols<T, 6>(p, split, stream);
-    default: return launch_cols<T, 8>(p, split, stream);
+void launch_rows(const Params& p, const void* x, const void* w, DType dtype, int ctas,
+                 cudaStream_t stream) {
+  if (p.rows <= 32) {
+    launch_pass<T, 32>(p, x, w, dtype, ctas, stream);
+  } else {
+    launch_pass<T, 64>(p, x, w, dtype, ctas, stream);
   }
 }
 
@@ -250,42 +476,66 @@ bool skinny_gemm_supported(const SkinnyGemmDims& dims, const void* x, const void
          reinterpret_cast<uintptr_t>(w) % 16 == 0;
 }
 
-int32_t skinny_gemm_auto_split(const SkinnyGemmDims& dims) {
-  // About 1.5 CTAs per SM, clusters of at most 6 (bench/results/skinny_gemm-h100-*.json sweep:
-  // QKV and O shapes were fastest at 192 CTAs, clusters of 8 were slow), K slices of at least
-  // 8 chunks (256 elements) so the pipeline fills.
-  const int slabs = (dims.out + kSlabRows - 1) / kSlabRows;
-  const int chunks = (dims.in + kChunk - 1) / kChunk;
-  int split = (3 * sm_count() / 2 + slabs / 2) / slabs;
-  split = std::min(split, std::max(1, chunks / 8));
-  return std::clamp(split, 1, 6);
+bool skinny_gemm_available() {
+  static const bool available = [] {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes, kernel_of<__nv_bfloat16, 32>()) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return attributes.binaryVersion == 90;  // the sm_90a machine code is in the binary
+  }();
+  return available;
+}
+
+void skinny_gemm_reserve() {
+  if (skinny_gemm_available()) workspace(nullptr, true);
+}
+
+bool skinny_gemm_wide(const SkinnyGemmDims& dims) {
+  return (dims.out + kTileRows - 1) / kTileRows >= sm_count();
+}
+
+int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k) {
+  const int tiles = (dims.out + kTileRows - 1) / kTileRows;
+  const int k_blocks = (dims.in + kBlockK - 1) / kBlockK;
+  return grid_for(tiles, k_blocks, split_k).ctas;
 }
 
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
                         void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
                         int32_t split_k) {
-  if (!skinny_gemm_supported(dims, x, w)) {
-    std::fprintf(stderr, "launch_skinny_gemm: unsupported product rows %d in %d out %d\n",
+  if (!skinny_gemm_supported(dims, x, w) || !skinny_gemm_available()) {
+    std::fprintf(stderr,
+                 "launch_skinny_gemm: unsupported product rows %d in %d out %d (or no sm_90a "
+                 "device)\n",
                  dims.rows, dims.in, dims.out);
     std::abort();
   }
-  const int split = split_k > 0 ? std::min<int>(split_k, kMaxSplit) : skinny_gemm_auto_split(dims);
+  const Workspace work = workspace(stream, true);
+  const Grid grid = grid_for((dims.out + kTileRows - 1) / kTileRows,
+                             (dims.in + kBlockK - 1) / kBlockK, split_k);
   const size_t y_bytes = y_fp32 ? 4 : 2;
   for (int32_t begin = 0; begin < dims.rows; begin += kSkinnyGemmMaxRows) {
     Params p{};
-    p.x = static_cast<const char*>(x) + static_cast<size_t>(begin) * dims.in * 2;
-    p.w = w;
+    const void* x_pass = static_cast<const char*>(x) + static_cast<size_t>(begin) * dims.in * 2;
     p.y = static_cast<char*>(y) + static_cast<size_t>(begin) * dims.out * y_bytes;
+    p.workspace = work.pieces;
+    p.flags = work.flags;
     p.rows = std::min(kSkinnyGemmMaxRows, dims.rows - begin);
     p.in = dims.in;
     p.out = dims.out;
-    p.chunks = (dims.in + kChunk - 1) / kChunk;
+    p.k_blocks = (dims.in + kBlockK - 1) / kBlockK;
+    p.items = int64_t{(dims.out + kTileRows - 1) / kTileRows} * p.k_blocks;
+    p.cluster = grid.cluster;
     p.y_fp32 = y_fp32;
     p.accumulate = accumulate;
     if (dtype == DType::kBf16) {
-      launch_pass<__nv_bfloat16>(p, split, stream);
+      launch_rows<__nv_bfloat16>(p, x_pass, w, dtype, grid.ctas, stream);
     } else {
-      launch_pass<__half>(p, split, stream);
+      launch_rows<__half>(p, x_pass, w, dtype, grid.ctas, stream);
     }
   }
 }

@@ -1,10 +1,12 @@
 // Weight-streaming GEMM for decode steps: y[rows][out] (= or +=) x[rows][in] · w[out][in]^T with
 // few rows (rows <= kSkinnyGemmMaxRows per pass) against a large weight matrix, 16-bit operands
 // (bf16/fp16), fp32 accumulation, y fp32 or `dtype`. Such a product is bound by reading w once,
-// so the kernel streams w with 16-byte loads straight into tensor-core fragments and splits K
-// over a thread-block cluster (reduced in distributed shared memory, deterministic) when the
-// weight has too few rows to fill the GPU. CPU twin: skinny_gemm_cpu (kernels/skinny_gemm_cpu.h).
-// No host synchronisation, no allocation: every launch is graph-capturable.
+// so the kernel streams w through the bulk tensor copy engine into a deep shared-memory ring
+// (Hopper, sm_90a) and splits K over a thread-block cluster (reduced in distributed shared
+// memory, deterministic) when the weight has too few rows to fill the GPU. It is launched as a
+// programmatic dependent of the kernel before it and reads its first weights before that kernel
+// ends. CPU twin: skinny_gemm_cpu (kernels/skinny_gemm_cpu.h). No host synchronisation, no
+// device allocation: every launch is graph-capturable.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -20,18 +22,32 @@ namespace deft::kernels {
 // w again, so callers keep larger products on cuBLAS.
 inline constexpr int32_t kSkinnyGemmMaxRows = 64;
 
+// Whether this binary and device run the kernel (sm_90a machine code on a compute 9.0 GPU).
+bool skinny_gemm_available();
+
 // Whether launch_skinny_gemm can run this product: in % 8 == 0 and x, w 16-byte aligned (rows of
 // w are read with 16-byte loads), rows in [1, 2 * kSkinnyGemmMaxRows].
 bool skinny_gemm_supported(const SkinnyGemmDims& dims, const void* x, const void* w);
 
 // x: [rows][in] dtype; w: [out][in] dtype; y: [rows][out], fp32 when y_fp32 else dtype.
 // accumulate: y += x·w^T (read y, add in fp32, round once) instead of y = x·w^T.
-// split_k: CTAs (one cluster) sharing a 128-row slab of w along K; 0 picks it from the shape.
+// split_k: the grid is that many CTAs per 128-row tile of w (capped at two per SM), the work
+// divided evenly among them; 0: two CTAs per SM. The results do not depend on it beyond fp32
+// rounding, and a given split gives bit-identical results every time.
+// Launches on one device must be ordered (one stream): they share a workspace.
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
                         void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
                         int32_t split_k = 0);
 
-// The split launch_skinny_gemm picks for `dims` (1..8).
-int32_t skinny_gemm_auto_split(const SkinnyGemmDims& dims);
+// Whether w has enough 128-row tiles for one per SM, so that the grid gives each CTA whole
+// tiles and no partial sums travel between CTAs (on the H100: the Llama-3-8B gate/up and LM head
+// shapes, where the kernel beats cuBLAS; bench/results/skinny_gemm-h100-notes.md).
+bool skinny_gemm_wide(const SkinnyGemmDims& dims);
+
+// The grid launch_skinny_gemm uses for `dims` and `split_k`.
+int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k);
+
+// Allocates the device's workspace (once); launches captured into a CUDA graph need it first.
+void skinny_gemm_reserve();
 
 }  // namespace deft::kernels

@@ -1,6 +1,6 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) for the DeFT stage-1 kernel: a warpgroup (4 warps, 128
-// threads) computes D[64 x N] += A[64 x 16] * B[16 x N] with A in registers and B in shared
-// memory, described by a 64-bit matrix descriptor.
+// Hopper warpgroup MMA (wgmma, sm_90a): a warpgroup (4 warps, 128 threads) computes
+// D[64 x N] += A[64 x 16] * B[16 x N] with A in registers (the DeFT stage-1 kernel) or in shared
+// memory (the skinny GEMM) and B in shared memory, described by 64-bit matrix descriptors.
 //
 // Register layouts are those of mma.sync m16n8k16, stacked: warp w of the warpgroup holds rows
 // 16w .. 16w + 15; A is the m16n8k16 A fragment (4 x 32-bit), D is N / 8 m16n8 accumulator
@@ -156,6 +156,49 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 8][4], const uint32_t (
 #endif
 }
 
+// One wgmma of shape m64n<N>k16 with A and B both K-major in shared memory (descriptors).
+#define DEFT_WGMMA_SS_ASM(N, TYPE, REGS, PRED_OPERAND, ...)                                    \
+  asm volatile(                                                                              \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED_OPERAND ", 0;\n"                             \
+      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS              \
+      ", p, 1, 1, 0, 0;\n}\n"                                                              \
+      : __VA_ARGS__ /* the D operands */                                                     \
+      : "l"(descriptor_a), "l"(descriptor_b), "r"(accumulate ? 1 : 0))
+#define DEFT_WGMMA_SS_REGS16 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17"
+#define DEFT_WGMMA_SS_REGS32                                                                \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+  "%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33"
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], A and B K-major in shared memory. N is 32 or 64.
+template <typename T, int kN>
+__device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], uint64_t descriptor_a,
+                                         uint64_t descriptor_b, bool accumulate) {
+  static_assert(kN == 32 || kN == 64, "wgmma_ss: N is 32 or 64");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or fp16");
+#if DEFT_HAS_WGMMA
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (kN == 32 && kBf16) {
+    DEFT_WGMMA_SS_ASM(32, "bf16", DEFT_WGMMA_SS_REGS16, "%18", DEFT_WGMMA_D16);
+  } else if constexpr (kN == 32) {
+    DEFT_WGMMA_SS_ASM(32, "f16", DEFT_WGMMA_SS_REGS16, "%18", DEFT_WGMMA_D16);
+  } else if constexpr (kBf16) {
+    DEFT_WGMMA_SS_ASM(64, "bf16", DEFT_WGMMA_SS_REGS32, "%34", DEFT_WGMMA_D32);
+  } else {
+    DEFT_WGMMA_SS_ASM(64, "f16", DEFT_WGMMA_SS_REGS32, "%34", DEFT_WGMMA_D32);
+  }
+#else
+  (void)d;
+  (void)descriptor_a;
+  (void)descriptor_b;
+  (void)accumulate;
+  __trap();
+#endif
+}
+
+#undef DEFT_WGMMA_SS_ASM
+#undef DEFT_WGMMA_SS_REGS32
+#undef DEFT_WGMMA_SS_REGS16
 #undef DEFT_WGMMA_ASM
 #undef DEFT_WGMMA_REGS64
 #undef DEFT_WGMMA_REGS32

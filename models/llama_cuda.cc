@@ -156,7 +156,7 @@ struct LlamaCudaRunner::State {
   kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes
   kernels::AttentionDims dims;
   bool deft_kernels = false;
-  bool skinny_gemm = false;  // set_skinny_gemm
+  SkinnyGemmUse skinny_gemm = SkinnyGemmUse::kOff;  // set_skinny_gemm
   DeviceBuffer cublas_workspace;
   int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
 
@@ -297,14 +297,15 @@ struct LlamaCudaRunner::State {
 
   // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
   // On the cuBLASLt algorithm tuned for the shape's row bucket (tune_gemms), else cuBLAS's
-  // default. With skinny_gemm on, steps of up to kSkinnyGemmMaxRows rows (decode) stream the
-  // weights through kernels/skinny_gemm.h. Off by default: on the H100 cuBLAS was as fast or
-  // faster on every Llama-3-8B shape (bench/results/skinny_gemm-h100-*.json).
+  // default. With skinny_gemm set, steps of up to kSkinnyGemmMaxRows rows (decode) stream the
+  // weights (all, or the wide shapes') through kernels/skinny_gemm.h. Off by default: on the
+  // H100 the e2e step was slower with it (bench/results/skinny_gemm-h100-notes.md).
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
             bool y_fp32, bool accumulate) const {
     const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
-    if (skinny_gemm && rows <= kernels::kSkinnyGemmMaxRows &&
-        kernels::skinny_gemm_supported(dims, x, w)) {
+    if (skinny_gemm != SkinnyGemmUse::kOff && rows <= kernels::kSkinnyGemmMaxRows &&
+        (skinny_gemm == SkinnyGemmUse::kAll || kernels::skinny_gemm_wide(dims)) &&
+        kernels::skinny_gemm_supported(dims, x, w) && kernels::skinny_gemm_available()) {
       kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
       return;
     }
@@ -758,10 +759,11 @@ void LlamaCudaRunner::set_gemm_tuning(bool on) {
   if (state_->gemms->enabled() != on) state_->drop_graphs();
   state_->gemms->set_enabled(on);
 }
-void LlamaCudaRunner::set_skinny_gemm(bool on) {
+void LlamaCudaRunner::set_skinny_gemm(SkinnyGemmUse use) {
   // Captured step graphs hold the other GEMM kernels.
-  if (state_->skinny_gemm != on) state_->drop_graphs();
-  state_->skinny_gemm = on;
+  if (state_->skinny_gemm != use) state_->drop_graphs();
+  state_->skinny_gemm = use;
+  if (use != SkinnyGemmUse::kOff) kernels::skinny_gemm_reserve();  // before any graph capture
 }
 void LlamaCudaRunner::time_attention(bool on) {
   state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;

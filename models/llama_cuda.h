@@ -120,9 +120,11 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   // On (the default): GEMMs run the algorithms tuned at load (LlamaCudaOptions::tune_gemms);
   // off: cuBLAS's default algorithm. Benchmarks compare.
   void set_gemm_tuning(bool on);
-  // On: decode steps (<= kernels::kSkinnyGemmMaxRows rows) run their GEMMs on the skinny GEMM
-  // (kernels/skinny_gemm.h); off (the default): every GEMM on cuBLAS. Benchmarks compare.
-  void set_skinny_gemm(bool on);
+  // Which GEMMs of decode steps (<= kernels::kSkinnyGemmMaxRows rows) run on the skinny GEMM
+  // (kernels/skinny_gemm.h, sm_90a) instead of cuBLAS: none, the wide ones
+  // (kernels::skinny_gemm_wide), or all. Benchmarks compare.
+  enum class SkinnyGemmUse { kOff, kWide, kAll };
+  void set_skinny_gemm(SkinnyGemmUse use);
   // time_attention(true): the next steps run with StepTiming::kPhases (a few µs of host time
   // per launch), so last_attention_seconds() reports their attention time.
   void time_attention(bool on) override;

@@ -1,8 +1,11 @@
 // The skinny GEMM (kernels/skinny_gemm.h) against its CPU twin (float64 sums over inputs already
 // rounded to the element type) and against cuBLAS (bf16/fp16 in, fp32 compute) on fresh random
 // inputs: every Llama-3-8B decode-step shape (QKV, O, gate/up, down, LM head) with 1..128 rows,
-// odd sizes (K not a multiple of 32, N not a multiple of 128, one row), forced splits, fp32 and
-// 16-bit outputs, accumulate on and off. Outputs are poisoned with NaN before each launch; every
+// odd sizes (K not a multiple of 64, N not a multiple of 128, one row), forced splits, fp32 and
+// 16-bit outputs, accumulate on and off. Between them they take each form of the kernel's grid: a
+// tile per CTA (gate/up), tiles split along K in a cluster (QKV, O, down, forced splits), and
+// stream-K with partial tiles handed over through global memory (LM head, forced splits the
+// grid caps). Outputs are poisoned with NaN before each launch; every
 // element must be written. The reference of the large shapes covers sampled weight rows only.
 #include "kernels/skinny_gemm.h"
 
@@ -55,7 +58,7 @@ Problem make_problem(const SkinnyGemmDims& dims, DType dtype, std::mt19937& rng,
   if (dims.out <= max_sampled) {
     for (int32_t n = 0; n < dims.out; ++n) p.sampled.push_back(n);
   } else {
-    // The first and last slab rows, then random rows.
+    // The first and last rows of the first tiles (128 rows each), then random rows.
     for (int32_t n : {0, 1, 127, 128, dims.out - 1}) p.sampled.push_back(n);
     while (static_cast<int32_t>(p.sampled.size()) < max_sampled) {
       p.sampled.push_back(static_cast<int32_t>(rng() % dims.out));
@@ -243,15 +246,20 @@ TEST_P(SkinnyGemmOddTest, OddSizesAndSplits) {
   }
 }
 
-// Same inputs, same split: bit-identical outputs (the cluster reduction has a fixed order).
+// Same inputs, same split: bit-identical outputs (partial sums are added in a fixed order), for
+// a cluster-split shape and a stream-K one.
 TEST_P(SkinnyGemmOddTest, Deterministic) {
   DEFT_SKIP_WITHOUT_GPU();
   const uint32_t seed = fresh_seed();
   std::mt19937 rng(seed);
-  const Problem p = make_problem({.rows = 20, .in = 4096, .out = 4096}, GetParam(), rng, 64);
-  const Outcome first = run_checked(p, true, false, 0, {});
-  const Outcome second = run_checked(p, true, false, 0, {});
-  EXPECT_EQ(std::memcmp(first.y.data(), second.y.data(), first.y.size() * 4), 0) << seed;
+  for (const SkinnyGemmDims& d : {SkinnyGemmDims{.rows = 20, .in = 4096, .out = 4096},
+                                  SkinnyGemmDims{.rows = 20, .in = 4096, .out = 40000}}) {
+    const Problem p = make_problem(d, GetParam(), rng, 64);
+    const Outcome first = run_checked(p, true, false, 0, {});
+    const Outcome second = run_checked(p, true, false, 0, {});
+    EXPECT_EQ(std::memcmp(first.y.data(), second.y.data(), first.y.size() * 4), 0)
+        << "out " << d.out << " seed " << seed;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, SkinnyGemmOddTest, testing::Values(DType::kBf16, DType::kFp16),
