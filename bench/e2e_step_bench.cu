@@ -369,9 +369,10 @@ int main(int argc, char** argv) {
 
   for (const std::string& gemm : gemm_modes) {
     (*runner)->set_gemm_tuning(gemm != "cublas");
-    (*runner)->set_skinny_gemm(gemm == "skinny"        ? models::LlamaCudaRunner::SkinnyGemmUse::kAll
-                               : gemm == "skinny_wide" ? models::LlamaCudaRunner::SkinnyGemmUse::kWide
-                                                       : models::LlamaCudaRunner::SkinnyGemmUse::kOff);
+    using SkinnyGemmUse = models::LlamaCudaRunner::SkinnyGemmUse;
+    (*runner)->set_skinny_gemm(gemm == "skinny"        ? SkinnyGemmUse::kAll
+                               : gemm == "skinny_wide" ? SkinnyGemmUse::kWide
+                                                       : SkinnyGemmUse::kOff);
     const std::string method_suffix = gemm == gemm_modes.front() ? "" : "_gemm_" + gemm;
     std::printf("GEMMs: %s\n", gemm.c_str());
     // Warm-up (cuBLAS heuristics, kernel loading, clocks): a short run of each scenario.
@@ -479,7 +480,8 @@ int main(int argc, char** argv) {
           row.floor_us = floor.median;
           row.extra = {
               {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
-              {"gemm", gemm == "skinny"        ? "skinny GEMM (<= 64 rows), tuned cuBLASLt otherwise"
+              {"gemm", gemm == "skinny"        ? "skinny GEMM (<= 64 rows), tuned cuBLASLt "
+                                                     "otherwise"
                      : gemm == "skinny_wide" ? "skinny GEMM for the wide shapes (<= 64 rows), "
                                                "tuned cuBLASLt otherwise"
                      : gemm == "tuned" ? (wide_search ? "cuBLASLt algorithms tuned at load for "

@@ -10,8 +10,9 @@
 // `skinny_isolated` rows with a 4-byte memset between launches, which keeps launches from
 // overlapping. As in a decode step, `<method>_after_norm` rows run an RMSNorm that writes x
 // (kernels/llama_ops.h, a programmatic dependent launch that lets the next kernel start early)
-// before every GEMM; `norm` rows time the RMSNorm alone, so the GEMM's share is the difference. `read` rows: a plain kernel reading the same weights once with 16-byte loads (what
-// this GPU streams; no output).
+// before every GEMM; `norm` rows time the RMSNorm alone, so the GEMM's share is the difference.
+// `read` rows: a plain kernel reading the same weights once with 16-byte loads (what this GPU
+// streams; no output).
 //
 //   skinny_gemm_bench [--out DIR] [--reps N] [--sweep 1] [--shape NAME] [--rows M]
 //   (--sweep: also every forced split; --shape / --rows: only that shape / row count)

@@ -25,10 +25,10 @@ __device__ __forceinline__ void mbarrier_init_fence() {
 
 // One arrival that also expects `bytes` more of transactions (the copies issued next).
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                   smem_address(barrier)),
-               "r"(bytes)
-               : "memory");
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(barrier)),
+      "r"(bytes)
+      : "memory");
 }
 
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {

@@ -22,8 +22,8 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
 template <int kBytes>
 __device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bool valid) {
   static_assert(kBytes == 4 || kBytes == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-               "n"(kBytes), "r"(valid ? kBytes : 0)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(kBytes),
+               "r"(valid ? kBytes : 0)
                : "memory");
 }
 

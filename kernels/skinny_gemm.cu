@@ -25,8 +25,6 @@
 //   theirs, so they cannot cycle.
 // Sums are in a fixed order, so results are deterministic. Outputs are written from registers;
 // fp32 accumulation into y is one reduction per element (y has one writer), with no round trip.
-#include "kernels/skinny_gemm.h"
-
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -41,6 +39,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/float_convert.cuh"
+#include "kernels/skinny_gemm.h"
 #include "kernels/tensor_map.h"
 #include "kernels/wgmma.cuh"
 
@@ -50,17 +49,17 @@ namespace {
 namespace cg = cooperative_groups;
 using detail::mbarrier_wait;
 
-constexpr int kMmaRows = 64;                     // the M of a wgmma
-constexpr int kTileRows = 128;                   // weight rows per tile: two wgmmas
-constexpr int kBlockK = 64;                      // K elements per stage: one swizzled row
-constexpr int kConsumerWarps = 4;                // one warpgroup
+constexpr int kMmaRows = 64;       // the M of a wgmma
+constexpr int kTileRows = 128;     // weight rows per tile: two wgmmas
+constexpr int kBlockK = 64;        // K elements per stage: one swizzled row
+constexpr int kConsumerWarps = 4;  // one warpgroup
 constexpr int kConsumerThreads = kConsumerWarps * 32;
 constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp
 constexpr int kCtasPerSm = 2;                    // one CTA's epilogue overlaps the other's stream
 constexpr int kMaxCluster = 8;                   // portable cluster size
 constexpr int kMaxN = 64;
 constexpr int kWBoxBytes = kTileRows * kBlockK * 2;
-constexpr int kSlotFloats = kMaxN * kTileRows;   // a CTA's workspace slot
+constexpr int kSlotFloats = kMaxN * kTileRows;  // a CTA's workspace slot
 
 // Shared memory for N padded x rows: the ring and its barriers (two CTAs fit on an SM's 228 KB).
 template <int kN>
@@ -153,8 +152,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   using L = Layout<kN>;
   constexpr int kFragVecs = kTileRows / kMmaRows * kN / 8;  // accumulator float4s a thread
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + L::kAlignSlack - 1) & ~uintptr_t{L::kAlignSlack - 1});
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + L::kAlignSlack - 1) &
+                                 ~uintptr_t{L::kAlignSlack - 1});
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
   uint64_t* empty = full + L::kStages;
 
@@ -184,16 +184,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         const int64_t item = begin + i;
         const int s = i % L::kStages;
         detail::mbarrier_arrive_expect_bytes(&full[s], L::kStageBytes);
-        detail::bulk_copy_tile_2d(smem + s * L::kStageBytes, &w_map,
-                                  static_cast<int>(item % p.k_blocks) * kBlockK,
-                                  static_cast<int>(item / p.k_blocks) * kTileRows, &full[s],
-                                  stream_policy);
+        detail::bulk_copy_tile_2d(
+            smem + s * L::kStageBytes, &w_map, static_cast<int>(item % p.k_blocks) * kBlockK,
+            static_cast<int>(item / p.k_blocks) * kTileRows, &full[s], stream_policy);
       };
       const auto issue_x = [&](int i) {
         const int s = i % L::kStages;
         detail::bulk_copy_tile_2d(smem + s * L::kStageBytes + kWBoxBytes, &x_map,
-                                  static_cast<int>((begin + i) % p.k_blocks) * kBlockK, 0,
-                                  &full[s], keep_policy);
+                                  static_cast<int>((begin + i) % p.k_blocks) * kBlockK, 0, &full[s],
+                                  keep_policy);
       };
       // Weights do not depend on the kernel before: fill the ring with them first.
       const int head = min(total, L::kStages);
@@ -238,9 +237,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       for (int k = 0; k < kBlockK / 16; ++k) {
 #pragma unroll
         for (int mb = 0; mb < kTileRows / kMmaRows; ++mb) {
-          detail::wgmma_ss<T, kN>(
-              d[mb], detail::wgmma_descriptor_advance(a, mb * kMmaRows * 128 + 32 * k),
-              detail::wgmma_descriptor_advance(b, 32 * k), kb > 0 || k > 0);
+          detail::wgmma_ss<T, kN>(d[mb],
+                                  detail::wgmma_descriptor_advance(a, mb * kMmaRows * 128 + 32 * k),
+                                  detail::wgmma_descriptor_advance(b, 32 * k), kb > 0 || k > 0);
         }
       }
       detail::wgmma_commit();
@@ -266,8 +265,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const int rank = static_cast<int>(cluster.block_rank());
       constexpr int kVecs = kFragVecs * kConsumerThreads;
       const int share = (kVecs + p.cluster - 1) / p.cluster;
-      for (int k = rank * share + tid; k < min(kVecs, (rank + 1) * share);
-           k += kConsumerThreads) {
+      for (int k = rank * share + tid; k < min(kVecs, (rank + 1) * share); k += kConsumerThreads) {
         float4 sum = cluster.map_shared_rank(staged, 0)[k];
         for (int q = 1; q < p.cluster; ++q) add4(sum, cluster.map_shared_rank(staged, q)[k]);
         // Float4 k is accumulator block j = k / 128 of thread k % 128 (layout above).
@@ -278,8 +276,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int m = c8 * 8 + 2 * (owner_lane % 4) + (e & 1);
-          const int n = tile_row0 + mb * kMmaRows + (owner_tid / 32) * 16 + owner_lane / 4 +
-                        8 * (e >> 1);
+          const int n =
+              tile_row0 + mb * kMmaRows + (owner_tid / 32) * 16 + owner_lane / 4 + 8 * (e >> 1);
           if (m < p.rows && n < p.out) write_y<T>(p, int64_t{m} * p.out + n, v[e]);
         }
       }
@@ -352,9 +350,8 @@ template <typename T, int kN>
 void prepare() {
   static std::once_flag once;
   std::call_once(once, [] {
-    DEFT_CUDA_CHECK(cudaFuncSetAttribute(kernel_of<T, kN>(),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Layout<kN>::kBytes));
+    DEFT_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel_of<T, kN>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<kN>::kBytes));
   });
 }
 
@@ -515,8 +512,8 @@ void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, 
     std::abort();
   }
   const Workspace work = workspace(stream, true);
-  const Grid grid = grid_for((dims.out + kTileRows - 1) / kTileRows,
-                             (dims.in + kBlockK - 1) / kBlockK, split_k);
+  const Grid grid =
+      grid_for((dims.out + kTileRows - 1) / kTileRows, (dims.in + kBlockK - 1) / kBlockK, split_k);
   const size_t y_bytes = y_fp32 ? 4 : 2;
   for (int32_t begin = 0; begin < dims.rows; begin += kSkinnyGemmMaxRows) {
     Params p{};

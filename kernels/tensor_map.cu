@@ -1,5 +1,3 @@
-#include "kernels/tensor_map.h"
-
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
@@ -10,6 +8,7 @@
 #include <unordered_map>
 
 #include "kernels/cuda_check.h"
+#include "kernels/tensor_map.h"
 
 namespace deft::kernels {
 namespace {
@@ -69,9 +68,10 @@ CUtensorMap swizzled_tile_map(const void* base, int64_t rows, int64_t cols, DTyp
   const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = encode_function()(
-      &map, dtype == DType::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      2, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      &map,
+      dtype == DType::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
     std::fprintf(stderr,

@@ -15,6 +15,6 @@ namespace deft::kernels {
 // multiple of 8), copied in boxes of [box_rows][64] elements into shared memory in the 128-byte
 // swizzle of kernels/wgmma.cuh. Boxes past the matrix's edges read zeros.
 CUtensorMap swizzled_tile_map(const void* base, int64_t rows, int64_t cols, DType dtype,
-                                     int32_t box_rows);
+                              int32_t box_rows);
 
 }  // namespace deft::kernels
