@@ -371,7 +371,8 @@ struct Workspace {
   uint32_t* flags = nullptr;
 };
 
-Workspace workspace(cudaStream_t stream, bool create) {
+// Created on first use, which must not be inside a graph capture of `stream`.
+Workspace workspace(cudaStream_t stream) {
   static std::mutex mutex;
   static std::vector<Workspace> by_device;
   int device = 0;
@@ -381,8 +382,8 @@ Workspace workspace(cudaStream_t stream, bool create) {
     return by_device[device];
   }
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  if (create && stream != nullptr) DEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-  if (!create || capturing != cudaStreamCaptureStatusNone) {
+  if (stream != nullptr) DEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  if (capturing != cudaStreamCaptureStatusNone) {
     std::fprintf(stderr,
                  "launch_skinny_gemm: call skinny_gemm_reserve() before capturing a graph\n");
     std::abort();
@@ -397,6 +398,9 @@ Workspace workspace(cudaStream_t stream, bool create) {
   by_device[device] = w;
   return w;
 }
+
+int tiles_of(const SkinnyGemmDims& dims) { return (dims.out + kTileRows - 1) / kTileRows; }
+int k_blocks_of(const SkinnyGemmDims& dims) { return (dims.in + kBlockK - 1) / kBlockK; }
 
 struct Grid {
   int ctas = 1;
@@ -488,17 +492,13 @@ bool skinny_gemm_available() {
 }
 
 void skinny_gemm_reserve() {
-  if (skinny_gemm_available()) workspace(nullptr, true);
+  if (skinny_gemm_available()) workspace(nullptr);
 }
 
-bool skinny_gemm_wide(const SkinnyGemmDims& dims) {
-  return (dims.out + kTileRows - 1) / kTileRows >= sm_count();
-}
+bool skinny_gemm_wide(const SkinnyGemmDims& dims) { return tiles_of(dims) >= sm_count(); }
 
 int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k) {
-  const int tiles = (dims.out + kTileRows - 1) / kTileRows;
-  const int k_blocks = (dims.in + kBlockK - 1) / kBlockK;
-  return grid_for(tiles, k_blocks, split_k).ctas;
+  return grid_for(tiles_of(dims), k_blocks_of(dims), split_k).ctas;
 }
 
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
@@ -511,9 +511,9 @@ void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, 
                  dims.rows, dims.in, dims.out);
     std::abort();
   }
-  const Workspace work = workspace(stream, true);
-  const Grid grid =
-      grid_for((dims.out + kTileRows - 1) / kTileRows, (dims.in + kBlockK - 1) / kBlockK, split_k);
+  const Workspace work = workspace(stream);
+  const int tiles = tiles_of(dims), k_blocks = k_blocks_of(dims);
+  const Grid grid = grid_for(tiles, k_blocks, split_k);
   const size_t y_bytes = y_fp32 ? 4 : 2;
   for (int32_t begin = 0; begin < dims.rows; begin += kSkinnyGemmMaxRows) {
     Params p{};
@@ -524,8 +524,8 @@ void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, 
     p.rows = std::min(kSkinnyGemmMaxRows, dims.rows - begin);
     p.in = dims.in;
     p.out = dims.out;
-    p.k_blocks = (dims.in + kBlockK - 1) / kBlockK;
-    p.items = int64_t{(dims.out + kTileRows - 1) / kTileRows} * p.k_blocks;
+    p.k_blocks = k_blocks;
+    p.items = int64_t{tiles} * k_blocks;
     p.cluster = grid.cluster;
     p.y_fp32 = y_fp32;
     p.accumulate = accumulate;
