@@ -1,6 +1,7 @@
 // Host side of the DeFT attention kernels: plan upload, scratch buffers, and the one place that
 // instantiates the kernel templates of kernels/deft_attention.cuh (bf16/fp16 x head_dim 64/128).
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,15 +28,48 @@ size_t align_up(size_t bytes) {
   return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign;
 }
 
-// Row slices of stage 1 (CTAs per task and KV head): a task with many rows (entries x group) is split over up
-// to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
+// Row slices of stage 1 (CTAs per task and KV head): a task with many rows (entries x group) is
+// split over up to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
 constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every pass its own CTA
+
+// Stage 2's kernel for a batch of O rows per round trip (see the kernel): `batch` if given
+// (32, 16 or 8), else the largest batch whose grid of `ctas` CTAs is resident all at once
+// (occupancy measured once per kernel), else the smallest.
+template <typename T, int kHeadDim>
+auto stage2_kernel_for(int64_t ctas, int32_t batch) {
+  using Kernel = void (*)(AttentionPlanView, const float*, const float*, T*, int32_t);
+  struct Choice {
+    int32_t batch;
+    Kernel kernel;
+    int64_t resident;  // CTAs resident at once on the device
+  };
+  static const std::array<Choice, 3> choices = [] {
+    int device = 0, sms = 0;
+    DEFT_CUDA_CHECK(cudaGetDevice(&device));
+    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    std::array<Choice, 3> c = {
+        Choice{32, &detail::deft_attention_stage2_kernel<T, kHeadDim, 32>, 0},
+        Choice{16, &detail::deft_attention_stage2_kernel<T, kHeadDim, 16>, 0},
+        Choice{8, &detail::deft_attention_stage2_kernel<T, kHeadDim, 8>, 0}};
+    for (Choice& choice : c) {
+      int per_sm = 0;
+      DEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, choice.kernel,
+                                                                    detail::kStage2Threads, 0));
+      choice.resident = int64_t{per_sm} * sms;
+    }
+    return c;
+  }();
+  for (const Choice& choice : choices) {
+    if (batch > 0 ? choice.batch == batch : ctas <= choice.resident) return choice.kernel;
+  }
+  return choices.back().kernel;  // (a batch given is one of the choices: checked by the caller)
+}
 
 template <typename T, int kHeadDim>
 void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
                   const AttentionDims& dims, const void* q, const void* k_cache,
                   const void* v_cache, float* partial_out, float* partial_lse, void* out,
-                  cudaStream_t stream, bool stage2) {
+                  cudaStream_t stream, bool stage2, int32_t stage2_batch) {
   using detail::Stage1Smem;
   auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim>;
   constexpr int kSmemBytes = Stage1Smem<kHeadDim>::kBytes;
@@ -95,10 +129,10 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
     config.gridDim = grid2;
     config.blockDim = dim3(detail::kStage2Threads);
     config.dynamicSmemBytes = 0;
-    DEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, &detail::deft_attention_stage2_kernel<T, kHeadDim>,
-                                       plan, static_cast<const float*>(partial_out),
-                                       static_cast<const float*>(partial_lse), static_cast<T*>(out),
-                                       dims.num_q_heads));
+    DEFT_CUDA_CHECK(cudaLaunchKernelEx(
+        &config, stage2_kernel_for<T, kHeadDim>(int64_t{grid2.x} * grid2.y, stage2_batch), plan,
+        static_cast<const float*>(partial_out), static_cast<const float*>(partial_lse),
+        static_cast<T*>(out), dims.num_q_heads));
     DEFT_CUDA_CHECK_LAUNCH();
   }
 }
@@ -157,17 +191,17 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
       {host_plan.prefill_runs,
        static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
   };
-  const size_t used[] = {i32(host_plan.num_kv_indices),
-                         i32(host_plan.num_tasks),
-                         i32(host_plan.num_tasks),
-                         i32(host_plan.num_tasks + 1),
-                         i32(host_plan.num_tasks),
-                         static_cast<size_t>(std::max(host_plan.num_mask_words, 0)) * 8,
-                         i32(host_plan.num_entries),
-                         i32(host_plan.num_queries + 1),
-                         i32(host_plan.num_entries),
-                         static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) *
-                             sizeof(PrefillRun)};
+  const size_t used[] = {
+      i32(host_plan.num_kv_indices),
+      i32(host_plan.num_tasks),
+      i32(host_plan.num_tasks),
+      i32(host_plan.num_tasks + 1),
+      i32(host_plan.num_tasks),
+      static_cast<size_t>(std::max(host_plan.num_mask_words, 0)) * 8,
+      i32(host_plan.num_entries),
+      i32(host_plan.num_queries + 1),
+      i32(host_plan.num_entries),
+      static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun)};
   size_t total = 0;
   for (Section& section : sections) {
     section.offset = total;
@@ -245,8 +279,7 @@ void DeftAttentionBuffers::reserve(int32_t num_entries, const AttentionDims& dim
 bool deft_attention_supported(const AttentionDims& dims) {
   // softmax_scale > 0: stage 1 takes score maxima before scaling.
   return (dims.head_dim == 64 || dims.head_dim == 128) && dims.softmax_scale > 0.0f &&
-         dims.num_kv_heads > 0 &&
-         dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
+         dims.num_kv_heads > 0 && dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
 }
 
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims) {
@@ -259,24 +292,29 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
 void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
-                           float* partial_lse, void* out, cudaStream_t stream,
-                           DeftStage2 stage2) {
-  if (!deft_attention_supported(dims)) fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
+                           float* partial_lse, void* out, cudaStream_t stream, DeftStage2 stage2,
+                           int32_t stage2_batch) {
+  if (!deft_attention_supported(dims)) {
+    fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
+  }
   if (max_task_entries > 0 && max_task_entries * dims.group_size() > (1 << 24)) {
     fail("task too large", max_task_entries);
+  }
+  if (stage2_batch != 0 && stage2_batch != 8 && stage2_batch != 16 && stage2_batch != 32) {
+    fail("stage 2 batch must be 0 (automatic), 8, 16 or 32, not", stage2_batch);
   }
   if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
   // Known on the host only when every query has an entry (num_entries > num_queries): a plan
   // with prefill runs (rows without entries) always runs it.
   const bool run_stage2 =
       stage2 == DeftStage2::kAlways ||
-      (stage2 == DeftStage2::kIfMerging && (device_plan.num_entries > device_plan.num_queries ||
-                                            device_plan.num_prefill_runs > 0));
+      (stage2 == DeftStage2::kIfMerging &&
+       (device_plan.num_entries > device_plan.num_queries || device_plan.num_prefill_runs > 0));
   const auto run = [&](auto type_tag, auto head_dim_tag) {
     using T = decltype(type_tag);
     launch_typed<T, decltype(head_dim_tag)::value>(device_plan, max_task_entries, dims, q, k_cache,
                                                    v_cache, partial_out, partial_lse, out, stream,
-                                                   run_stage2);
+                                                   run_stage2, stage2_batch);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

@@ -108,19 +108,23 @@ enum class DeftStage2 { kIfMerging, kAlways, kNever };
 //   k_cache:  [num_slots][num_kv_heads][head_dim]         (dtype), v_cache likewise
 //   partial_out / partial_lse: [num_entries][num_q_heads][head_dim] / [num_entries][num_q_heads]
 //   out:      [num_queries][num_q_heads][head_dim]        (dtype)
+// stage2_batch: how many of a query's partial O rows stage 2 loads per memory round trip (32, 16
+// or 8; a larger batch holds more registers, so fewer of its CTAs fit on the GPU at once); 0
+// picks the largest whose grid fits at once. Tests force each.
 // Aborts on unsupported dims (a caller bug: check deft_attention_supported at load time).
 void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream,
-                           DeftStage2 stage2 = DeftStage2::kIfMerging);
+                           DeftStage2 stage2 = DeftStage2::kIfMerging, int32_t stage2_batch = 0);
 
 inline void launch_deft_attention(const DevicePlan& plan, const AttentionDims& dims, DType dtype,
                                   const void* q, const void* k_cache, const void* v_cache,
                                   const DeftAttentionBuffers& buffers, void* out,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, int32_t stage2_batch = 0) {
   launch_deft_attention(plan.view(), plan.max_task_entries(), dims, dtype, q, k_cache, v_cache,
-                        buffers.partial_out(), buffers.partial_lse(), out, stream);
+                        buffers.partial_out(), buffers.partial_lse(), out, stream,
+                        DeftStage2::kIfMerging, stage2_batch);
 }
 
 }  // namespace deft::kernels

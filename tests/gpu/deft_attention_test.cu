@@ -377,7 +377,8 @@ std::vector<double> reference_attention(const Tree& tree, const AttentionDims& d
 // `key_growth` > 0 scales the key of the token at flat position f by 1 + f * key_growth, so that
 // a query's maximum score keeps climbing along the tree.
 Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config& config,
-                           std::mt19937& rng, bool use_graph = false, float key_growth = 0.0f) {
+                           std::mt19937& rng, bool use_graph = false, float key_growth = 0.0f,
+                           int32_t stage2_batch = 0) {
   const AttentionDims dims = dims_of(config);
   const DType dtype = config.dtype;
   const size_t q_count = tree.queries.size() * dims.num_q_heads * dims.head_dim;
@@ -422,7 +423,7 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
     cudaGraphExec_t exec;
     DEFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     launch_deft_attention(device_plan, dims, dtype, q_dev.data(), k_dev.data(), v_dev.data(),
-                          buffers, out_dev.data(), stream);
+                          buffers, out_dev.data(), stream, stage2_batch);
     DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     DEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     // Output poisoned before each replay: the second one must write every row again.
@@ -435,7 +436,7 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
     DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
   } else {
     launch_deft_attention(device_plan, dims, dtype, q_dev.data(), k_dev.data(), v_dev.data(),
-                          buffers, out_dev.data(), stream);
+                          buffers, out_dev.data(), stream, stage2_batch);
   }
   DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   DEFT_CUDA_CHECK(cudaGetLastError());
@@ -456,10 +457,12 @@ class DeftAttentionGpuTest : public testing::TestWithParam<Config> {
   }
 
   void check(const Tree& tree, Kind kind, int chunk_tokens, const char* what,
-             bool use_graph = false, size_t unmasked_cap = 256, float key_growth = 0.0f) {
+             bool use_graph = false, size_t unmasked_cap = 256, float key_growth = 0.0f,
+             int32_t stage2_batch = 0) {
     SCOPED_TRACE(testing::Message() << what << " seed=" << seed_);
     const HostPlan plan = build_plan(tree, kind, chunk_tokens, unmasked_cap);
-    const Comparison c = run_and_compare(tree, plan, GetParam(), rng_, use_graph, key_growth);
+    const Comparison c =
+        run_and_compare(tree, plan, GetParam(), rng_, use_graph, key_growth, stage2_batch);
     EXPECT_EQ(c.nan_count, 0);
     EXPECT_LE(c.relative_error, tolerance(GetParam().dtype));
     std::printf("  %-34s tasks %5zu entries %5zu  rel err %.2e\n", what, plan.task_kv_begin.size(),
@@ -536,6 +539,26 @@ TEST_P(DeftAttentionGpuTest, GrowingScores) {
   chain.queries.push_back({0, 629});
   const Tree single = finished(chain);
   check(single, Kind::kFlatten, 256, "one query, growing keys", false, 256, kGrowth);
+}
+
+// Stage 2 merges a query's partials 32 at a time, their O rows in batches of 32, 16 or 8 (each
+// forced here): exactly 32, 33 and 70 partials (one query down a chain), and 63-64 for each of
+// 6 queries over a shared prompt.
+TEST_P(DeftAttentionGpuTest, ManyPartials) {
+  for (int32_t batch : {32, 16, 8}) {
+    for (int tokens : {1024, 1056, 2240}) {
+      Tree chain;
+      chain.nodes.push_back({-1, tokens});
+      chain.queries.push_back({0, tokens - 1});
+      const std::string what = "flatten B=32, one query over " + std::to_string(tokens) +
+                               " tokens, stage-2 batch " + std::to_string(batch);
+      check(finished(chain), Kind::kFlatten, 32, what.c_str(), false, 256, 0.0f, batch);
+    }
+    const Tree shared = finished(few_shot_tree(2000, 6, 40));
+    const std::string what =
+        "flatten B=32, 6 queries over a 2000-token prompt, stage-2 batch " + std::to_string(batch);
+    check(shared, Kind::kFlatten, 32, what.c_str(), false, 256, 0.0f, batch);
+  }
 }
 
 TEST_P(DeftAttentionGpuTest, PrefillCausal) {
