@@ -20,7 +20,7 @@
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
 //                  [--gemm tuned|cublas|skinny|skinny_wide[,...]] [--gemm-search heuristic|wide]
-//                  [--chunk-tokens B]
+//                  [--chunk-tokens B] [--case NAME]
 //   --gemm: tuned (the runner's default: cuBLASLt algorithms tuned at load, models/gemm_tuner.h),
 //   cublas (cuBLAS's default algorithm), skinny (kernels/skinny_gemm.h for every GEMM of a
 //   <= 64-row step), skinny_wide (only for its wide shapes, kernels::skinny_gemm_wide); a
@@ -28,6 +28,7 @@
 //   weights), rows of modes after the first named "<method>_gemm_<mode>";
 //   --gemm-search wide: the tuner also tries every other cuBLASLt algorithm id.
 //   --chunk-tokens B: DeFT-Flatten's chunk size (default 0: the planner's adaptive B).
+//   --case NAME: only that case (fewshot_p4000_b20_s100 or specdec_p6000_t64).
 // Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_runtime_api.h>
 
@@ -302,7 +303,7 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50, chunk_tokens = 0;
-  std::string gemm_arg = "tuned";
+  std::string gemm_arg = "tuned", only_case;
   bool wide_search = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -313,6 +314,13 @@ int main(int argc, char** argv) {
     else if (flag == "--gemm") gemm_arg = argv[i + 1];
     else if (flag == "--gemm-search") wide_search = std::string(argv[i + 1]) == "wide";
     else if (flag == "--chunk-tokens") chunk_tokens = std::atoi(argv[i + 1]);
+    else if (flag == "--case") only_case = argv[i + 1];
+  }
+  if (!only_case.empty() && only_case != "fewshot_p4000_b20_s100" &&
+      only_case != "specdec_p6000_t64") {
+    std::fprintf(stderr, "--case: unknown case '%s' (fewshot_p4000_b20_s100, specdec_p6000_t64)\n",
+                 only_case.c_str());
+    return 1;
   }
   if (chunk_tokens < 0) {
     std::fprintf(stderr, "--chunk-tokens: %d is negative (0: adaptive)\n", chunk_tokens);
@@ -383,6 +391,7 @@ int main(int argc, char** argv) {
                 "method", "total_us", "floor_us", "ratio", "gpu_us", "attn_us", "gemm_us",
                 "other_us", "copy_us", "plan_us", "book_us", "samp_us", "host%", "tok/s");
     for (const Case& c : cases) {
+      if (!only_case.empty() && c.name != only_case) continue;
       std::vector<std::vector<TokenId>> reference_argmax;  // the sequence baseline's, per step
       std::vector<ResultRow> rows;
       std::vector<std::vector<std::vector<TokenId>>> argmaxes;
