@@ -113,8 +113,10 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kNormVectors = 8;
 
 // The common form (width a multiple of 4, 16-byte aligned rows, width <= 4 * kNormVectors *
-// kThreads): every load of the row and its weights issued at once as float4s, the row kept in
-// registers between the sum and the scaling (a decode step's norm is one short round trip).
+// kThreads): the weights (and bias) are loaded before waiting for the kernel before (they do not
+// depend on it), the row's float4s right after, so a decode step's norm is one short round trip
+// (the weights used to be loaded after the sum: two); the row stays in registers between the
+// sum and the scaling.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rms_norm_vector_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
@@ -122,10 +124,18 @@ __global__ void __launch_bounds__(kThreads)
                            const float* __restrict__ weight, T* __restrict__ out) {
   // The GEMM after it may start streaming its weights (it waits for our output itself).
   detail::allow_dependent_launch();
+  const int32_t vectors = dims.width / 4;
+  float4 w[kNormVectors], b[kNormVectors];
+#pragma unroll
+  for (int k = 0; k < kNormVectors; ++k) {
+    const int32_t c = threadIdx.x + k * kThreads;
+    if (c >= vectors) continue;
+    w[k] = reinterpret_cast<const float4*>(weight)[c];
+    if (add_bias != nullptr) b[k] = reinterpret_cast<const float4*>(add_bias)[c];
+  }
   detail::wait_for_prerequisite_grid();
   const int32_t i = blockIdx.x;
   const int64_t r = row_index != nullptr ? row_index[i] : i;
-  const int32_t vectors = dims.width / 4;
   float4* in = reinterpret_cast<float4*>(x + r * dims.width);
   float4 v[kNormVectors];
   float sum = 0.0f;
@@ -139,8 +149,7 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t c = threadIdx.x + k * kThreads;
     if (c >= vectors) continue;
     if (add_bias != nullptr) {
-      const float4 b = reinterpret_cast<const float4*>(add_bias)[c];
-      v[k] = make_float4(v[k].x + b.x, v[k].y + b.y, v[k].z + b.z, v[k].w + b.w);
+      v[k] = make_float4(v[k].x + b[k].x, v[k].y + b[k].y, v[k].z + b[k].z, v[k].w + b[k].w);
       in[c] = v[k];
     }
     sum += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
@@ -151,9 +160,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < kNormVectors; ++k) {
     const int32_t c = threadIdx.x + k * kThreads;
     if (c >= vectors) continue;
-    const float4 w = reinterpret_cast<const float4*>(weight)[c];
-    store4(dst + 4 * c, w.x * (v[k].x * inv_rms), w.y * (v[k].y * inv_rms),
-           w.z * (v[k].z * inv_rms), w.w * (v[k].w * inv_rms));
+    store4(dst + 4 * c, w[k].x * (v[k].x * inv_rms), w[k].y * (v[k].y * inv_rms),
+           w[k].z * (v[k].z * inv_rms), w[k].w * (v[k].w * inv_rms));
   }
 }
 
@@ -261,7 +269,9 @@ constexpr int kRopeMaxHalf = 128;  // head_dim <= 256
 
 // The same as qkv_rope_write_kernel, 4 consecutive pairs a thread with 8-byte loads and stores,
 // each angle's sine and cosine computed once per block (not once per head). For head_dim / 2 a
-// multiple of 4, at most kRopeMaxHalf, and 8-byte aligned buffers.
+// multiple of 4, at most kRopeMaxHalf, and 8-byte aligned buffers. A thread's first item is
+// loaded together with the angles' inputs (one round trip, not two; at Llama-3-8B shapes every
+// thread has one item).
 template <typename T>
 __global__ void __launch_bounds__(kRopeThreads)
     qkv_rope_write_vector_kernel(const QkvRopeDims dims, const int32_t* __restrict__ positions,
@@ -278,6 +288,23 @@ __global__ void __launch_bounds__(kRopeThreads)
   const int32_t heads = dims.num_q_heads + 2 * dims.num_kv_heads;
   const int32_t first_head = blockIdx.y * kRopeHeadsPerBlock;
   const int32_t last_head = min(heads, first_head + kRopeHeadsPerBlock);
+  const int32_t quads = half / 4;
+  const int32_t items = (last_head - first_head) * quads;
+  const T* row = qkv + int64_t{token} * heads * dims.head_dim;
+  // Item `item`: head first_head + item / quads, pairs (item % quads) * 4 .. + 3; x1 the pairs'
+  // first halves, x2 their second (bias added).
+  const auto load_item = [&](int32_t item, float4& x1, float4& x2) {
+    const int32_t c1 = (first_head + item / quads) * dims.head_dim + (item % quads) * 4;
+    x1 = load4(row + c1);
+    x2 = load4(row + c1 + half);
+    if (bias != nullptr) {
+      x1.x += bias[c1], x1.y += bias[c1 + 1], x1.z += bias[c1 + 2], x1.w += bias[c1 + 3];
+      x2.x += bias[c1 + half], x2.y += bias[c1 + half + 1], x2.z += bias[c1 + half + 2],
+          x2.w += bias[c1 + half + 3];
+    }
+  };
+  float4 x1, x2;
+  if (threadIdx.x < items) load_item(threadIdx.x, x1, x2);
   const int32_t slot = slots[token];
   if (threadIdx.x < half && first_head < dims.num_q_heads + dims.num_kv_heads) {
     // fp32 angle as transformers computes it; accurate sincosf (angles reach 1e5 rad).
@@ -285,21 +312,11 @@ __global__ void __launch_bounds__(kRopeThreads)
     sincosf(angle, &sin_table[threadIdx.x], &cos_table[threadIdx.x]);
   }
   __syncthreads();
-  const int32_t quads = half / 4;
   const int64_t kv_size = int64_t{dims.num_kv_heads} * dims.head_dim;
-  const T* row = qkv + int64_t{token} * heads * dims.head_dim;
-  for (int32_t item = threadIdx.x; item < (last_head - first_head) * quads;
-       item += kRopeThreads) {
+  for (int32_t item = threadIdx.x; item < items; item += kRopeThreads) {
+    if (item != threadIdx.x) load_item(item, x1, x2);
     const int32_t head = first_head + item / quads;
     const int32_t pair = (item % quads) * 4;
-    const int32_t c1 = head * dims.head_dim + pair;
-    float4 x1 = load4(row + c1);
-    float4 x2 = load4(row + c1 + half);
-    if (bias != nullptr) {
-      x1.x += bias[c1], x1.y += bias[c1 + 1], x1.z += bias[c1 + 2], x1.w += bias[c1 + 3];
-      x2.x += bias[c1 + half], x2.y += bias[c1 + half + 1], x2.z += bias[c1 + half + 2],
-          x2.w += bias[c1 + half + 3];
-    }
     T* dst;
     if (head < dims.num_q_heads) {
       dst = q_out + (int64_t{token} * dims.num_q_heads + head) * dims.head_dim;
