@@ -269,9 +269,7 @@ constexpr int kRopeMaxHalf = 128;  // head_dim <= 256
 
 // The same as qkv_rope_write_kernel, 4 consecutive pairs a thread with 8-byte loads and stores,
 // each angle's sine and cosine computed once per block (not once per head). For head_dim / 2 a
-// multiple of 4, at most kRopeMaxHalf, and 8-byte aligned buffers. A thread's first item is
-// loaded together with the angles' inputs (one round trip, not two; at Llama-3-8B shapes every
-// thread has one item).
+// multiple of 4, at most kRopeMaxHalf, and 8-byte aligned buffers.
 template <typename T>
 __global__ void __launch_bounds__(kRopeThreads)
     qkv_rope_write_vector_kernel(const QkvRopeDims dims, const int32_t* __restrict__ positions,
@@ -288,23 +286,6 @@ __global__ void __launch_bounds__(kRopeThreads)
   const int32_t heads = dims.num_q_heads + 2 * dims.num_kv_heads;
   const int32_t first_head = blockIdx.y * kRopeHeadsPerBlock;
   const int32_t last_head = min(heads, first_head + kRopeHeadsPerBlock);
-  const int32_t quads = half / 4;
-  const int32_t items = (last_head - first_head) * quads;
-  const T* row = qkv + int64_t{token} * heads * dims.head_dim;
-  // Item `item`: head first_head + item / quads, pairs (item % quads) * 4 .. + 3; x1 the pairs'
-  // first halves, x2 their second (bias added).
-  const auto load_item = [&](int32_t item, float4& x1, float4& x2) {
-    const int32_t c1 = (first_head + item / quads) * dims.head_dim + (item % quads) * 4;
-    x1 = load4(row + c1);
-    x2 = load4(row + c1 + half);
-    if (bias != nullptr) {
-      x1.x += bias[c1], x1.y += bias[c1 + 1], x1.z += bias[c1 + 2], x1.w += bias[c1 + 3];
-      x2.x += bias[c1 + half], x2.y += bias[c1 + half + 1], x2.z += bias[c1 + half + 2],
-          x2.w += bias[c1 + half + 3];
-    }
-  };
-  float4 x1, x2;
-  if (threadIdx.x < items) load_item(threadIdx.x, x1, x2);
   const int32_t slot = slots[token];
   if (threadIdx.x < half && first_head < dims.num_q_heads + dims.num_kv_heads) {
     // fp32 angle as transformers computes it; accurate sincosf (angles reach 1e5 rad).
@@ -312,11 +293,21 @@ __global__ void __launch_bounds__(kRopeThreads)
     sincosf(angle, &sin_table[threadIdx.x], &cos_table[threadIdx.x]);
   }
   __syncthreads();
+  const int32_t quads = half / 4;
   const int64_t kv_size = int64_t{dims.num_kv_heads} * dims.head_dim;
-  for (int32_t item = threadIdx.x; item < items; item += kRopeThreads) {
-    if (item != threadIdx.x) load_item(item, x1, x2);
+  const T* row = qkv + int64_t{token} * heads * dims.head_dim;
+  for (int32_t item = threadIdx.x; item < (last_head - first_head) * quads;
+       item += kRopeThreads) {
     const int32_t head = first_head + item / quads;
     const int32_t pair = (item % quads) * 4;
+    const int32_t c1 = head * dims.head_dim + pair;
+    float4 x1 = load4(row + c1);
+    float4 x2 = load4(row + c1 + half);
+    if (bias != nullptr) {
+      x1.x += bias[c1], x1.y += bias[c1 + 1], x1.z += bias[c1 + 2], x1.w += bias[c1 + 3];
+      x2.x += bias[c1 + half], x2.y += bias[c1 + half + 1], x2.z += bias[c1 + half + 2],
+          x2.w += bias[c1 + half + 3];
+    }
     T* dst;
     if (head < dims.num_q_heads) {
       dst = q_out + (int64_t{token} * dims.num_q_heads + head) * dims.head_dim;
