@@ -33,10 +33,12 @@ size_t align_up(size_t bytes) {
 constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every pass its own CTA
 
 // Stage 2's kernel for a batch of O rows per round trip (see the kernel): `batch` if given
-// (32, 16 or 8), else the largest batch whose grid of `ctas` CTAs is resident all at once
-// (occupancy measured once per kernel), else the smallest.
+// (32, 16 or 8); else, among the batches whose grid of `ctas` CTAs is resident all at once
+// (occupancy measured once per kernel), the smallest that takes a query's `max_partials` in one
+// trip (fewer registers: more of its CTAs fit beside stage 1's last ones, which a programmatic
+// launch overlaps), else the largest; 8 when none fits.
 template <typename T, int kHeadDim>
-auto stage2_kernel_for(int64_t ctas, int32_t batch) {
+auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
   using Kernel = void (*)(AttentionPlanView, const float*, const float*, T*, int32_t);
   struct Choice {
     int32_t batch;
@@ -59,17 +61,25 @@ auto stage2_kernel_for(int64_t ctas, int32_t batch) {
     }
     return c;
   }();
-  for (const Choice& choice : choices) {
-    if (batch > 0 ? choice.batch == batch : ctas <= choice.resident) return choice.kernel;
+  if (batch > 0) {
+    for (const Choice& choice : choices) {
+      if (choice.batch == batch) return choice.kernel;
+    }
   }
-  return choices.back().kernel;  // (a batch given is one of the choices: checked by the caller)
+  // choices: largest batch first.
+  const Choice* pick = nullptr;
+  for (const Choice& choice : choices) {
+    if (ctas > choice.resident) continue;
+    if (pick == nullptr || choice.batch >= max_partials) pick = &choice;
+  }
+  return pick != nullptr ? pick->kernel : choices.back().kernel;
 }
 
 template <typename T, int kHeadDim>
-void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
-                  const AttentionDims& dims, const void* q, const void* k_cache,
-                  const void* v_cache, float* partial_out, float* partial_lse, void* out,
-                  cudaStream_t stream, bool stage2, int32_t stage2_batch) {
+void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const AttentionDims& dims,
+                  const void* q, const void* k_cache, const void* v_cache, float* partial_out,
+                  float* partial_lse, void* out, cudaStream_t stream, bool stage2,
+                  int32_t stage2_batch) {
   using detail::Stage1Smem;
   auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim>;
   constexpr int kSmemBytes = Stage1Smem<kHeadDim>::kBytes;
@@ -96,7 +106,7 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
   params.group_size = group;
   params.scale_log2 = dims.softmax_scale * 1.4426950408889634f;
 
-  params.row_slices = deft_attention_row_slices(max_task_entries, dims);
+  params.row_slices = deft_attention_row_slices(shape.max_task_entries, dims);
 
   const int64_t ctas = int64_t{plan.num_tasks} * dims.num_kv_heads * params.row_slices;
   if (ctas > std::numeric_limits<int32_t>::max()) {
@@ -130,8 +140,10 @@ void launch_typed(const AttentionPlanView& plan, int32_t max_task_entries,
     config.blockDim = dim3(detail::kStage2Threads);
     config.dynamicSmemBytes = 0;
     DEFT_CUDA_CHECK(cudaLaunchKernelEx(
-        &config, stage2_kernel_for<T, kHeadDim>(int64_t{grid2.x} * grid2.y, stage2_batch), plan,
-        static_cast<const float*>(partial_out), static_cast<const float*>(partial_lse),
+        &config,
+        stage2_kernel_for<T, kHeadDim>(int64_t{grid2.x} * grid2.y, shape.max_query_entries,
+                                       stage2_batch),
+        plan, static_cast<const float*>(partial_out), static_cast<const float*>(partial_lse),
         static_cast<T*>(out), dims.num_q_heads));
     DEFT_CUDA_CHECK_LAUNCH();
   }
@@ -258,10 +270,16 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
 
   host_prefill_runs_.assign(host_plan.prefill_runs,
                             host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));
-  max_task_entries_ = 0;
+  shape_ = PlanShape{};
   for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
-    max_task_entries_ = std::max(
-        max_task_entries_, host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
+    shape_.max_task_entries =
+        std::max(shape_.max_task_entries,
+                 host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
+  }
+  for (int32_t query = 0; query < host_plan.num_queries; ++query) {
+    shape_.max_query_entries =
+        std::max(shape_.max_query_entries,
+                 host_plan.query_entry_begin[query + 1] - host_plan.query_entry_begin[query]);
   }
 }
 
@@ -289,7 +307,7 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
   return std::min(passes, kMaxRowSlices);
 }
 
-void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
+void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream, DeftStage2 stage2,
@@ -297,8 +315,8 @@ void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_tas
   if (!deft_attention_supported(dims)) {
     fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
   }
-  if (max_task_entries > 0 && max_task_entries * dims.group_size() > (1 << 24)) {
-    fail("task too large", max_task_entries);
+  if (shape.max_task_entries > 0 && shape.max_task_entries * dims.group_size() > (1 << 24)) {
+    fail("task too large", shape.max_task_entries);
   }
   if (stage2_batch != 0 && stage2_batch != 8 && stage2_batch != 16 && stage2_batch != 32) {
     fail("stage 2 batch must be 0 (automatic), 8, 16 or 32, not", stage2_batch);
@@ -312,8 +330,8 @@ void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_tas
        (device_plan.num_entries > device_plan.num_queries || device_plan.num_prefill_runs > 0));
   const auto run = [&](auto type_tag, auto head_dim_tag) {
     using T = decltype(type_tag);
-    launch_typed<T, decltype(head_dim_tag)::value>(device_plan, max_task_entries, dims, q, k_cache,
-                                                   v_cache, partial_out, partial_lse, out, stream,
+    launch_typed<T, decltype(head_dim_tag)::value>(device_plan, shape, dims, q, k_cache, v_cache,
+                                                   partial_out, partial_lse, out, stream,
                                                    run_stage2, stage2_batch);
   };
   using D64 = std::integral_constant<int, 64>;

@@ -34,6 +34,12 @@ struct PlanCapacity {
   }
 };
 
+// What the host knows of an uploaded plan's shape (DevicePlan::shape()); sizes the launches.
+struct PlanShape {
+  int32_t max_task_entries = 0;   // largest task_entry_begin[t + 1] - task_entry_begin[t]
+  int32_t max_query_entries = 0;  // largest query_entry_begin[q + 1] - query_entry_begin[q]
+};
+
 // A plan copied to the GPU: all arrays packed into ONE device buffer, uploaded with one async
 // copy from a pinned staging buffer. One upload per step serves every layer.
 class DevicePlan {
@@ -57,8 +63,8 @@ class DevicePlan {
 
   // Device pointers, valid once the copy on `stream` has run.
   const AttentionPlanView& view() const { return device_view_; }
-  // Largest entry count of any task: sizes stage 1's grid.
-  int32_t max_task_entries() const { return max_task_entries_; }
+  // The plan's largest task and query (host copies): size the launch (PlanShape).
+  const PlanShape& shape() const { return shape_; }
   // Host copy of the plan's prefill runs: sizes launch_prefill_attention's grid.
   std::span<const PrefillRun> prefill_runs() const { return host_prefill_runs_; }
 
@@ -68,7 +74,7 @@ class DevicePlan {
   cudaEvent_t upload_done_ = nullptr;
   bool upload_pending_ = false;
   AttentionPlanView device_view_;
-  int32_t max_task_entries_ = 0;
+  PlanShape shape_;
   std::vector<PrefillRun> host_prefill_runs_;
 
   void upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
@@ -102,17 +108,18 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
 // returns at once).
 enum class DeftStage2 { kIfMerging, kAlways, kNever };
 
-// Runs both stages on `stream`. `device_plan` holds device pointers; `max_task_entries` is the
-// largest task_entry_begin[t + 1] - task_entry_begin[t] (DevicePlan::max_task_entries()).
+// Runs both stages on `stream`. `device_plan` holds device pointers; `shape` is the plan's
+// (DevicePlan::shape()): it sizes stage 1's grid and picks stage 2's batch.
 //   q:        [num_queries][num_q_heads][head_dim]        (dtype)
 //   k_cache:  [num_slots][num_kv_heads][head_dim]         (dtype), v_cache likewise
 //   partial_out / partial_lse: [num_entries][num_q_heads][head_dim] / [num_entries][num_q_heads]
 //   out:      [num_queries][num_q_heads][head_dim]        (dtype)
 // stage2_batch: how many of a query's partial O rows stage 2 loads per memory round trip (32, 16
 // or 8; a larger batch holds more registers, so fewer of its CTAs fit on the GPU at once); 0
-// picks the largest whose grid fits at once. Tests force each.
+// picks, among the batches whose grid fits on the GPU at once, the smallest that holds the
+// plan's largest query in one trip, else the largest (else 8). Tests force each.
 // Aborts on unsupported dims (a caller bug: check deft_attention_supported at load time).
-void launch_deft_attention(const AttentionPlanView& device_plan, int32_t max_task_entries,
+void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream,
@@ -122,7 +129,7 @@ inline void launch_deft_attention(const DevicePlan& plan, const AttentionDims& d
                                   const void* q, const void* k_cache, const void* v_cache,
                                   const DeftAttentionBuffers& buffers, void* out,
                                   cudaStream_t stream, int32_t stage2_batch = 0) {
-  launch_deft_attention(plan.view(), plan.max_task_entries(), dims, dtype, q, k_cache, v_cache,
+  launch_deft_attention(plan.view(), plan.shape(), dims, dtype, q, k_cache, v_cache,
                         buffers.partial_out(), buffers.partial_lse(), out, stream,
                         DeftStage2::kIfMerging, stage2_batch);
 }

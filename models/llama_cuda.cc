@@ -435,8 +435,8 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                    layer.k_cache.data(), layer.v_cache.data(), stream);
     mark(kOther);
     if (deft_kernels) {
-      kernels::launch_deft_attention(device_plan.view(), device_plan.max_task_entries(), dims,
-                                     dtype, q.data(), layer.k_cache.data(), layer.v_cache.data(),
+      kernels::launch_deft_attention(device_plan.view(), device_plan.shape(), dims, dtype,
+                                     q.data(), layer.k_cache.data(), layer.v_cache.data(),
                                      partials.partial_out(), partials.partial_lse(), attn.data(),
                                      stream, launch.stage2);
       // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
