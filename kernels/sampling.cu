@@ -17,11 +17,12 @@ namespace cg = cooperative_groups;
 
 // A cluster of kRowSplit blocks per row: each block finds the most and least likely keys and the
 // log-softmax sum of its share of the row, block rank 0 combines them (distributed shared
-// memory) and does the rest alone (greedy rows need nothing more). 1024 threads: a decode step
-// has few rows, so each block must keep many loads in flight on its own (a 128256-logit row is
-// 501 KiB; it stays in L2 across passes). One block per row spent ~40 µs on 20 rows' first two
-// passes on the H100 (20 SMs busy).
-constexpr int kThreads = 1024;
+// memory) and does the rest alone (greedy rows need nothing more). One block per row spent ~40
+// µs on 20 rows' first two passes on the H100 (20 SMs busy). 512 threads, at most 64 registers
+// each: two blocks per SM, so 20-32 rows' clusters run in one wave (1024-thread blocks, one per
+// SM, took two: 29.0 µs for 20 rows in the decode step under ncu, 18.8 with 512; H100,
+// 2026-11-23). A 128256-logit row is 501 KiB; it stays in L2 across passes.
+constexpr int kThreads = 512;
 constexpr int kRowSplit = 8;  // portable cluster size
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;  // radix-select bins per pass
@@ -64,6 +65,9 @@ __device__ __forceinline__ void for_each_logit(const float* row, int32_t vocab_s
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
     const int32_t quads = vocab_size / 4;
     const float4* row4 = reinterpret_cast<const float4*>(row);
+    // Unrolled so that several loads are in flight per thread (a thread's share of a decode
+    // step's row is a handful of float4s: one at a time, each pass waited a round trip each).
+#pragma unroll 4
     for (int32_t q = threadIdx.x; q < quads; q += kThreads) {
       const float4 v = row4[q];
       f(4 * q, v.x);
@@ -249,7 +253,7 @@ __device__ uint64_t select_key(const float* row, const float* weights, int32_t v
   return lo;
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     sample_rows_kernel(const SamplingDims dims, const float* __restrict__ logits,
                        const RowSamplingParams* __restrict__ params, float* __restrict__ workspace,
                        SampledRow* __restrict__ out, SampledTop* __restrict__ top) {
