@@ -65,9 +65,6 @@ __device__ __forceinline__ void for_each_logit(const float* row, int32_t vocab_s
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
     const int32_t quads = vocab_size / 4;
     const float4* row4 = reinterpret_cast<const float4*>(row);
-    // Unrolled so that several loads are in flight per thread (a thread's share of a decode
-    // step's row is a handful of float4s: one at a time, each pass waited a round trip each).
-#pragma unroll 4
     for (int32_t q = threadIdx.x; q < quads; q += kThreads) {
       const float4 v = row4[q];
       f(4 * q, v.x);
