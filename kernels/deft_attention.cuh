@@ -807,8 +807,9 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 // partials costs one memory round trip after stage 1 (the plan's rows are read before the wait).
 // Loading the LSEs first, then the rows 8 at a time, took four: 7.4 µs for 20 few-shot queries
 // in the decode step (ncu, H100, 2026-11-23), where stage 2 sits between stage 1 and the O
-// projection. A larger batch holds more registers (32: 168 a thread), so the launch picks the
-// largest batch whose grid still fits on the GPU at once (stage2_batch in deft_attention.cu).
+// projection. A larger batch holds more registers (32: 168 a thread, 8: 64), so the launch
+// picks the batch (stage2_kernel_for in deft_attention.cu): the smallest that takes the plan's
+// largest query in one trip among those whose grid fits on the GPU at once.
 template <typename T, int kHeadDim, int kBatch>
 __global__ void __launch_bounds__(kStage2Threads)
     deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
