@@ -29,7 +29,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -42,6 +41,7 @@
 #include "kernels/device_buffer.h"
 #include "kernels/llama_ops.h"
 #include "kernels/skinny_gemm.h"
+#include "models/dtype.h"
 
 namespace deft::bench {
 namespace {
@@ -146,10 +146,7 @@ int main(int argc, char** argv) {
         }
         std::vector<uint16_t> bits(y_count);
         DEFT_CUDA_CHECK(cudaMemcpy(bits.data(), y.data(), y_bytes, cudaMemcpyDeviceToHost));
-        for (size_t i = 0; i < y_count; ++i) {
-          const uint32_t word = uint32_t{bits[i]} << 16;
-          std::memcpy(&values[i], &word, 4);
-        }
+        for (size_t i = 0; i < y_count; ++i) values[i] = models::bf16_to_float(bits[i]);
         return values;
       };
       const float alpha = 1.0f, beta = 0.0f;

@@ -270,17 +270,22 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
 
   host_prefill_runs_.assign(host_plan.prefill_runs,
                             host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));
-  shape_ = PlanShape{};
+  shape_ = plan_shape(host_plan);
+}
+
+PlanShape plan_shape(const AttentionPlanView& host_plan) {
+  PlanShape shape;
   for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
-    shape_.max_task_entries =
-        std::max(shape_.max_task_entries,
+    shape.max_task_entries =
+        std::max(shape.max_task_entries,
                  host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
   }
   for (int32_t query = 0; query < host_plan.num_queries; ++query) {
-    shape_.max_query_entries =
-        std::max(shape_.max_query_entries,
+    shape.max_query_entries =
+        std::max(shape.max_query_entries,
                  host_plan.query_entry_begin[query + 1] - host_plan.query_entry_begin[query]);
   }
+  return shape;
 }
 
 // ---- DeftAttentionBuffers

@@ -878,11 +878,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   State::StepGraph* graph = nullptr;
   int32_t launch_rows = rows, launch_logit_rows = logit_rows;
   if (graph_step) {
-    int32_t max_task_entries = 0;
-    for (int32_t t = 0; t < plan.num_tasks(); ++t) {
-      max_task_entries =
-          std::max(max_task_entries, plan.task_entry_begin[t + 1] - plan.task_entry_begin[t]);
-    }
+    const int32_t max_task_entries = kernels::plan_shape(plan.view()).max_task_entries;
     const State::GraphKey key{
         .rows = gemm_row_bucket(rows),
         .logit_rows = gemm_row_bucket(logit_rows),
