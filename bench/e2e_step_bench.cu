@@ -273,7 +273,9 @@ class Bench {
  private:
   // The sequence baseline keeps the planner's default chunks.
   engine::PlannerOptions planner_options(PlanKind kind) const {
-    return {.kind = kind, .chunk_tokens = kind == PlanKind::kDeftFlatten ? chunk_tokens_ : 0};
+    return {.kind = kind,
+            .chunk_tokens = kind == PlanKind::kDeftFlatten ? chunk_tokens_ : 0,
+            .wave = runner_.attention_wave()};
   }
 
   models::LlamaCudaRunner& runner_;
@@ -303,7 +305,7 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50, chunk_tokens = 0;
-  std::string gemm_arg = "tuned", only_case;
+  std::string gemm_arg = "tuned", only_case, only_method;
   bool wide_search = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -315,11 +317,17 @@ int main(int argc, char** argv) {
     else if (flag == "--gemm-search") wide_search = std::string(argv[i + 1]) == "wide";
     else if (flag == "--chunk-tokens") chunk_tokens = std::atoi(argv[i + 1]);
     else if (flag == "--case") only_case = argv[i + 1];
+    else if (flag == "--method") only_method = argv[i + 1];
   }
   if (!only_case.empty() && only_case != "fewshot_p4000_b20_s100" &&
       only_case != "specdec_p6000_t64") {
     std::fprintf(stderr, "--case: unknown case '%s' (fewshot_p4000_b20_s100, specdec_p6000_t64)\n",
                  only_case.c_str());
+    return 1;
+  }
+  if (!only_method.empty() && only_method != "deft_flatten" && only_method != "sequence") {
+    std::fprintf(stderr, "--method: unknown method '%s' (deft_flatten, sequence)\n",
+                 only_method.c_str());
     return 1;
   }
   if (chunk_tokens < 0) {
@@ -396,6 +404,7 @@ int main(int argc, char** argv) {
       std::vector<ResultRow> rows;
       std::vector<std::vector<std::vector<TokenId>>> argmaxes;
       for (const Method& m : methods) {
+        if (!only_method.empty() && m.name != only_method) continue;
         const auto run_once = [&](models::StepTiming timing, bool graphs) {
           bench.set_cuda_graphs(graphs);
           Run run = c.spec ? bench.specdec(m.kind, timing, *trace, 6000, spec_steps)
@@ -550,26 +559,31 @@ int main(int argc, char** argv) {
       // Greedy tokens of DeFT vs the sequence baseline (same weights, same inputs): the fraction
       // of (step, row) argmaxes that agree. Few-shot feeds tokens back, so compare up to the
       // first step where a branch diverged.
-      const auto& a = argmaxes[0];
-      const auto& b = argmaxes[1];
+      // (Both methods only: --method runs one.)
       int64_t same = 0, all = 0;
       int first_diff = -1;
-      for (size_t s = 0; s < std::min(a.size(), b.size()); ++s) {
-        for (size_t r = 0; r < a[s].size() && r < b[s].size(); ++r) {
-          ++all;
-          same += a[s][r] == b[s][r];
+      if (argmaxes.size() == 2) {
+        const auto& a = argmaxes[0];
+        const auto& b = argmaxes[1];
+        for (size_t s = 0; s < std::min(a.size(), b.size()); ++s) {
+          for (size_t r = 0; r < a[s].size() && r < b[s].size(); ++r) {
+            ++all;
+            same += a[s][r] == b[s][r];
+          }
+          if (first_diff < 0 && a[s] != b[s]) first_diff = static_cast<int>(s);
+          if (!c.spec && first_diff >= 0) break;
         }
-        if (first_diff < 0 && a[s] != b[s]) first_diff = static_cast<int>(s);
-        if (!c.spec && first_diff >= 0) break;
+        std::printf("%-24s greedy argmax agreement deft_flatten vs sequence: %lld / %lld (first "
+                    "differing step %d)\n",
+                    c.name.c_str(), static_cast<long long>(same), static_cast<long long>(all),
+                    first_diff);
       }
-      std::printf("%-24s greedy argmax agreement deft_flatten vs sequence: %lld / %lld (first "
-                  "differing step %d)\n",
-                  c.name.c_str(), static_cast<long long>(same), static_cast<long long>(all),
-                  first_diff);
       for (ResultRow& row : rows) {
         if (row.method.empty()) continue;
-        row.extra["greedy_agreement_with_other_method"] = {
-            {"same", same}, {"compared", all}, {"first_differing_step", first_diff}};
+        if (argmaxes.size() == 2) {
+          row.extra["greedy_agreement_with_other_method"] = {
+              {"same", same}, {"compared", all}, {"first_differing_step", first_diff}};
+        }
         result.add(row);
       }
     }

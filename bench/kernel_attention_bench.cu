@@ -141,12 +141,23 @@ struct Args {
   std::string workloads = DEFT_WORKLOADS_DIR;
   std::string out;
   int reps = 50;            // graph replays of kLaunchesPerGraph launches each
-  std::string only_case;    // run only this case (for profiling)
-  std::string only_method;  // run only this method
+  std::string only_case;    // run only these cases (comma-separated; for profiling)
+  std::string only_method;  // run only these methods (comma-separated)
 };
 
 }  // namespace
 }  // namespace deft::bench
+
+// Whether `name` is one of the comma-separated names of `list` (an empty list holds every name).
+bool listed(const std::string& list, const std::string& name) {
+  if (list.empty()) return true;
+  for (size_t begin = 0; begin <= list.size();) {
+    const size_t end = std::min(list.find(',', begin), list.size());
+    if (list.compare(begin, end - begin, name) == 0) return true;
+    begin = end + 1;
+  }
+  return false;
+}
 
 int main(int argc, char** argv) {
   using namespace deft;
@@ -191,6 +202,12 @@ int main(int argc, char** argv) {
   dims.num_kv_heads = kNumKvHeads;
   dims.head_dim = kHeadDim;
   dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  // The adaptive B's view of this GPU (PlannerOptions::wave), as the CUDA runner reports it.
+  const engine::AttentionWave wave = {
+      .ctas = kernels::deft_attention_resident_ctas(dims, kernels::DType::kBf16),
+      .kv_heads = kNumKvHeads,
+      .group_size = dims.group_size()};
+  std::printf("stage-1 CTAs resident at once: %d\n", wave.ctas);
   const size_t kv_row = size_t{kNumKvHeads} * kHeadDim;
   const size_t q_row = size_t{kNumQHeads} * kHeadDim;
 
@@ -210,6 +227,9 @@ int main(int argc, char** argv) {
       {PlanKind::kDeftFlatten, 384, "deft_flatten_b384"},
       {PlanKind::kDeftFlatten, 448, "deft_flatten_b448"},
       {PlanKind::kDeftFlatten, 512, "deft_flatten_b512"},
+      {PlanKind::kDeftFlatten, 576, "deft_flatten_b576"},
+      {PlanKind::kDeftFlatten, 640, "deft_flatten_b640"},
+      {PlanKind::kDeftFlatten, 768, "deft_flatten_b768"},
       {PlanKind::kDeftNode, 128, "deft_node"},
       {PlanKind::kDeftNodeChunk, 128, "deft_node_chunk"},
       {PlanKind::kSequence, 512, "sequence"},
@@ -223,7 +243,7 @@ int main(int argc, char** argv) {
   std::printf("%-32s %-18s %9s %9s %7s %9s %8s\n", "case", "method", "median_us", "floor_us",
               "ratio", "GB/s", "rel_err");
   for (const Snapshot& s : snapshots) {
-    if (!args.only_case.empty() && s.name != args.only_case) continue;
+    if (!listed(args.only_case, s.name)) continue;
     const int32_t num_slots = static_cast<int32_t>(s.kv->num_slots());
     const int32_t num_queries = static_cast<int32_t>(s.queries.size());
     const size_t kv_elems = size_t(num_slots) * kv_row;
@@ -286,8 +306,8 @@ int main(int argc, char** argv) {
     }
 
     for (const Method& m : methods) {
-      if (!args.only_method.empty() && m.name != args.only_method) continue;
-      AttentionPlanner planner({.kind = m.kind, .chunk_tokens = m.chunk_tokens});
+      if (!listed(args.only_method, m.name)) continue;
+      AttentionPlanner planner({.kind = m.kind, .chunk_tokens = m.chunk_tokens, .wave = wave});
       AttentionPlan plan;
       const std::vector<engine::TreeQueries> input = {{s.tree.get(), s.queries}};
       must(planner.plan(input, plan));
@@ -346,12 +366,9 @@ int main(int argc, char** argv) {
       row.floor_us = floor_us;
       row.extra = {{"tree_kv_tokens", tree_tokens},
                    {"queries", num_queries},
-                   // The B the plan used: the adaptive rule's pick where m.chunk_tokens = 0
-                   // (the planner passes the tree's flattened token count, which is the whole
-                   // tree here: every token of these snapshots is on some query's path).
-                   {"chunk_tokens", m.chunk_tokens > 0 ? m.chunk_tokens
-                                                       : engine::adaptive_chunk_tokens(
-                                                             num_queries, tree_tokens)},
+                   // The B the plan used: the adaptive rule's pick (with this GPU's stage-1
+                   // wave) where m.chunk_tokens = 0.
+                   {"chunk_tokens", plan.io.max_chunk_tokens},
                    {"chunk_policy", std::string(m.chunk_tokens > 0 ? "fixed" : "adaptive")},
                    {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
                    {"tasks", plan.io.tasks},

@@ -51,6 +51,14 @@ struct OrderedQueries {
 // the GPU kernel).
 constexpr int32_t kMinUnmaskedSplit = 64;
 
+// The GPU kernel's stage 1 (kernels/deft_attention.cuh): KV tiles of 64 tokens, passes of up to
+// 64 rows (entries x group) per CTA; passes of at most 16 rows are short (see
+// adaptive_chunk_tokens in the header); a CTA's fixed cost in tiles.
+constexpr int32_t kWaveTileTokens = 64;
+constexpr int32_t kWavePassRows = 64;
+constexpr int32_t kWaveLightRows = 16;
+constexpr int64_t kWaveCtaOverheadTiles = 2;
+
 }  // namespace
 
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens) {
@@ -134,8 +142,9 @@ void AttentionPlan::clear() {
 // Builds plans; holds the per-tree scratch so that planning allocates nothing once warm.
 class PlanBuilder {
  public:
-  void start(const PlannerOptions& options, AttentionPlan& plan) {
+  void start(const PlannerOptions& options, int32_t step_queries, AttentionPlan& plan) {
     options_ = options;
+    step_queries_ = step_queries;
     plan_ = &plan;
   }
 
@@ -359,10 +368,11 @@ class PlanBuilder {
   // Cuts the flattened tree into pieces by plan kind and turns each piece into tasks.
   void add_piece_tasks() {
     const int32_t total = flat_.num_tokens;
-    const int32_t chunk =
-        options_.chunk_tokens > 0
-            ? options_.chunk_tokens
-            : adaptive_chunk_tokens(static_cast<int64_t>(queries_.row.size()), total);
+    const int32_t chunk = options_.chunk_tokens > 0 ? options_.chunk_tokens : wave_chunk_tokens();
+    if (options_.kind == PlanKind::kDeftFlatten || options_.kind == PlanKind::kDeftNodeChunk ||
+        options_.kind == PlanKind::kDenseMask) {
+      plan_->io.max_chunk_tokens = std::max(plan_->io.max_chunk_tokens, chunk);
+    }
     run_cursor_ = 0;
     switch (options_.kind) {
       case PlanKind::kDeftFlatten:
@@ -383,6 +393,59 @@ class PlanBuilder {
       case PlanKind::kSequence:
         break;  // handled by add_sequence_tasks
     }
+  }
+
+  // The adaptive B of the current tree (see adaptive_chunk_tokens in the header): the base rule's,
+  // or, when the GPU's wave is known and a Flatten grid at that B takes more than one wave, the
+  // B in [base, 2 base] with the fewest waves x the longest chain.
+  int32_t wave_chunk_tokens() {
+    const int64_t num_queries = static_cast<int64_t>(queries_.row.size());
+    const int32_t base = adaptive_chunk_tokens(num_queries, flat_.num_tokens);
+    const AttentionWave& wave = options_.wave;
+    if (options_.kind != PlanKind::kDeftFlatten || wave.ctas <= 0 || wave.kv_heads <= 0 ||
+        wave.group_size <= 0 || step_queries_ <= 0) {
+      return base;
+    }
+    // This tree's share of the wave (by queries) when the step has several trees.
+    const int64_t ctas = std::max<int64_t>(1, int64_t{wave.ctas} * num_queries / step_queries_);
+    const auto cost = [&](int32_t chunk, bool* one_wave) {
+      WaveCount count;
+      counting_ = &count;
+      run_cursor_ = 0;
+      for (int32_t a = 0; a < flat_.num_tokens; a += chunk) {
+        add_piece(a, std::min(flat_.num_tokens, a + chunk));
+      }
+      counting_ = nullptr;
+      const int64_t waves = std::max<int64_t>(1, (count.heavy_ctas + ctas - 1) / ctas);
+      *one_wave = waves == 1;
+      return waves * (count.max_tiles + kWaveCtaOverheadTiles);
+    };
+    bool one_wave = false;
+    int64_t best_cost = cost(base, &one_wave);
+    if (one_wave) return base;
+    int32_t best = base;
+    for (int32_t chunk = base + kWaveTileTokens; chunk <= 2 * base; chunk += kWaveTileTokens) {
+      const int64_t c = cost(chunk, &one_wave);
+      if (c < best_cost) {
+        best_cost = c;
+        best = chunk;
+      }
+    }
+    return best;
+  }
+
+  // A task as the wave estimate counts it (counting_ set): its longest chain and its CTAs of
+  // more than kWaveLightRows rows.
+  struct WaveCount {
+    int64_t heavy_ctas = 0;
+    int64_t max_tiles = 0;
+  };
+  void count_task(int32_t tokens, int32_t entries) {
+    const int64_t rows = int64_t{entries} * options_.wave.group_size;
+    const int64_t heavy_passes = rows / kWavePassRows + (rows % kWavePassRows > kWaveLightRows);
+    counting_->heavy_ctas += heavy_passes * options_.wave.kv_heads;
+    counting_->max_tiles =
+        std::max<int64_t>(counting_->max_tiles, (tokens + kWaveTileTokens - 1) / kWaveTileTokens);
   }
 
   // Flat tokens [a, b) of the current tree become one or more tasks. Pieces come in increasing
@@ -472,6 +535,10 @@ class PlanBuilder {
       add_task(flat_base_ + a, flat_base_ + b, g0, g1, /*mask_begin=*/-1);
       return;
     }
+    if (counting_ != nullptr) {
+      count_task(b - a, std::popcount(any));
+      return;
+    }
     // One word per token, the same for every token of a run; bits compacted onto the queries
     // that get an entry.
     const int32_t mask_begin = static_cast<int32_t>(plan_->mask_words.size());
@@ -505,6 +572,10 @@ class PlanBuilder {
   }
 
   void add_task(int32_t kv_begin, int32_t kv_end, int32_t g0, int32_t g1, int32_t mask_begin) {
+    if (counting_ != nullptr) {
+      count_task(kv_end - kv_begin, g1 - g0);
+      return;
+    }
     plan_->task_kv_begin.push_back(kv_begin);
     plan_->task_kv_end.push_back(kv_end);
     plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
@@ -553,6 +624,8 @@ class PlanBuilder {
   std::vector<int32_t> fill_cursor_;
   int32_t flat_base_ = 0;   // index in plan.kv_slots of the current tree's first flat token
   int32_t run_cursor_ = 0;  // first run that the next piece can overlap
+  int32_t step_queries_ = 0;          // every tree's queries of the step
+  WaveCount* counting_ = nullptr;     // set: tasks are counted (wave_chunk_tokens), not added
 };
 
 AttentionPlanner::AttentionPlanner(PlannerOptions options)
@@ -577,8 +650,15 @@ absl::Status AttentionPlanner::plan(std::span<const TreeQueries> trees, Attentio
     return absl::InvalidArgumentError(absl::StrCat(
         "planner: max_unmasked_queries must be >= 1, got ", options_.max_unmasked_queries));
   }
+  if (options_.wave.ctas < 0 || options_.wave.kv_heads < 0 || options_.wave.group_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "planner: wave ctas, kv_heads and group_size must be >= 0, got ", options_.wave.ctas, ", ",
+        options_.wave.kv_heads, ", ", options_.wave.group_size));
+  }
   PlanBuilder& builder = *builder_;
-  builder.start(options_, plan);
+  int32_t step_queries = 0;
+  for (const TreeQueries& tree : trees) step_queries += static_cast<int32_t>(tree.queries.size());
+  builder.start(options_, step_queries, plan);
   int32_t rows = 0;
   for (const TreeQueries& tree : trees) {
     if (absl::Status status = builder.add_tree(tree, rows); !status.ok()) {

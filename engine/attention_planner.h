@@ -32,6 +32,15 @@ std::string_view plan_kind_name(PlanKind kind);
 // Parses the names plan_kind_name() prints; INVALID_ARGUMENT names the bad value.
 absl::Status parse_plan_kind(std::string_view name, PlanKind* kind);
 
+// The GPU launch the plan will run on (the DeFT kernels' stage 1, kernels/deft_attention.h):
+// how many of its CTAs the GPU holds at once, the KV heads and the GQA group. Zero `ctas`: not
+// known (a CPU runner), and the adaptive B ignores it.
+struct AttentionWave {
+  int32_t ctas = 0;
+  int32_t kv_heads = 0;
+  int32_t group_size = 0;
+};
+
 struct PlannerOptions {
   PlanKind kind = PlanKind::kDeftFlatten;
   // B: tokens per chunk (Flatten, Node-Chunk, and the split-KV chunks of the sequence baseline).
@@ -47,6 +56,9 @@ struct PlannerOptions {
   // where a run's masked 64-query groups start to cost more than a causal tile
   // (bench/results/prefill-h100-*.json).
   int32_t min_prefill_run = 0;
+  // With ctas > 0, a Flatten tree's adaptive B may grow so that its stage-1 grid takes fewer
+  // waves (see wave_chunk_tokens in attention_planner.cc). Set from ModelRunner::attention_wave().
+  AttentionWave wave = {};
 };
 
 // The chunk size B used when PlannerOptions::chunk_tokens is 0, for a tree whose step has
@@ -59,6 +71,16 @@ struct PlannerOptions {
 // tree (a 4000-token prompt and 20 short branches: 256): it picks the best measured B on every
 // paper snapshot of round 6's sweep.
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens);
+//
+// With PlannerOptions::wave known, a Flatten tree whose chunks at that B need more than one wave
+// of stage-1 CTAs takes instead the B in [B, 2B] (multiples of 64 tokens) that minimises
+// waves x (tiles of the longest task + 2): the CTAs of 64-row passes beyond one wave start only
+// when others end, each chain a task's whole chunk. Only passes of more than 16 rows count (a
+// single query's 4-row passes are short; they fill in beside the others). Fitted to the B sweep
+// of bench/results/kernel_attention-h100-notes.md (round 8): e.g. a 6000-token prefix with a
+// 64-token tree, 416 CTAs of 8 tiles at B = 512 against 396 resident on an H100, takes B = 576
+// (384 CTAs of 9 tiles), 30.4 -> 26.1 us. A step of several trees gives each tree the share of
+// the wave its queries are of the step's.
 
 // One query: token `token_index` of `node`.
 struct QueryToken {
@@ -80,6 +102,7 @@ struct PlanIo {
   int64_t query_chunk_pairs = 0;  // entries: partial results written by stage 1
   int64_t mask_words = 0;         // 64-bit mask words read
   int64_t tasks = 0;
+  int32_t max_chunk_tokens = 0;   // the largest B of the step's trees (Flatten, Node-Chunk)
 };
 
 // Owning, host-side plan; view() gives the flat arrays the kernels take.

@@ -74,6 +74,10 @@ class ModelRunner {
   // that: the server samples it now and then for its attention-share metric).
   virtual void time_attention(bool on) { (void)on; }
   virtual double last_attention_seconds() const { return -1.0; }
+
+  // The attention launch a step's plan runs on, for the planner's chunk size
+  // (PlannerOptions::wave): zero CTAs where the backend has no such launch (the CPU).
+  virtual AttentionWave attention_wave() const { return {}; }
 };
 
 // The argument checks of forward_sampled (for backends that override it): sizes, params present

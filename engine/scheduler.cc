@@ -15,6 +15,12 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// The planner's options with the runner's attention wave, unless the caller set one.
+PlannerOptions with_wave(PlannerOptions options, const ModelRunner& runner) {
+  if (options.wave.ctas == 0) options.wave = runner.attention_wave();
+  return options;
+}
+
 }  // namespace
 
 Scheduler::Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokenizer& tokenizer)
@@ -23,7 +29,7 @@ Scheduler::Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokeni
       tokenizer_(tokenizer),
       kv_({.page_tokens = options.page_tokens, .num_pages = options.kv_pages}),
       forest_(&kv_),
-      planner_(options.planner),
+      planner_(with_wave(options.planner, runner)),
       step_(forest_, sampler_, tokenizer, runner.vocab_size()) {}
 
 Scheduler::~Scheduler() {

@@ -75,22 +75,38 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
   return pick != nullptr ? pick->kernel : choices.back().kernel;
 }
 
+// Stage 1's kernel with its dynamic shared-memory limit raised (not a stream operation: done once
+// per instantiation, before any capture the caller may start later).
+template <typename T, int kHeadDim>
+auto stage1_kernel() {
+  auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim>;
+  static const bool smem_configured = [&] {
+    DEFT_CUDA_CHECK(cudaFuncSetAttribute(stage1, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         detail::Stage1Smem<kHeadDim>::kBytes));
+    return true;
+  }();
+  (void)smem_configured;
+  return stage1;
+}
+
+template <typename T, int kHeadDim>
+int32_t resident_ctas_typed() {
+  int device = 0, sms = 0, per_sm = 0;
+  DEFT_CUDA_CHECK(cudaGetDevice(&device));
+  DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  DEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, stage1_kernel<T, kHeadDim>(), detail::kStage1Threads,
+      detail::Stage1Smem<kHeadDim>::kBytes));
+  return per_sm * sms;
+}
+
 template <typename T, int kHeadDim>
 void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const AttentionDims& dims,
                   const void* q, const void* k_cache, const void* v_cache, float* partial_out,
                   float* partial_lse, void* out, cudaStream_t stream, bool stage2,
                   int32_t stage2_batch) {
-  using detail::Stage1Smem;
-  auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim>;
-  constexpr int kSmemBytes = Stage1Smem<kHeadDim>::kBytes;
-  // Raising the dynamic shared-memory limit is not a stream operation: done once per
-  // instantiation, before any capture the caller may start later.
-  static const bool smem_configured = [&] {
-    DEFT_CUDA_CHECK(
-        cudaFuncSetAttribute(stage1, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    return true;
-  }();
-  (void)smem_configured;
+  auto* stage1 = stage1_kernel<T, kHeadDim>();
+  constexpr int kSmemBytes = detail::Stage1Smem<kHeadDim>::kBytes;
 
   const int group = dims.group_size();
   detail::Stage1Params params{};
@@ -310,6 +326,15 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
   const int rows_per_pass = 4 * detail::kMmaRows;
   const int passes = (max_rows + rows_per_pass - 1) / rows_per_pass;
   return std::min(passes, kMaxRowSlices);
+}
+
+int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype) {
+  if (!deft_attention_supported(dims)) return 0;
+  if (dtype == DType::kBf16) {
+    return dims.head_dim == 64 ? resident_ctas_typed<__nv_bfloat16, 64>()
+                               : resident_ctas_typed<__nv_bfloat16, 128>();
+  }
+  return dims.head_dim == 64 ? resident_ctas_typed<__half, 64>() : resident_ctas_typed<__half, 128>();
 }
 
 void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,

@@ -104,6 +104,11 @@ bool deft_attention_supported(const AttentionDims& dims);
 // launches with equal row slices (and equal plan views) have equal launch shapes.
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
 
+// Stage-1 CTAs the current device holds at once (SMs x CTAs per SM for `dims` and `dtype`): a
+// grid larger than this runs in more than one wave. The planner sizes chunks by it
+// (engine::PlannerOptions::wave).
+int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype);
+
 // Whether launch_deft_attention runs stage 2. kIfMerging: when the plan's counts say a query has
 // two partials (num_entries > num_queries, or the plan has prefill runs). A padded plan
 // (DevicePlan::upload_padded) carries capacities, not counts, so its caller decides from the step's

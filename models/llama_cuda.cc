@@ -780,6 +780,14 @@ void LlamaCudaRunner::set_cuda_graphs(bool on) {
 }
 const CudaGraphStats& LlamaCudaRunner::cuda_graph_stats() const { return state_->graph_stats; }
 
+engine::AttentionWave LlamaCudaRunner::attention_wave() const {
+  const State& s = *state_;
+  if (!s.deft_kernels) return {};
+  return {.ctas = kernels::deft_attention_resident_ctas(s.dims, s.dtype),
+          .kv_heads = s.dims.num_kv_heads,
+          .group_size = s.dims.group_size()};
+}
+
 absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<float> logits) {
   return run_step(batch, logits, {}, {});
 }

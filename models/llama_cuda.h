@@ -109,6 +109,10 @@ class LlamaCudaRunner final : public engine::ModelRunner {
                                std::span<const engine::RowSampling> rows,
                                std::span<engine::SampledToken> out) override;
 
+  // The DeFT stage-1 launch (CTAs resident at once, KV heads, GQA group); none on the generic
+  // attention fallback.
+  engine::AttentionWave attention_wave() const override;
+
   size_t weight_bytes() const;
   size_t activation_bytes() const;
   size_t kv_cache_bytes() const;

@@ -192,8 +192,8 @@ void check_plan(const RandomStep& step, const PlannerOptions& options, const Att
 }
 
 // Planner options the random cases draw from: the paper's default, small chunks, chunks that
-// are not a multiple of the page and tiny unmasked groups, one query per unmasked task, and
-// prefill runs.
+// are not a multiple of the page and tiny unmasked groups, one query per unmasked task,
+// prefill runs, and the adaptive B under a small GPU wave (PlannerOptions::wave).
 const PlannerOptions kOptionSets[] = {
     {.chunk_tokens = 128, .max_unmasked_queries = 256},
     {.chunk_tokens = 16, .max_unmasked_queries = 64},
@@ -201,6 +201,8 @@ const PlannerOptions kOptionSets[] = {
     {.chunk_tokens = 300, .max_unmasked_queries = 1},
     // Runs of >= 3 consecutive new tokens of a node go to prefill runs (the rest to tasks).
     {.chunk_tokens = 16, .max_unmasked_queries = 64, .min_prefill_run = 3},
+    // The adaptive B with a wave of a few CTAs: chunks grow past the base rule's.
+    {.wave = {.ctas = 4, .kv_heads = 2, .group_size = 4}},
 };
 
 class AttentionPlannerPropertyTest

@@ -165,6 +165,65 @@ TEST(AttentionPlanner, AdaptiveChunkFollowsQueriesAndTreeSize) {
   EXPECT_EQ(plan.io.kv_tokens_read, 8000);
 }
 
+// A prefix of `prefix` tokens and `leaves` one-token children queried each (a star-shaped token
+// tree, as speculative verification hangs under the prompt).
+struct TokenStar {
+  KvCacheManager kv{{.page_tokens = 16, .num_pages = 4096}};
+  SequenceTree tree{0, &kv};
+  std::vector<QueryToken> queries;
+
+  TokenStar(int prefix, int leaves) {
+    EXPECT_TRUE(tree.append(tree.root(), std::vector<TokenId>(prefix, 5)).ok());
+    const std::vector<NodeId> leaf_ids = tree.branch(tree.root(), leaves).value();
+    for (NodeId leaf : leaf_ids) {
+      EXPECT_TRUE(tree.append(leaf, std::vector<TokenId>{7}).ok());
+      queries.push_back({leaf, 0});
+    }
+  }
+  std::vector<TreeQueries> input() const { return {{&tree, queries}}; }
+};
+
+// H100, Llama-3-8B shapes: 132 SMs x 3 stage-1 CTAs, 8 KV heads, groups of 4.
+constexpr AttentionWave kH100Wave = {.ctas = 396, .kv_heads = 8, .group_size = 4};
+
+TEST(AttentionPlanner, WaveGrowsTheAdaptiveChunkWhenTheGridSpillsOverOneWave) {
+  // 6000 + 64: at B = 512, 12 prefix pieces and the star's masked piece, each 4 passes of 64 rows
+  // x 8 KV heads = 416 CTAs against 396 resident; at 576, 11 + 1 pieces = 384: one wave.
+  TokenStar star(6000, 64);
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner().plan(star.input(), plan).ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 512);
+  EXPECT_EQ(plan.io.tasks, 13);
+  ASSERT_TRUE(AttentionPlanner({.wave = kH100Wave}).plan(star.input(), plan).ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 576);
+  EXPECT_EQ(plan.io.tasks, 12);
+  EXPECT_EQ(plan.io.kv_tokens_read, 6064);
+  // 6000 + 256: never one wave up to 2 x 512; 768 has the fewest waves x tiles (3 x 14).
+  TokenStar big(6000, 256);
+  ASSERT_TRUE(AttentionPlanner({.wave = kH100Wave}).plan(big.input(), plan).ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 768);
+}
+
+TEST(AttentionPlanner, WaveKeepsTheAdaptiveChunkOfGridsThatFit) {
+  // Few-shot b = 20: 8 prefix pieces x 8 KV heads of 64-row passes (the 16-row second passes
+  // and the one-query branches are short), well inside one wave.
+  FewShot job(4000, 20, 200);
+  AttentionPlan plan;
+  ASSERT_TRUE(AttentionPlanner({.wave = kH100Wave}).plan(job.input(), plan).ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 512);
+  // A fixed B is kept whatever the wave; other plan kinds ignore it.
+  ASSERT_TRUE(AttentionPlanner({.chunk_tokens = 512, .wave = kH100Wave})
+                  .plan(TokenStar(6000, 64).input(), plan)
+                  .ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 512);
+  ASSERT_TRUE(AttentionPlanner({.kind = PlanKind::kDeftNodeChunk, .wave = kH100Wave})
+                  .plan(TokenStar(6000, 64).input(), plan)
+                  .ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 512);
+  EXPECT_EQ(AttentionPlanner({.wave = {.ctas = -1}}).plan(job.input(), plan).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(AttentionPlanner, SeveralTreesInOneStepNumberRowsInOrder) {
   FewShot a(40, 2, 3), b(50, 3, 2);
   std::vector<TreeQueries> input = {{&a.tree, a.queries}, {&b.tree, b.queries}};

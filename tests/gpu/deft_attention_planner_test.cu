@@ -196,6 +196,40 @@ TEST_P(DeftAttentionPlannerGpuTest, FewShot) { check_all_kinds(few_shot(rng_), "
 TEST_P(DeftAttentionPlannerGpuTest, TokenTree) { check_all_kinds(token_tree(rng_), "token-tree"); }
 TEST_P(DeftAttentionPlannerGpuTest, Reasoning) { check_all_kinds(reasoning(rng_), "reasoning"); }
 
+// Flatten's adaptive B under a wave (engine::PlannerOptions::wave): this GPU's (B kept, or grown
+// where a grid spills over), and a wave of 4 CTAs, over which every tree spills (B grows to the
+// estimate's minimum, up to twice the base rule's: sizes no fixed-B case runs).
+TEST_P(DeftAttentionPlannerGpuTest, AdaptiveChunkUnderAWave) {
+  const Case c = GetParam();
+  AttentionDims dims;
+  dims.num_kv_heads = 2;
+  dims.num_q_heads = 2 * c.group_size;
+  dims.head_dim = c.head_dim;
+  dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const int32_t resident = deft_attention_resident_ctas(dims, c.dtype);
+  int device = 0, sms = 0;
+  DEFT_CUDA_CHECK(cudaGetDevice(&device));
+  DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  EXPECT_GT(resident, 0);
+  EXPECT_EQ(resident % sms, 0) << resident << " CTAs on " << sms << " SMs";
+  std::printf("  stage-1 CTAs resident at once: %d (%d SMs)\n", resident, sms);
+  const Snapshot snapshots[] = {few_shot(rng_), token_tree(rng_), reasoning(rng_)};
+  const char* names[] = {"few-shot", "token-tree", "reasoning"};
+  for (const int32_t ctas : {resident, 4}) {
+    for (int i = 0; i < 3; ++i) {
+      SCOPED_TRACE(testing::Message() << names[i] << " wave " << ctas << " seed=" << seed_);
+      AttentionPlanner planner(
+          {.wave = {.ctas = ctas, .kv_heads = dims.num_kv_heads, .group_size = c.group_size}});
+      AttentionPlan plan;
+      const std::vector<engine::TreeQueries> input = {{snapshots[i].tree.get(),
+                                                       snapshots[i].queries}};
+      ASSERT_TRUE(planner.plan(input, plan).ok());
+      check_plan(plan, static_cast<int32_t>(snapshots[i].kv->num_slots()), names[i],
+                 PlanKind::kDeftFlatten, plan.io.max_chunk_tokens);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, DeftAttentionPlannerGpuTest,
                          testing::Values(Case{DType::kBf16, 128, 4}, Case{DType::kFp16, 128, 8},
                                          Case{DType::kBf16, 64, 1}, Case{DType::kFp16, 64, 2}),
