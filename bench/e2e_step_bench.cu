@@ -19,16 +19,19 @@
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
-//                  [--gemm tuned|cublas|skinny|skinny_wide[,...]] [--gemm-search heuristic|wide]
-//                  [--chunk-tokens B] [--case NAME]
-//   --gemm: tuned (the runner's default: cuBLASLt algorithms tuned at load, models/gemm_tuner.h),
-//   cublas (cuBLAS's default algorithm), skinny (kernels/skinny_gemm.h for every GEMM of a
+//                  [--gemm tuned|cublas|skinny|skinny_wide|skinny_head[,...]]
+//                  [--gemm-search heuristic|wide] [--chunk-tokens B] [--case NAME]
+//                  [--method deft_flatten|sequence]
+//   --gemm: skinny_head (the runner's default: cuBLASLt algorithms tuned at load,
+//   models/gemm_tuner.h, and kernels/skinny_gemm.h for the LM head), tuned (cuBLASLt for every
+//   GEMM), cublas (cuBLAS's default algorithm), skinny (the skinny GEMM for every GEMM of a
 //   <= 64-row step), skinny_wide (only for its wide shapes, kernels::skinny_gemm_wide); a
 //   comma-separated list runs every case and method once per mode in the same process (same
 //   weights), rows of modes after the first named "<method>_gemm_<mode>";
 //   --gemm-search wide: the tuner also tries every other cuBLASLt algorithm id.
 //   --chunk-tokens B: DeFT-Flatten's chunk size (default 0: the planner's adaptive B).
 //   --case NAME: only that case (fewshot_p4000_b20_s100 or specdec_p6000_t64).
+//   --method NAME: only that method (no agreement between methods is reported then).
 // Writes <out>/e2e_step-<gpu>-<date>.json (../shared/BENCH_RESULTS.md).
 #include <cuda_runtime_api.h>
 
@@ -305,7 +308,7 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50, chunk_tokens = 0;
-  std::string gemm_arg = "tuned", only_case, only_method;
+  std::string gemm_arg = "skinny_head", only_case, only_method;
   bool wide_search = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -339,15 +342,18 @@ int main(int argc, char** argv) {
     const size_t end = std::min(gemm_arg.find(',', begin), gemm_arg.size());
     gemm_modes.push_back(gemm_arg.substr(begin, end - begin));
     if (gemm_modes.back() != "tuned" && gemm_modes.back() != "cublas" &&
-        gemm_modes.back() != "skinny" && gemm_modes.back() != "skinny_wide") {
-      std::fprintf(stderr, "--gemm: unknown mode '%s' (tuned, cublas, skinny, skinny_wide)\n",
+        gemm_modes.back() != "skinny" && gemm_modes.back() != "skinny_wide" &&
+        gemm_modes.back() != "skinny_head") {
+      std::fprintf(stderr,
+                   "--gemm: unknown mode '%s' (tuned, cublas, skinny, skinny_wide, skinny_head)\n",
                    gemm_modes.back().c_str());
       return 1;
     }
     begin = end + 1;
   }
+  // Every mode but cublas runs the tuned cuBLASLt algorithms for its cuBLAS GEMMs.
   const bool any_tuned =
-      std::find(gemm_modes.begin(), gemm_modes.end(), "tuned") != gemm_modes.end();
+      std::count(gemm_modes.begin(), gemm_modes.end(), "cublas") < std::ssize(gemm_modes);
   absl::StatusOr<engine::SpecDecTrace> trace =
       engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
   must(trace.status(), "trace");
@@ -388,6 +394,7 @@ int main(int argc, char** argv) {
     using SkinnyGemmUse = models::LlamaCudaRunner::SkinnyGemmUse;
     (*runner)->set_skinny_gemm(gemm == "skinny"        ? SkinnyGemmUse::kAll
                                : gemm == "skinny_wide" ? SkinnyGemmUse::kWide
+                               : gemm == "skinny_head" ? SkinnyGemmUse::kLmHead
                                                        : SkinnyGemmUse::kOff);
     const std::string method_suffix = gemm == gemm_modes.front() ? "" : "_gemm_" + gemm;
     std::printf("GEMMs: %s\n", gemm.c_str());
@@ -500,6 +507,8 @@ int main(int argc, char** argv) {
               {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
               {"gemm", gemm == "skinny"        ? "skinny GEMM (<= 64 rows), tuned cuBLASLt "
                                                      "otherwise"
+                     : gemm == "skinny_head" ? "skinny GEMM for the LM head (<= 64 rows), tuned "
+                                               "cuBLASLt otherwise"
                      : gemm == "skinny_wide" ? "skinny GEMM for the wide shapes (<= 64 rows), "
                                                "tuned cuBLASLt otherwise"
                      : gemm == "tuned" ? (wide_search ? "cuBLASLt algorithms tuned at load for "

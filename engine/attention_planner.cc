@@ -253,8 +253,10 @@ class PlanBuilder {
   absl::Status order_queries(const SequenceTree& tree, std::span<const QueryToken> queries,
                              int32_t row_base) {
     // Depth-first ranks of the live nodes.
+    // Sized by node id; only live nodes' entries are read, each set by this traversal (pruned
+    // ids stay tombstones in the tree, so the array is grown, never cleared: O(live nodes)).
     const int32_t limit = tree.node_id_limit();
-    rank_.assign(limit, -1);
+    if (static_cast<int32_t>(rank_.size()) < limit) rank_.resize(limit, -1);
     dfs_nodes_.clear();
     stack_.assign(1, tree.root());
     while (!stack_.empty()) {
@@ -424,7 +426,9 @@ class PlanBuilder {
     int64_t best_cost = cost(base, &one_wave);
     if (one_wave) return base;
     int32_t best = base;
-    for (int32_t chunk = base + kWaveTileTokens; chunk <= 2 * base; chunk += kWaveTileTokens) {
+    // Upwards; among B of one wave the smallest costs least (its longest chain is shortest).
+    for (int32_t chunk = base + kWaveTileTokens; chunk <= 2 * base && !one_wave;
+         chunk += kWaveTileTokens) {
       const int64_t c = cost(chunk, &one_wave);
       if (c < best_cost) {
         best_cost = c;

@@ -365,37 +365,39 @@ int sm_count() {
   return count;
 }
 
-// The handed-over pieces and their flags, one set per device, for the largest grid.
+// The handed-over pieces and their flags for the largest grid, one set per (device, stream):
+// launches on one stream are ordered, launches on different streams (two runners) never share.
 struct Workspace {
+  int device = -1;
+  cudaStream_t stream = nullptr;
   float* pieces = nullptr;
   uint32_t* flags = nullptr;
 };
 
-// Created on first use, which must not be inside a graph capture of `stream`.
+// Created on the stream's first use, which must not be inside a graph capture of `stream`.
 Workspace workspace(cudaStream_t stream) {
   static std::mutex mutex;
-  static std::vector<Workspace> by_device;
+  static std::vector<Workspace> sets;
   int device = 0;
   DEFT_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
-  if (device < static_cast<int>(by_device.size()) && by_device[device].pieces != nullptr) {
-    return by_device[device];
+  for (const Workspace& w : sets) {
+    if (w.device == device && w.stream == stream) return w;
   }
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (stream != nullptr) DEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) {
     std::fprintf(stderr,
-                 "launch_skinny_gemm: call skinny_gemm_reserve() before capturing a graph\n");
+                 "launch_skinny_gemm: call skinny_gemm_reserve(stream) before capturing a graph\n");
     std::abort();
   }
   const size_t ctas = static_cast<size_t>(kCtasPerSm) * sm_count();
-  Workspace w;
+  Workspace w{.device = device, .stream = stream};
   DEFT_CUDA_CHECK(cudaMalloc(&w.pieces, ctas * kSlotFloats * sizeof(float)));
   DEFT_CUDA_CHECK(cudaMalloc(&w.flags, ctas * sizeof(uint32_t)));
   DEFT_CUDA_CHECK(cudaMemset(w.flags, 0, ctas * sizeof(uint32_t)));
   DEFT_CUDA_CHECK(cudaDeviceSynchronize());
-  if (device >= static_cast<int>(by_device.size())) by_device.resize(device + 1);
-  by_device[device] = w;
+  sets.push_back(w);
   return w;
 }
 
@@ -491,8 +493,8 @@ bool skinny_gemm_available() {
   return available;
 }
 
-void skinny_gemm_reserve() {
-  if (skinny_gemm_available()) workspace(nullptr);
+void skinny_gemm_reserve(cudaStream_t stream) {
+  if (skinny_gemm_available()) workspace(stream);
 }
 
 bool skinny_gemm_wide(const SkinnyGemmDims& dims) { return tiles_of(dims) >= sm_count(); }

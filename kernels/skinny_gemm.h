@@ -34,7 +34,8 @@ bool skinny_gemm_supported(const SkinnyGemmDims& dims, const void* x, const void
 // split_k: the grid is that many CTAs per 128-row tile of w (capped at two per SM), the work
 // divided evenly among them; 0: two CTAs per SM. The results do not depend on it beyond fp32
 // rounding, and a given split gives bit-identical results every time.
-// Launches on one device must be ordered (one stream): they share a workspace.
+// Launches on one stream share a workspace (allocated on the stream's first launch, or by
+// skinny_gemm_reserve); launches on other streams have their own.
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
                         void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
                         int32_t split_k = 0);
@@ -47,7 +48,8 @@ bool skinny_gemm_wide(const SkinnyGemmDims& dims);
 // The grid launch_skinny_gemm uses for `dims` and `split_k`.
 int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k);
 
-// Allocates the device's workspace (once); launches captured into a CUDA graph need it first.
-void skinny_gemm_reserve();
+// Allocates `stream`'s workspace (once per stream and device; it is never freed: a few MB);
+// launches captured into a CUDA graph need it first.
+void skinny_gemm_reserve(cudaStream_t stream);
 
 }  // namespace deft::kernels

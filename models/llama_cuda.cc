@@ -298,13 +298,17 @@ struct LlamaCudaRunner::State {
   // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
   // On the cuBLASLt algorithm tuned for the shape's row bucket (tune_gemms), else cuBLAS's
   // default. With skinny_gemm set, steps of up to kSkinnyGemmMaxRows rows (decode) stream the
-  // weights (all, or the wide shapes') through kernels/skinny_gemm.h. Off by default: on the
-  // H100 the e2e step was slower with it (bench/results/skinny_gemm-h100-notes.md).
+  // weights (all, the wide shapes', or the LM head's: the default, LlamaCudaOptions::
+  // skinny_lm_head) through kernels/skinny_gemm.h. For the layers' GEMMs it is off: on the H100
+  // the e2e step was slower with it (bench/results/skinny_gemm-h100-notes.md).
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
-            bool y_fp32, bool accumulate) const {
+            bool y_fp32, bool accumulate, bool lm_head = false) const {
     const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
-    if (skinny_gemm != SkinnyGemmUse::kOff && rows <= kernels::kSkinnyGemmMaxRows &&
-        (skinny_gemm == SkinnyGemmUse::kAll || kernels::skinny_gemm_wide(dims)) &&
+    const bool skinny_shape =
+        skinny_gemm == SkinnyGemmUse::kAll ||
+        (skinny_gemm == SkinnyGemmUse::kWide && kernels::skinny_gemm_wide(dims)) ||
+        (skinny_gemm == SkinnyGemmUse::kLmHead && lm_head);
+    if (skinny_shape && rows <= kernels::kSkinnyGemmMaxRows &&
         kernels::skinny_gemm_supported(dims, x, w) && kernels::skinny_gemm_available()) {
       kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
       return;
@@ -479,7 +483,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
   for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
     const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
     gemm(static_cast<const char*>(normed.data()) + row_bytes * begin, head, count, hidden, vocab,
-         logits.data(), true, false);
+         logits.data(), true, false, /*lm_head=*/true);
     mark(kGemm);
     if (launch.sample) {
       kernels::launch_sample_rows(
@@ -694,6 +698,10 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   if (options.tune_gemms) s.tune_gemms(c);
   s.use_graphs = options.cuda_graphs;
   s.max_graphs = options.max_cuda_graphs;
+  if (options.skinny_lm_head && kernels::skinny_gemm_available()) {
+    s.skinny_gemm = SkinnyGemmUse::kLmHead;
+    kernels::skinny_gemm_reserve(s.stream);  // before any graph capture
+  }
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
                        s.attn.bytes() + s.gate_up.bytes() + s.act.bytes() + s.logits.bytes() +
                        s.step_ints.bytes() + s.sampling_params.bytes() + s.sampled.bytes() +
@@ -763,7 +771,8 @@ void LlamaCudaRunner::set_skinny_gemm(SkinnyGemmUse use) {
   // Captured step graphs hold the other GEMM kernels.
   if (state_->skinny_gemm != use) state_->drop_graphs();
   state_->skinny_gemm = use;
-  if (use != SkinnyGemmUse::kOff) kernels::skinny_gemm_reserve();  // before any graph capture
+  // Before any graph capture on the runner's stream.
+  if (use != SkinnyGemmUse::kOff) kernels::skinny_gemm_reserve(state_->stream);
 }
 void LlamaCudaRunner::time_attention(bool on) {
   state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;

@@ -54,6 +54,10 @@ struct LlamaCudaOptions {
   // Tuning also tries every other cuBLASLt algorithm id (GemmTuner::set_wide_search; ~3x the
   // tuning time).
   bool wide_gemm_search = false;
+  // Decode steps' LM head (<= 64 logit rows) on the skinny GEMM (kernels/skinny_gemm.h) where
+  // the GPU runs it (sm_90a), cuBLAS otherwise: 40-60 µs faster a step than cuBLASLt on the H100
+  // (bench/results/e2e_step-h100-notes.md, session 15); false: cuBLAS(Lt) for every GEMM.
+  bool skinny_lm_head = true;
 };
 
 struct CudaGraphStats {
@@ -126,8 +130,8 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   void set_gemm_tuning(bool on);
   // Which GEMMs of decode steps (<= kernels::kSkinnyGemmMaxRows rows) run on the skinny GEMM
   // (kernels/skinny_gemm.h, sm_90a) instead of cuBLAS: none, the wide ones
-  // (kernels::skinny_gemm_wide), or all. Benchmarks compare.
-  enum class SkinnyGemmUse { kOff, kWide, kAll };
+  // (kernels::skinny_gemm_wide), the LM head only, or all. Benchmarks compare.
+  enum class SkinnyGemmUse { kOff, kWide, kLmHead, kAll };
   void set_skinny_gemm(SkinnyGemmUse use);
   // time_attention(true): the next steps run with StepTiming::kPhases (a few µs of host time
   // per launch), so last_attention_seconds() reports their attention time.
