@@ -291,12 +291,16 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
 
 PlanShape plan_shape(const AttentionPlanView& host_plan) {
   PlanShape shape;
-  for (int32_t task = 0; task < host_plan.num_tasks; ++task) {
+  // A view may leave the entry arrays null when it has no tasks (a prefill-only plan built by
+  // hand): no entries then.
+  for (int32_t task = 0; host_plan.task_entry_begin != nullptr && task < host_plan.num_tasks;
+       ++task) {
     shape.max_task_entries =
         std::max(shape.max_task_entries,
                  host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
   }
-  for (int32_t query = 0; query < host_plan.num_queries; ++query) {
+  for (int32_t query = 0; host_plan.query_entry_begin != nullptr && query < host_plan.num_queries;
+       ++query) {
     shape.max_query_entries =
         std::max(shape.max_query_entries,
                  host_plan.query_entry_begin[query + 1] - host_plan.query_entry_begin[query]);

@@ -40,7 +40,7 @@ struct PlanShape {
   int32_t max_query_entries = 0;  // largest query_entry_begin[q + 1] - query_entry_begin[q]
 };
 
-// The shape of a plan whose arrays are host memory.
+// The shape of a plan whose arrays are host memory (null entry arrays: no entries).
 PlanShape plan_shape(const AttentionPlanView& host_plan);
 
 // A plan copied to the GPU: all arrays packed into ONE device buffer, uploaded with one async
