@@ -55,8 +55,9 @@ struct LlamaCudaOptions {
   // tuning time).
   bool wide_gemm_search = false;
   // Decode steps' LM head (<= 64 logit rows) on the skinny GEMM (kernels/skinny_gemm.h) where
-  // the GPU runs it (sm_90a), cuBLAS otherwise: 40-60 µs faster a step than cuBLASLt on the H100
-  // (bench/results/e2e_step-h100-notes.md, session 15); false: cuBLAS(Lt) for every GEMM.
+  // the GPU runs it (sm_90a), cuBLAS otherwise: few-shot steps 20-60 µs faster than with
+  // cuBLASLt on the H100, speculative ones 11 µs slower to 53 µs faster (bench/results/e2e_step-h100-notes.md,
+  // session 15); false: cuBLAS(Lt) for every GEMM.
   bool skinny_lm_head = true;
 };
 
