@@ -131,14 +131,20 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     }
   }
 
-  void check_plan(const AttentionPlan& plan, int32_t num_slots, const char* name, PlanKind kind,
-                  int chunk_tokens) {
-    const Case c = GetParam();
+  // Two KV heads of the case's group and head size.
+  static AttentionDims case_dims(const Case& c) {
     AttentionDims dims;
     dims.num_kv_heads = 2;
     dims.num_q_heads = 2 * c.group_size;
     dims.head_dim = c.head_dim;
     dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    return dims;
+  }
+
+  void check_plan(const AttentionPlan& plan, int32_t num_slots, const char* name, PlanKind kind,
+                  int chunk_tokens) {
+    const Case c = GetParam();
+    const AttentionDims dims = case_dims(c);
     const size_t q_count = static_cast<size_t>(plan.num_queries) * dims.num_q_heads * c.head_dim;
     const size_t kv_row = static_cast<size_t>(dims.num_kv_heads) * c.head_dim;
     const Tensor16 q = random_tensor(q_count, c.dtype, rng_);
@@ -201,11 +207,7 @@ TEST_P(DeftAttentionPlannerGpuTest, Reasoning) { check_all_kinds(reasoning(rng_)
 // estimate's minimum, up to twice the base rule's: sizes no fixed-B case runs).
 TEST_P(DeftAttentionPlannerGpuTest, AdaptiveChunkUnderAWave) {
   const Case c = GetParam();
-  AttentionDims dims;
-  dims.num_kv_heads = 2;
-  dims.num_q_heads = 2 * c.group_size;
-  dims.head_dim = c.head_dim;
-  dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const AttentionDims dims = case_dims(c);
   const int32_t resident = deft_attention_resident_ctas(dims, c.dtype);
   int device = 0, sms = 0;
   DEFT_CUDA_CHECK(cudaGetDevice(&device));
