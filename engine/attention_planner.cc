@@ -628,8 +628,8 @@ class PlanBuilder {
   std::vector<int32_t> fill_cursor_;
   int32_t flat_base_ = 0;   // index in plan.kv_slots of the current tree's first flat token
   int32_t run_cursor_ = 0;  // first run that the next piece can overlap
-  int32_t step_queries_ = 0;          // every tree's queries of the step
-  WaveCount* counting_ = nullptr;     // set: tasks are counted (wave_chunk_tokens), not added
+  int32_t step_queries_ = 0;       // every tree's queries of the step
+  WaveCount* counting_ = nullptr;  // set: tasks are counted (wave_chunk_tokens), not added
 };
 
 AttentionPlanner::AttentionPlanner(PlannerOptions options)

@@ -749,11 +749,12 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   spdlog::info(
       "llama_cuda: loaded {} ({}, {} layers, hidden {}, vocab {}, {}) on a GPU with {:.0f} MiB: "
       "{:.1f} MiB weights, {:.1f} MiB activations for {} rows, {:.1f} MiB KV for {} slots "
-      "({:.1f} KiB per token), attention: {}",
+      "({:.1f} KiB per token), attention: {}, decode LM head: {}",
       info_.name, info_.family, info_.num_layers, c.hidden_size, info_.vocab_size,
       kernels::dtype_name(s.dtype), total_bytes / kMiB, s.weight_bytes / kMiB,
       s.activation_bytes / kMiB, s.max_rows, s.kv_bytes / kMiB, slots, slot_bytes / 1024.0,
-      s.deft_kernels ? "DeFT kernels" : "generic kernel (head_dim not built for DeFT)");
+      s.deft_kernels ? "DeFT kernels" : "generic kernel (head_dim not built for DeFT)",
+      s.skinny_gemm == SkinnyGemmUse::kLmHead ? "skinny GEMM" : "cuBLAS");
   return absl::OkStatus();
 }
 
