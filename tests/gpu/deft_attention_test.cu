@@ -692,5 +692,25 @@ INSTANTIATE_TEST_SUITE_P(DTypes, SmallKernelsGpuTest, testing::Values(DType::kBf
                            return std::string(dtype_name(info.param));
                          });
 
+// Host code only (runs without a GPU): a plan's shape, and a hand-built prefill-only view that
+// leaves the entry arrays null (DevicePlan::upload computed its shape from them and crashed).
+TEST(PlanShape, LargestTaskAndQueryAndNullEntryArrays) {
+  const int32_t task_entry_begin[] = {0, 3, 4, 9};
+  const int32_t query_entry_begin[] = {0, 1, 1, 6, 9};
+  AttentionPlanView plan;
+  plan.num_tasks = 3;
+  plan.num_queries = 4;
+  plan.task_entry_begin = task_entry_begin;
+  plan.query_entry_begin = query_entry_begin;
+  PlanShape shape = plan_shape(plan);
+  EXPECT_EQ(shape.max_task_entries, 5);
+  EXPECT_EQ(shape.max_query_entries, 5);
+  AttentionPlanView prefill_only;
+  prefill_only.num_queries = 113;
+  shape = plan_shape(prefill_only);
+  EXPECT_EQ(shape.max_task_entries, 0);
+  EXPECT_EQ(shape.max_query_entries, 0);
+}
+
 }  // namespace
 }  // namespace deft::kernels
