@@ -45,8 +45,9 @@
 #include <string>
 #include <vector>
 
-#include "bench/llama3_8b_config.h"
+#include "absl/strings/str_split.h"
 #include "bench/bench_result.h"
+#include "bench/llama3_8b_config.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/model_runner.h"
@@ -337,19 +338,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--chunk-tokens: %d is negative (0: adaptive)\n", chunk_tokens);
     return 1;
   }
-  std::vector<std::string> gemm_modes;
-  for (size_t begin = 0; begin <= gemm_arg.size();) {
-    const size_t end = std::min(gemm_arg.find(',', begin), gemm_arg.size());
-    gemm_modes.push_back(gemm_arg.substr(begin, end - begin));
-    if (gemm_modes.back() != "tuned" && gemm_modes.back() != "cublas" &&
-        gemm_modes.back() != "skinny" && gemm_modes.back() != "skinny_wide" &&
-        gemm_modes.back() != "skinny_head") {
+  const std::vector<std::string> gemm_modes = absl::StrSplit(gemm_arg, ',');
+  for (const std::string& mode : gemm_modes) {
+    if (mode != "tuned" && mode != "cublas" && mode != "skinny" && mode != "skinny_wide" &&
+        mode != "skinny_head") {
       std::fprintf(stderr,
                    "--gemm: unknown mode '%s' (tuned, cublas, skinny, skinny_wide, skinny_head)\n",
-                   gemm_modes.back().c_str());
+                   mode.c_str());
       return 1;
     }
-    begin = end + 1;
   }
   // Every mode but cublas runs the tuned cuBLASLt algorithms for its cuBLAS GEMMs.
   const bool any_tuned =

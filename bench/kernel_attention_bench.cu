@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "bench/bench_result.h"
 #include "bench/graph_timing.h"
 #include "engine/attention_planner.h"
@@ -151,10 +153,8 @@ struct Args {
 // Whether `name` is one of the comma-separated names of `list` (an empty list holds every name).
 bool listed(const std::string& list, const std::string& name) {
   if (list.empty()) return true;
-  for (size_t begin = 0; begin <= list.size();) {
-    const size_t end = std::min(list.find(',', begin), list.size());
-    if (list.compare(begin, end - begin, name) == 0) return true;
-    begin = end + 1;
+  for (absl::string_view item : absl::StrSplit(list, ',')) {
+    if (item == name) return true;
   }
   return false;
 }
