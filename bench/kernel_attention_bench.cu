@@ -179,6 +179,8 @@ int main(int argc, char** argv) {
 
   std::vector<Snapshot> snapshots;
   for (int b : {20, 30, 50}) snapshots.push_back(fewshot(4000, b, 200));
+  // The few-shot decode step of bench/e2e_step_bench halfway through its 100 steps.
+  snapshots.push_back(fewshot(4000, 20, 50));
   for (int t : {32, 64, 128, 256}) {
     const std::string path =
         args.workloads + "/speculative_decoding/apps_tree_size" + std::to_string(t) + ".json";

@@ -47,9 +47,14 @@ struct OrderedQueries {
   std::vector<int32_t> token_index;  // its token within the node
 };
 
-// Pieces are split where at least this many tokens on one side need no mask (one KV tile of
-// the GPU kernel).
-constexpr int32_t kMinUnmaskedSplit = 64;
+// Pieces are split where at least this many consecutive tokens have the same viewers (a
+// quarter of a KV tile of the GPU kernel). Such a run (a branch's private suffix, the end of a
+// shared prompt) becomes a task without a mask, beside its neighbours instead of in their chain:
+// a few-shot piece of 256 tokens holding five 50-token suffixes was one masked task of 20 rows
+// over 4 tiles, the grid's longest chain; split, each suffix is a 1-tile task (H100, 2026-11-23:
+// few-shot b20 at suffix 20-50 one layer 27 -> 19 us, decode step -155 us; 64 split only runs of
+// a whole tile).
+constexpr int32_t kMinUnmaskedSplit = 16;
 
 // The GPU kernel's stage 1 (kernels/deft_attention.cuh): KV tiles of 64 tokens, passes of up to
 // 64 rows (entries x group) per CTA; passes of at most 16 rows are short (see
@@ -478,9 +483,9 @@ class PlanBuilder {
       uniform = uniform && run.query_begin == query_lo && run.query_end == runs.front().query_end;
     }
     if (!uniform) {
-      // Consecutive runs with the same viewers that hold at least a tile of the piece (the end
-      // of a shared prompt, a branch) become a piece of their own: it needs no mask, and a
-      // masked task pays a visibility test per score on every token.
+      // Consecutive runs with the same viewers that hold at least kMinUnmaskedSplit tokens of
+      // the piece (the end of a shared prompt, a branch) become a piece of their own: it needs
+      // no mask, and it runs beside the rest instead of lengthening a masked task's chain.
       for (size_t first = 0; first < runs.size();) {
         size_t end = first + 1;
         while (end < runs.size() && runs[end].query_begin == runs[first].query_begin &&

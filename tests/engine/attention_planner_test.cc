@@ -25,31 +25,54 @@ struct FewShot {
 };
 
 TEST(AttentionPlanner, FlattenReadsEveryTreeTokenOnce) {
-  FewShot job(300, 3, 10);
+  FewShot job(266, 3, 10);
   AttentionPlanner planner({.kind = PlanKind::kDeftFlatten, .chunk_tokens = 128});
   AttentionPlan plan;
   ASSERT_TRUE(planner.plan(job.input(), plan).ok());
   EXPECT_EQ(plan.num_queries, 3);
-  EXPECT_EQ(plan.io.kv_tokens_read, 330);
-  // Chunks: [0,128) [128,256) unmasked, [256,330) spans the prompt's tail and the leaves: masked.
+  EXPECT_EQ(plan.io.kv_tokens_read, 296);
+  // Chunks: [0,128) [128,256) unmasked, [256,296) spans the prompt's tail (10 tokens, too short
+  // to be split off) and the leaves: masked.
   ASSERT_EQ(plan.num_tasks(), 3);
   EXPECT_EQ(plan.task_mask_begin[0], -1);
   EXPECT_EQ(plan.task_mask_begin[1], -1);
   EXPECT_GE(plan.task_mask_begin[2], 0);
-  EXPECT_EQ(plan.io.mask_words, 74);
+  EXPECT_EQ(plan.io.mask_words, 40);
   EXPECT_EQ(plan.io.query_chunk_pairs, 9);
   // The prompt's tokens are visible to all three queries, a leaf's only to its own.
   const uint64_t prompt_word = plan.mask_words[plan.task_mask_begin[2]];
-  const uint64_t leaf_word = plan.mask_words[plan.task_mask_begin[2] + 44];
+  const uint64_t leaf_word = plan.mask_words[plan.task_mask_begin[2] + 10];
   EXPECT_EQ(prompt_word, 0b111u);
   EXPECT_EQ(leaf_word, 0b001u);
   for (int q = 0; q < 3; ++q) {
     EXPECT_EQ(plan.query_entry_begin[q + 1] - plan.query_entry_begin[q], 3);
-    EXPECT_EQ(plan.query_position[q], 309);
+    EXPECT_EQ(plan.query_position[q], 275);
   }
 }
 
-TEST(AttentionPlanner, FlattenSplitsPiecesAroundTileLongRunsOfOneViewerSet) {
+TEST(AttentionPlanner, FlattenRunsPrivateSuffixesBesideEachOther) {
+  // Prompt [0, 256), leaves of 50 tokens [256, 306), ... [456, 506); pieces of 256 tokens. Each
+  // leaf holds at least kMinUnmaskedSplit tokens of one viewer: a task of its own without a mask
+  // (not one masked 4-tile task of five leaves).
+  FewShot job(256, 5, 50);
+  AttentionPlanner planner({.kind = PlanKind::kDeftFlatten, .chunk_tokens = 256});
+  AttentionPlan plan;
+  ASSERT_TRUE(planner.plan(job.input(), plan).ok());
+  EXPECT_EQ(plan.io.kv_tokens_read, 506);
+  ASSERT_EQ(plan.num_tasks(), 1 + 5);
+  for (int t = 0; t < plan.num_tasks(); ++t) EXPECT_EQ(plan.task_mask_begin[t], -1);
+  EXPECT_EQ(plan.task_entry_begin[1 + 5] - plan.task_entry_begin[1], 5);  // a query each
+  for (int t = 1; t <= 5; ++t) {
+    EXPECT_EQ(plan.task_kv_end[t] - plan.task_kv_begin[t], 50);
+  }
+  // Leaves shorter than that stay together under a mask.
+  FewShot short_leaves(256, 5, 15);
+  ASSERT_TRUE(planner.plan(short_leaves.input(), plan).ok());
+  ASSERT_EQ(plan.num_tasks(), 2);
+  EXPECT_GE(plan.task_mask_begin[1], 0);
+}
+
+TEST(AttentionPlanner, FlattenSplitsPiecesAroundLongRunsOfOneViewerSet) {
   // Prompt [0, 300), leaves [300, 400), [400, 500), [500, 600); pieces of 256 tokens.
   FewShot job(300, 3, 100);
   AttentionPlanner planner({.kind = PlanKind::kDeftFlatten, .chunk_tokens = 256});
@@ -108,7 +131,8 @@ TEST(AttentionPlanner, DenseMaskMasksEveryChunk) {
 TEST(AttentionPlanner, PrefillRunIsCausalAmongItsTokens) {
   KvCacheManager kv({.page_tokens = 16, .num_pages = 64});
   SequenceTree tree(0, &kv);
-  ASSERT_TRUE(tree.append(tree.root(), std::vector<TokenId>(20, 1)).ok());
+  // A root shorter than kMinUnmaskedSplit, so that root and child share one masked task.
+  ASSERT_TRUE(tree.append(tree.root(), std::vector<TokenId>(12, 1)).ok());
   const NodeId child = tree.branch(tree.root(), 1).value()[0];
   ASSERT_TRUE(tree.append(child, std::vector<TokenId>(4, 2)).ok());
   std::vector<QueryToken> queries = {{child, 0}, {child, 1}, {child, 2}, {child, 3}};
@@ -119,8 +143,8 @@ TEST(AttentionPlanner, PrefillRunIsCausalAmongItsTokens) {
   ASSERT_GE(plan.task_mask_begin[0], 0);
   const uint64_t* words = &plan.mask_words[plan.task_mask_begin[0]];
   EXPECT_EQ(words[0], 0b1111u);   // root tokens: everyone
-  EXPECT_EQ(words[20], 0b1111u);  // first new token: all four queries
-  EXPECT_EQ(words[23], 0b1000u);  // last new token: only itself
+  EXPECT_EQ(words[12], 0b1111u);  // first new token: all four queries
+  EXPECT_EQ(words[15], 0b1000u);  // last new token: only itself
 }
 
 TEST(AttentionPlanner, BadQueriesAreRejectedAndLeaveThePlanEmpty) {
