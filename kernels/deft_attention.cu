@@ -77,9 +77,9 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
 
 // Stage 1's kernel with its dynamic shared-memory limit raised (not a stream operation: done once
 // per instantiation, before any capture the caller may start later).
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kFullPasses>
 auto stage1_kernel() {
-  auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim>;
+  auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim, kFullPasses>;
   static const bool smem_configured = [&] {
     DEFT_CUDA_CHECK(cudaFuncSetAttribute(stage1, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          detail::Stage1Smem<kHeadDim>::kBytes));
@@ -95,7 +95,7 @@ int32_t resident_ctas_typed() {
   DEFT_CUDA_CHECK(cudaGetDevice(&device));
   DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   DEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, stage1_kernel<T, kHeadDim>(), detail::kStage1Threads,
+      &per_sm, stage1_kernel<T, kHeadDim, false>(), detail::kStage1Threads,
       detail::Stage1Smem<kHeadDim>::kBytes));
   return per_sm * sms;
 }
@@ -105,7 +105,8 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
                   const void* q, const void* k_cache, const void* v_cache, float* partial_out,
                   float* partial_lse, void* out, cudaStream_t stream, bool stage2,
                   int32_t stage2_batch) {
-  auto* stage1 = stage1_kernel<T, kHeadDim>();
+  auto* stage1 = deft_attention_full_passes(shape, dims) ? stage1_kernel<T, kHeadDim, true>()
+                                                        : stage1_kernel<T, kHeadDim, false>();
   constexpr int kSmemBytes = detail::Stage1Smem<kHeadDim>::kBytes;
 
   const int group = dims.group_size();
@@ -295,9 +296,10 @@ PlanShape plan_shape(const AttentionPlanView& host_plan) {
   // hand): no entries then.
   for (int32_t task = 0; host_plan.task_entry_begin != nullptr && task < host_plan.num_tasks;
        ++task) {
-    shape.max_task_entries =
-        std::max(shape.max_task_entries,
-                 host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
+    const int32_t entries = host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task];
+    shape.max_task_entries = std::max(shape.max_task_entries, entries);
+    // entries & -entries: the lowest set bit, the largest power of two dividing it.
+    if (entries > 0) shape.task_entries_multiple = std::min(shape.task_entries_multiple, entries & -entries);
   }
   for (int32_t query = 0; host_plan.query_entry_begin != nullptr && query < host_plan.num_queries;
        ++query) {
@@ -330,6 +332,10 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
   const int rows_per_pass = 4 * detail::kMmaRows;
   const int passes = (max_rows + rows_per_pass - 1) / rows_per_pass;
   return std::min(passes, kMaxRowSlices);
+}
+
+bool deft_attention_full_passes(const PlanShape& shape, const AttentionDims& dims) {
+  return shape.task_entries_multiple * dims.group_size() % (4 * detail::kMmaRows) == 0;
 }
 
 int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype) {

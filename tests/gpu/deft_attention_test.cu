@@ -572,6 +572,22 @@ TEST_P(DeftAttentionGpuTest, ReasoningTree) {
   check(tree, Kind::kSequence, 96, "sequence B=96");
 }
 
+// Every task of whole 64-row passes (64 queries on the last 64 tokens of a 640-token chain: 64
+// entries a task at every group size): stage 1 runs its kernel for full passes
+// (deft_attention_full_passes), also with lazily rescaled, growing scores and in a graph.
+TEST_P(DeftAttentionGpuTest, FullPassesKernel) {
+  Tree chain;
+  chain.nodes.push_back({-1, 640});
+  for (int t = 576; t < 640; ++t) chain.queries.push_back({0, t});
+  const Tree tree = finished(chain);
+  const HostPlan plan = build_plan(tree, Kind::kFlatten, 128);
+  ASSERT_TRUE(deft_attention_full_passes(plan_shape(plan.view()), dims_of(GetParam())));
+  check(tree, Kind::kFlatten, 128, "flatten B=128, 64-row passes");
+  check(tree, Kind::kFlatten, 128, "flatten B=128, 64-row passes, growing keys", false, 256,
+        1.0f / 32);
+  check(tree, Kind::kFlatten, 128, "flatten B=128, 64-row passes, graph", /*use_graph=*/true);
+}
+
 TEST_P(DeftAttentionGpuTest, CudaGraphReplay) {
   const Tree tree = finished(token_tree(100, 64, rng_));
   check(tree, Kind::kFlatten, 64, "flatten B=64, graph", /*use_graph=*/true);
@@ -705,11 +721,37 @@ TEST(PlanShape, LargestTaskAndQueryAndNullEntryArrays) {
   PlanShape shape = plan_shape(plan);
   EXPECT_EQ(shape.max_task_entries, 5);
   EXPECT_EQ(shape.max_query_entries, 5);
+  EXPECT_EQ(shape.task_entries_multiple, 1);
   AttentionPlanView prefill_only;
   prefill_only.num_queries = 113;
   shape = plan_shape(prefill_only);
   EXPECT_EQ(shape.max_task_entries, 0);
   EXPECT_EQ(shape.max_query_entries, 0);
+  EXPECT_EQ(shape.task_entries_multiple, 64);
+}
+
+// Host code only: stage 1's kernel for whole 64-row passes is picked only when every task's
+// entries x group is a multiple of 64 (empty tasks, the padding of graph plans, do not count).
+TEST(PlanShape, FullPassesNeedEveryTaskInWholePasses) {
+  const int32_t task_entry_begin[] = {0, 16, 48, 48, 96};  // 16, 32, 0 and 48 entries
+  AttentionPlanView plan;
+  plan.num_tasks = 4;
+  plan.task_entry_begin = task_entry_begin;
+  const PlanShape shape = plan_shape(plan);
+  EXPECT_EQ(shape.task_entries_multiple, 16);
+  AttentionDims dims;
+  dims.head_dim = 128;
+  dims.num_kv_heads = 8;
+  for (const auto& [q_heads, full] : {std::pair{8, false}, {16, false}, {32, true}, {64, true}}) {
+    dims.num_q_heads = q_heads;
+    EXPECT_EQ(deft_attention_full_passes(shape, dims), full) << "group " << dims.group_size();
+  }
+  const int32_t wide_tasks[] = {0, 64, 192};
+  plan.num_tasks = 2;
+  plan.task_entry_begin = wide_tasks;
+  dims.num_q_heads = 8;  // group 1
+  EXPECT_TRUE(deft_attention_full_passes(plan_shape(plan), dims));
+  EXPECT_TRUE(deft_attention_full_passes(plan_shape(AttentionPlanView{}), dims));
 }
 
 }  // namespace
