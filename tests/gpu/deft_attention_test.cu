@@ -572,13 +572,14 @@ TEST_P(DeftAttentionGpuTest, ReasoningTree) {
   check(tree, Kind::kSequence, 96, "sequence B=96");
 }
 
-// Every task of whole 64-row passes (64 queries on the last 64 tokens of a 640-token chain: 64
-// entries a task at every group size): stage 1 runs its kernel for full passes
+// Every task of whole 64-row passes (64 queries on tokens 575-638 of a 640-token chain: 64
+// entries a task at every group size; the last token, seen by none, keeps every query of the
+// last piece in its masked task): stage 1 runs its kernel for full passes
 // (deft_attention_full_passes), also with lazily rescaled, growing scores and in a graph.
 TEST_P(DeftAttentionGpuTest, FullPassesKernel) {
   Tree chain;
   chain.nodes.push_back({-1, 640});
-  for (int t = 576; t < 640; ++t) chain.queries.push_back({0, t});
+  for (int t = 575; t < 639; ++t) chain.queries.push_back({0, t});
   const Tree tree = finished(chain);
   const HostPlan plan = build_plan(tree, Kind::kFlatten, 128);
   ASSERT_TRUE(deft_attention_full_passes(plan_shape(plan.view()), dims_of(GetParam())));
