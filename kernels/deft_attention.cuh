@@ -239,13 +239,13 @@ __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
 
 // ---- stage 1 ----------------------------------------------------------------------------------
 
-// kFullPasses: every task's rows are whole 64-row passes (deft_attention_full_passes), so the
-// kernel keeps only the warpgroup-MMA path (where compiled for sm_90a; elsewhere it is the
-// general kernel).
-template <typename T, int kHeadDim, bool kFullPasses>
+// kWidePasses: every pass has more than 32 rows (deft_attention_wide_passes), so the kernel
+// keeps only the warpgroup-MMA path (where compiled for sm_90a; elsewhere it is the general
+// kernel).
+template <typename T, int kHeadDim, bool kWidePasses>
 __global__ void __launch_bounds__(kStage1Threads, 3)
     deft_attention_stage1_kernel(const __grid_constant__ Stage1Params params) {
-  constexpr bool kWgmmaOnly = kFullPasses && DEFT_HAS_WGMMA;
+  constexpr bool kWgmmaOnly = kWidePasses && DEFT_HAS_WGMMA;
   using Smem = Stage1Smem<kHeadDim>;
   using Traits = ElemTraits<T>;
   constexpr int kKSteps = kHeadDim / 16;       // k-steps of QK^T
@@ -290,9 +290,11 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   // 16 of 80 rows) splits its tiles' tokens over the warps instead of leaving 3 warps computing
   // padding rows (the 64-row step is bound by the SM's exp, MMA and shared-memory pipes, so
   // wasted rows cost every CTA on the SM).
-  const int rows_per_pass = kWgmmaOnly || num_rows > 2 * kMmaRows
-                                ? kStage1Warps * kMmaRows
-                                : (num_rows <= kMmaRows ? kMmaRows : 2 * kMmaRows);
+  const int rows_per_pass =
+      kWgmmaOnly ? kStage1Warps * kMmaRows
+                 : (num_rows <= kMmaRows ? kMmaRows
+                                         : (num_rows <= 2 * kMmaRows ? 2 * kMmaRows
+                                                                     : kStage1Warps * kMmaRows));
   const int num_passes = (num_rows + rows_per_pass - 1) / rows_per_pass;
 
   const T* q = static_cast<const T*>(params.q);
@@ -315,9 +317,9 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   for (int pass = slice; pass < num_passes; pass += params.row_slices) {
     const int pass_row0 = pass * rows_per_pass;
     const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
-    const int row_warps = kWgmmaOnly || pass_rows > 2 * kMmaRows
-                              ? kStage1Warps
-                              : (pass_rows <= kMmaRows ? 1 : 2);
+    const int row_warps =
+        kWgmmaOnly ? kStage1Warps
+                   : (pass_rows <= kMmaRows ? 1 : (pass_rows <= 2 * kMmaRows ? 2 : 4));
     const int kv_splits = kStage1Warps / row_warps;
     const int warp_row_block = warp % row_warps;
     const int warp_split = warp / row_warps;
@@ -624,26 +626,6 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       wgmma_fence_operands(o_acc);
     };
 
-    // A tile on mma.sync: passes of fewer than 64 rows (and every pass where wgmma is not
-    // compiled).
-    auto compute_tile_mma = [&](uint32_t k_tile, uint32_t v_tile, const uint64_t* mask_tile,
-                                int token0) {
-      if (kv_splits == 1) {
-        // Many rows: the whole 64-token tile in one step (more independent MMAs, one softmax
-        // rescale per tile instead of four).
-        compute_step(std::integral_constant<int, kKvTileTokens / 8>{}, k_tile, v_tile, mask_tile,
-                     token0, 0);
-      } else {
-        // Few rows: the warps share the tile, 16 tokens each per step.
-        for (int step = warp_split; step < kKvTileTokens / kStepTokens; step += kv_splits) {
-          const int step_token0 = step * kStepTokens;
-          if (token0 + step_token0 >= run_tokens) break;
-          compute_step(std::integral_constant<int, kStepTokens / 8>{}, k_tile, v_tile, mask_tile,
-                       token0, step_token0);
-        }
-      }
-    };
-
     auto compute_tile = [&](int tile, int stage) {
       const uint32_t k_tile = smem_address(smem + stage * Smem::kStageBytes);
       const uint32_t v_tile = k_tile + Smem::kTileBytes;
@@ -652,8 +634,23 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       const int token0 = tile * kKvTileTokens;
       if (use_wgmma) {
         compute_tile_wgmma(k_tile, v_tile, mask_tile, token0);
-      } else if constexpr (!kWgmmaOnly) {
-        compute_tile_mma(k_tile, v_tile, mask_tile, token0);
+        return;
+      }
+      if constexpr (!kWgmmaOnly) {
+        if (kv_splits == 1) {
+          // Many rows: the whole 64-token tile in one step (more independent MMAs, one softmax
+          // rescale per tile instead of four).
+          compute_step(std::integral_constant<int, kKvTileTokens / 8>{}, k_tile, v_tile,
+                       mask_tile, token0, 0);
+          return;
+        }
+        // Few rows: the warps share the tile, 16 tokens each per step.
+        for (int step = warp_split; step < kKvTileTokens / kStepTokens; step += kv_splits) {
+          const int step_token0 = step * kStepTokens;
+          if (token0 + step_token0 >= run_tokens) break;
+          compute_step(std::integral_constant<int, kStepTokens / 8>{}, k_tile, v_tile, mask_tile,
+                       token0, step_token0);
+        }
       }
     };
 

@@ -38,9 +38,9 @@ struct PlanCapacity {
 struct PlanShape {
   int32_t max_task_entries = 0;   // largest task_entry_begin[t + 1] - task_entry_begin[t]
   int32_t max_query_entries = 0;  // largest query_entry_begin[q + 1] - query_entry_begin[q]
-  // The largest power of two up to 64 that divides every task's entry count (64 when no task
-  // has entries): with it, deft_attention_full_passes tells whether every pass has 64 rows.
-  int32_t task_entries_multiple = 64;
+  // Bit r set: some task has a positive entry count of r modulo 64. A task's last pass has
+  // (entries x group) % 64 rows, so deft_attention_wide_passes reads the passes' widths here.
+  uint64_t task_entry_residues = 0;
 };
 
 // The shape of a plan whose arrays are host memory (null entry arrays: no entries).
@@ -107,10 +107,11 @@ bool deft_attention_supported(const AttentionDims& dims);
 // launches with equal row slices (and equal plan views) have equal launch shapes.
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
 
-// Whether every task of a plan of `shape` splits into whole 64-row passes (entries x group):
-// stage 1 then runs a kernel compiled for those passes alone (warpgroup MMAs only: less code,
-// fewer registers live; 4-13 % faster on speculative-decoding trees, H100, 2026-11-23).
-bool deft_attention_full_passes(const PlanShape& shape, const AttentionDims& dims);
+// Whether every stage-1 pass of a plan of `shape` has more than 32 rows (a task's entries x group
+// rows go in passes of 64, the last one holding the rest): stage 1 then runs a kernel compiled
+// for warpgroup-MMA passes alone (less code, fewer registers live), as on speculative-decoding
+// trees, where every task holds (nearly) all the tree's queries.
+bool deft_attention_wide_passes(const PlanShape& shape, const AttentionDims& dims);
 
 // Stage-1 CTAs the current device holds at once (SMs x CTAs per SM for `dims` and `dtype`): a
 // grid larger than this runs in more than one wave. The planner sizes chunks by it

@@ -572,21 +572,22 @@ TEST_P(DeftAttentionGpuTest, ReasoningTree) {
   check(tree, Kind::kSequence, 96, "sequence B=96");
 }
 
-// Every task of whole 64-row passes (64 queries on tokens 575-638 of a 640-token chain: 64
-// entries a task at every group size; the last token, seen by none, keeps every query of the
-// last piece in its masked task): stage 1 runs its kernel for full passes
-// (deft_attention_full_passes), also with lazily rescaled, growing scores and in a graph.
-TEST_P(DeftAttentionGpuTest, FullPassesKernel) {
+// Every pass wider than 32 rows (63 queries on tokens 576-638 of a 640-token chain: tasks of 63
+// entries, last passes of 63, 62, 60 and 56 rows at groups 1, 2, 4 and 8, as in speculative
+// decoding, where the tree's root query sees only itself; the last token, seen by none, keeps
+// every query of the last piece in its masked task): stage 1 runs its kernel for wide passes
+// (deft_attention_wide_passes), also with lazily rescaled, growing scores and in a graph.
+TEST_P(DeftAttentionGpuTest, WidePassesKernel) {
   Tree chain;
   chain.nodes.push_back({-1, 640});
-  for (int t = 575; t < 639; ++t) chain.queries.push_back({0, t});
+  for (int t = 576; t < 639; ++t) chain.queries.push_back({0, t});
   const Tree tree = finished(chain);
   const HostPlan plan = build_plan(tree, Kind::kFlatten, 128);
-  ASSERT_TRUE(deft_attention_full_passes(plan_shape(plan.view()), dims_of(GetParam())));
-  check(tree, Kind::kFlatten, 128, "flatten B=128, 64-row passes");
-  check(tree, Kind::kFlatten, 128, "flatten B=128, 64-row passes, growing keys", false, 256,
+  ASSERT_TRUE(deft_attention_wide_passes(plan_shape(plan.view()), dims_of(GetParam())));
+  check(tree, Kind::kFlatten, 128, "flatten B=128, wide passes");
+  check(tree, Kind::kFlatten, 128, "flatten B=128, wide passes, growing keys", false, 256,
         1.0f / 32);
-  check(tree, Kind::kFlatten, 128, "flatten B=128, 64-row passes, graph", /*use_graph=*/true);
+  check(tree, Kind::kFlatten, 128, "flatten B=128, wide passes, graph", /*use_graph=*/true);
 }
 
 TEST_P(DeftAttentionGpuTest, CudaGraphReplay) {
@@ -722,37 +723,43 @@ TEST(PlanShape, LargestTaskAndQueryAndNullEntryArrays) {
   PlanShape shape = plan_shape(plan);
   EXPECT_EQ(shape.max_task_entries, 5);
   EXPECT_EQ(shape.max_query_entries, 5);
-  EXPECT_EQ(shape.task_entries_multiple, 1);
+  EXPECT_EQ(shape.task_entry_residues, (uint64_t{1} << 1) | (uint64_t{1} << 3) | (uint64_t{1} << 5));
   AttentionPlanView prefill_only;
   prefill_only.num_queries = 113;
   shape = plan_shape(prefill_only);
   EXPECT_EQ(shape.max_task_entries, 0);
   EXPECT_EQ(shape.max_query_entries, 0);
-  EXPECT_EQ(shape.task_entries_multiple, 64);
+  EXPECT_EQ(shape.task_entry_residues, 0u);
 }
 
-// Host code only: stage 1's kernel for whole 64-row passes is picked only when every task's
-// entries x group is a multiple of 64 (empty tasks, the padding of graph plans, do not count).
-TEST(PlanShape, FullPassesNeedEveryTaskInWholePasses) {
-  const int32_t task_entry_begin[] = {0, 16, 48, 48, 96};  // 16, 32, 0 and 48 entries
-  AttentionPlanView plan;
-  plan.num_tasks = 4;
-  plan.task_entry_begin = task_entry_begin;
-  const PlanShape shape = plan_shape(plan);
-  EXPECT_EQ(shape.task_entries_multiple, 16);
+// Host code only: stage 1's kernel for wide passes is picked only when every task's last pass
+// (entries x group, modulo 64) is empty or holds more than 32 rows; empty tasks (the padding of
+// graph plans) do not count.
+TEST(PlanShape, WidePassesNeedEveryLastPassWide) {
   AttentionDims dims;
   dims.head_dim = 128;
   dims.num_kv_heads = 8;
-  for (const auto& [q_heads, full] : {std::pair{8, false}, {16, false}, {32, true}, {64, true}}) {
-    dims.num_q_heads = q_heads;
-    EXPECT_EQ(deft_attention_full_passes(shape, dims), full) << "group " << dims.group_size();
-  }
-  const int32_t wide_tasks[] = {0, 64, 192};
-  plan.num_tasks = 2;
-  plan.task_entry_begin = wide_tasks;
-  dims.num_q_heads = 8;  // group 1
-  EXPECT_TRUE(deft_attention_full_passes(plan_shape(plan), dims));
-  EXPECT_TRUE(deft_attention_full_passes(plan_shape(AttentionPlanView{}), dims));
+  const auto wide = [&](std::vector<int32_t> entries, int group) {
+    std::vector<int32_t> begin = {0};
+    for (int32_t e : entries) begin.push_back(begin.back() + e);
+    AttentionPlanView plan;
+    plan.num_tasks = static_cast<int32_t>(entries.size());
+    plan.task_entry_begin = begin.data();
+    dims.num_q_heads = dims.num_kv_heads * group;
+    return deft_attention_wide_passes(plan_shape(plan), dims);
+  };
+  EXPECT_FALSE(wide({16, 32, 0, 48}, 1));  // a 16-row pass
+  EXPECT_FALSE(wide({16, 32, 0, 48}, 2));  // 32 and 96 rows: 32-row passes
+  EXPECT_TRUE(wide({16, 32, 0, 48}, 4));   // 64, 128, 192 rows
+  EXPECT_TRUE(wide({16, 32, 0, 48}, 8));
+  EXPECT_TRUE(wide({64, 63, 33, 128}, 1));
+  EXPECT_FALSE(wide({64, 63, 32}, 1));
+  EXPECT_TRUE(wide({20}, 2));   // 40 rows
+  EXPECT_FALSE(wide({8}, 4));   // 32 rows
+  EXPECT_TRUE(wide({9}, 4));    // 36 rows
+  EXPECT_TRUE(wide({63}, 4));   // 252 rows: passes of 64, 64, 64, 60
+  EXPECT_TRUE(wide({}, 1));     // no task
+  EXPECT_TRUE(wide({0, 0}, 1));
 }
 
 }  // namespace
