@@ -77,9 +77,9 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
 
 // Stage 1's kernel with its dynamic shared-memory limit raised (not a stream operation: done once
 // per instantiation, before any capture the caller may start later).
-template <typename T, int kHeadDim, bool kWidePasses>
+template <typename T, int kHeadDim, bool kWgmmaPasses>
 auto stage1_kernel() {
-  auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim, kWidePasses>;
+  auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim, kWgmmaPasses>;
   static const bool smem_configured = [&] {
     DEFT_CUDA_CHECK(cudaFuncSetAttribute(stage1, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          detail::Stage1Smem<kHeadDim>::kBytes));
@@ -105,7 +105,7 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
                   const void* q, const void* k_cache, const void* v_cache, float* partial_out,
                   float* partial_lse, void* out, cudaStream_t stream, bool stage2,
                   int32_t stage2_batch) {
-  auto* stage1 = deft_attention_wide_passes(shape, dims) ? stage1_kernel<T, kHeadDim, true>()
+  auto* stage1 = deft_attention_wgmma_passes(shape, dims) ? stage1_kernel<T, kHeadDim, true>()
                                                         : stage1_kernel<T, kHeadDim, false>();
   constexpr int kSmemBytes = detail::Stage1Smem<kHeadDim>::kBytes;
 
@@ -298,7 +298,6 @@ PlanShape plan_shape(const AttentionPlanView& host_plan) {
        ++task) {
     const int32_t entries = host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task];
     shape.max_task_entries = std::max(shape.max_task_entries, entries);
-    if (entries > 0) shape.task_entry_residues |= uint64_t{1} << (entries % 64);
   }
   for (int32_t query = 0; host_plan.query_entry_begin != nullptr && query < host_plan.num_queries;
        ++query) {
@@ -333,15 +332,8 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
   return std::min(passes, kMaxRowSlices);
 }
 
-bool deft_attention_wide_passes(const PlanShape& shape, const AttentionDims& dims) {
-  constexpr int kPassRows = detail::kStage1Warps * detail::kMmaRows;
-  for (int residue = 0; residue < 64; ++residue) {
-    if (!((shape.task_entry_residues >> residue) & 1)) continue;
-    // 64 entries are whole passes at any group size, so entries % 64 fixes the last pass.
-    const int last_pass_rows = residue * dims.group_size() % kPassRows;
-    if (last_pass_rows != 0 && last_pass_rows <= 2 * detail::kMmaRows) return false;
-  }
-  return true;
+bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& dims) {
+  return int64_t{shape.max_task_entries} * dims.group_size() > detail::kMmaRows;
 }
 
 int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype) {

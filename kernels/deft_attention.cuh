@@ -12,7 +12,8 @@
 // QK^T and PV run on tensor cores with fp32 accumulation: a 64-row pass on warpgroup MMAs
 // (wgmma, sm_90a: Q and P from registers, K and V straight from shared memory; a tile in two
 // 32-token halves, one half's softmax overlapping the other half's MMAs), fewer rows on
-// mma.sync; per-token 64-bit mask words mask scores; tiles no row of the pass sees are never
+// mma.sync (on sm_90a only in plans whose every task has at most 16 rows: the kWgmmaPasses
+// kernel pads short passes to 64 rows instead); per-token 64-bit mask words mask scores; tiles no row of the pass sees are never
 // loaded; online softmax in base 2 whose O rescale waits until a row's maximum grew by more than
 // 2^8 (kRescaleSlack). Rows whose query has a single partial write the final output directly,
 // the others write partial O (normalised) and LSE (natural log).
@@ -239,13 +240,13 @@ __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
 
 // ---- stage 1 ----------------------------------------------------------------------------------
 
-// kWidePasses: every pass has more than 32 rows (deft_attention_wide_passes), so the kernel
-// keeps only the warpgroup-MMA path (where compiled for sm_90a; elsewhere it is the general
-// kernel).
-template <typename T, int kHeadDim, bool kWidePasses>
+// kWgmmaPasses (deft_attention_wgmma_passes): every pass runs on warpgroup MMAs, short ones
+// padded to 64 rows, and the kernel keeps no mma.sync path (where compiled for sm_90a;
+// elsewhere it is the general kernel).
+template <typename T, int kHeadDim, bool kWgmmaPasses>
 __global__ void __launch_bounds__(kStage1Threads, 3)
     deft_attention_stage1_kernel(const __grid_constant__ Stage1Params params) {
-  constexpr bool kWgmmaOnly = kWidePasses && DEFT_HAS_WGMMA;
+  constexpr bool kWgmmaOnly = kWgmmaPasses && DEFT_HAS_WGMMA;
   using Smem = Stage1Smem<kHeadDim>;
   using Traits = ElemTraits<T>;
   constexpr int kKSteps = kHeadDim / 16;       // k-steps of QK^T

@@ -38,9 +38,6 @@ struct PlanCapacity {
 struct PlanShape {
   int32_t max_task_entries = 0;   // largest task_entry_begin[t + 1] - task_entry_begin[t]
   int32_t max_query_entries = 0;  // largest query_entry_begin[q + 1] - query_entry_begin[q]
-  // Bit r set: some task has a positive entry count of r modulo 64. A task's last pass has
-  // (entries x group) % 64 rows, so deft_attention_wide_passes reads the passes' widths here.
-  uint64_t task_entry_residues = 0;
 };
 
 // The shape of a plan whose arrays are host memory (null entry arrays: no entries).
@@ -107,11 +104,13 @@ bool deft_attention_supported(const AttentionDims& dims);
 // launches with equal row slices (and equal plan views) have equal launch shapes.
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
 
-// Whether every stage-1 pass of a plan of `shape` has more than 32 rows (a task's entries x group
-// rows go in passes of 64, the last one holding the rest): stage 1 then runs a kernel compiled
-// for warpgroup-MMA passes alone (less code, fewer registers live), as on speculative-decoding
-// trees, where every task holds (nearly) all the tree's queries.
-bool deft_attention_wide_passes(const PlanShape& shape, const AttentionDims& dims);
+// Whether stage 1 runs every pass of a plan of `shape` on warpgroup MMAs (sm_90a), short passes
+// padded to 64 rows, in its kernel without the mma.sync paths (less code, fewer registers live):
+// true unless the plan's largest task has at most 16 rows (entries x group; single-query plans
+// such as the sequence baseline's keep mma.sync, whose warps split each tile's tokens). On the
+// H100 (2026-11-23) that kernel ran every tree of bench/kernel_attention_bench as fast or faster
+// (few-shot b20 23.9 -> 22.6 µs, specdec p1000 t128 19.0 -> 16.3, reasoning 46.9 -> 42.7).
+bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& dims);
 
 // Stage-1 CTAs the current device holds at once (SMs x CTAs per SM for `dims` and `dtype`): a
 // grid larger than this runs in more than one wave. The planner sizes chunks by it

@@ -49,7 +49,7 @@ constexpr int32_t kLogitRowsPerChunk = 256;
 //     and see nothing in attention; padded logit rows repeat row 0 and sample greedily;
 //   - the plan's task count rounded up to a bucket (task_bucket: < 12.5 % of empty tasks, which
 //     stage 1's CTAs skip at once), stage 1's row slices (CTAs per task and KV head), whether
-//     stage 1 runs its kernel for wide passes (kernels::deft_attention_wide_passes) and
+//     stage 1 runs every pass on warpgroup MMAs (kernels::deft_attention_wgmma_passes) and
 //     whether stage 2 runs are part of the key; the plan is uploaded padded
 //     (DevicePlan::upload_padded) into the graph's own buffer, sized by power-of-two capacities
 //     that grow (and re-capture) when a step of the bucket needs more;
@@ -164,8 +164,8 @@ struct LlamaCudaRunner::State {
   // CUDA graphs (see the top of this file).
   struct GraphKey {
     int32_t rows = 0, logit_rows = 0, tasks = 0, row_slices = 0;
-    // wide_passes: stage 1's kernel for plans of wide passes only (captured into the graph).
-    bool stage2 = false, sample = false, wide_passes = false;
+    // wgmma_passes: which stage-1 kernel the graph captured.
+    bool stage2 = false, sample = false, wgmma_passes = false;
     bool operator==(const GraphKey&) const = default;
   };
   struct StepGraph {
@@ -907,7 +907,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
             s.deft_kernels ? kernels::deft_attention_row_slices(shape.max_task_entries, s.dims) : 0,
         .stage2 = s.deft_kernels && plan.num_entries() > rows,
         .sample = sample,
-        .wide_passes = s.deft_kernels && kernels::deft_attention_wide_passes(shape, s.dims)};
+        .wgmma_passes = s.deft_kernels && kernels::deft_attention_wgmma_passes(shape, s.dims)};
     graph = &s.graph_for(key);
     launch_rows = key.rows;
     launch_logit_rows = key.logit_rows;
@@ -1025,7 +1025,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
           "llama_cuda: captured the graph of {} rows, {} logit rows, {} tasks, {} row slices{}{}{}",
           graph->key.rows, graph->key.logit_rows, graph->key.tasks, graph->key.row_slices,
           graph->key.stage2 ? ", stage 2" : "", graph->key.sample ? ", sampling" : "",
-          graph->key.wide_passes ? ", wide passes" : "");
+          graph->key.wgmma_passes ? ", wgmma passes" : "");
     }
     DEFT_CUDA_CHECK(cudaGraphLaunch(graph->exec, s.stream));
     ++s.graph_stats.graph_steps;

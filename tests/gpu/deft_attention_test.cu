@@ -572,22 +572,23 @@ TEST_P(DeftAttentionGpuTest, ReasoningTree) {
   check(tree, Kind::kSequence, 96, "sequence B=96");
 }
 
-// Every pass wider than 32 rows (63 queries on tokens 576-638 of a 640-token chain: tasks of 63
-// entries, last passes of 63, 62, 60 and 56 rows at groups 1, 2, 4 and 8, as in speculative
-// decoding, where the tree's root query sees only itself; the last token, seen by none, keeps
-// every query of the last piece in its masked task): stage 1 runs its kernel for wide passes
-// (deft_attention_wide_passes), also with lazily rescaled, growing scores and in a graph.
-TEST_P(DeftAttentionGpuTest, WidePassesKernel) {
+// Stage 1 on warpgroup MMAs only (deft_attention_wgmma_passes), with tasks of 63 entries whose
+// last passes hold 63, 62, 60 and 56 rows at groups 1, 2, 4 and 8, as in speculative decoding,
+// where the tree's root query sees only itself (63 queries on tokens 576-638 of a 640-token
+// chain; the last token, seen by none, keeps every query of the last piece in its masked task);
+// also with lazily rescaled, growing scores and in a graph. (Passes of 4-48 rows on that kernel:
+// EveryPassRowCount, FewShotLongRuns.)
+TEST_P(DeftAttentionGpuTest, WgmmaPassesKernel) {
   Tree chain;
   chain.nodes.push_back({-1, 640});
   for (int t = 576; t < 639; ++t) chain.queries.push_back({0, t});
   const Tree tree = finished(chain);
   const HostPlan plan = build_plan(tree, Kind::kFlatten, 128);
-  ASSERT_TRUE(deft_attention_wide_passes(plan_shape(plan.view()), dims_of(GetParam())));
-  check(tree, Kind::kFlatten, 128, "flatten B=128, wide passes");
-  check(tree, Kind::kFlatten, 128, "flatten B=128, wide passes, growing keys", false, 256,
+  ASSERT_TRUE(deft_attention_wgmma_passes(plan_shape(plan.view()), dims_of(GetParam())));
+  check(tree, Kind::kFlatten, 128, "flatten B=128, wgmma passes");
+  check(tree, Kind::kFlatten, 128, "flatten B=128, wgmma passes, growing keys", false, 256,
         1.0f / 32);
-  check(tree, Kind::kFlatten, 128, "flatten B=128, wide passes, graph", /*use_graph=*/true);
+  check(tree, Kind::kFlatten, 128, "flatten B=128, wgmma passes, graph", /*use_graph=*/true);
 }
 
 TEST_P(DeftAttentionGpuTest, CudaGraphReplay) {
@@ -723,43 +724,31 @@ TEST(PlanShape, LargestTaskAndQueryAndNullEntryArrays) {
   PlanShape shape = plan_shape(plan);
   EXPECT_EQ(shape.max_task_entries, 5);
   EXPECT_EQ(shape.max_query_entries, 5);
-  EXPECT_EQ(shape.task_entry_residues, (uint64_t{1} << 1) | (uint64_t{1} << 3) | (uint64_t{1} << 5));
   AttentionPlanView prefill_only;
   prefill_only.num_queries = 113;
   shape = plan_shape(prefill_only);
   EXPECT_EQ(shape.max_task_entries, 0);
   EXPECT_EQ(shape.max_query_entries, 0);
-  EXPECT_EQ(shape.task_entry_residues, 0u);
 }
 
-// Host code only: stage 1's kernel for wide passes is picked only when every task's last pass
-// (entries x group, modulo 64) is empty or holds more than 32 rows; empty tasks (the padding of
-// graph plans) do not count.
-TEST(PlanShape, WidePassesNeedEveryLastPassWide) {
+// Host code only: stage 1 runs every pass on warpgroup MMAs unless the plan's largest task holds
+// at most 16 rows (entries x group).
+TEST(PlanShape, WgmmaPassesUnlessEveryTaskHoldsAtMost16Rows) {
   AttentionDims dims;
   dims.head_dim = 128;
   dims.num_kv_heads = 8;
-  const auto wide = [&](std::vector<int32_t> entries, int group) {
-    std::vector<int32_t> begin = {0};
-    for (int32_t e : entries) begin.push_back(begin.back() + e);
-    AttentionPlanView plan;
-    plan.num_tasks = static_cast<int32_t>(entries.size());
-    plan.task_entry_begin = begin.data();
+  const auto wgmma = [&](int32_t max_task_entries, int group) {
     dims.num_q_heads = dims.num_kv_heads * group;
-    return deft_attention_wide_passes(plan_shape(plan), dims);
+    return deft_attention_wgmma_passes(PlanShape{.max_task_entries = max_task_entries}, dims);
   };
-  EXPECT_FALSE(wide({16, 32, 0, 48}, 1));  // a 16-row pass
-  EXPECT_FALSE(wide({16, 32, 0, 48}, 2));  // 32 and 96 rows: 32-row passes
-  EXPECT_TRUE(wide({16, 32, 0, 48}, 4));   // 64, 128, 192 rows
-  EXPECT_TRUE(wide({16, 32, 0, 48}, 8));
-  EXPECT_TRUE(wide({64, 63, 33, 128}, 1));
-  EXPECT_FALSE(wide({64, 63, 32}, 1));
-  EXPECT_TRUE(wide({20}, 2));   // 40 rows
-  EXPECT_FALSE(wide({8}, 4));   // 32 rows
-  EXPECT_TRUE(wide({9}, 4));    // 36 rows
-  EXPECT_TRUE(wide({63}, 4));   // 252 rows: passes of 64, 64, 64, 60
-  EXPECT_TRUE(wide({}, 1));     // no task
-  EXPECT_TRUE(wide({0, 0}, 1));
+  EXPECT_FALSE(wgmma(0, 4));
+  EXPECT_FALSE(wgmma(1, 4));   // the sequence baseline: a query a task
+  EXPECT_FALSE(wgmma(4, 4));   // 16 rows
+  EXPECT_TRUE(wgmma(5, 4));    // 20 rows
+  EXPECT_FALSE(wgmma(16, 1));
+  EXPECT_TRUE(wgmma(17, 1));
+  EXPECT_TRUE(wgmma(3, 8));    // 24 rows
+  EXPECT_TRUE(wgmma(20, 4));   // few-shot's shared prompt
 }
 
 }  // namespace
