@@ -296,8 +296,9 @@ PlanShape plan_shape(const AttentionPlanView& host_plan) {
   // hand): no entries then.
   for (int32_t task = 0; host_plan.task_entry_begin != nullptr && task < host_plan.num_tasks;
        ++task) {
-    const int32_t entries = host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task];
-    shape.max_task_entries = std::max(shape.max_task_entries, entries);
+    shape.max_task_entries =
+        std::max(shape.max_task_entries,
+                 host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
   }
   for (int32_t query = 0; host_plan.query_entry_begin != nullptr && query < host_plan.num_queries;
        ++query) {

@@ -13,10 +13,11 @@
 // (wgmma, sm_90a: Q and P from registers, K and V straight from shared memory; a tile in two
 // 32-token halves, one half's softmax overlapping the other half's MMAs), fewer rows on
 // mma.sync (on sm_90a only in plans whose every task has at most 16 rows: the kWgmmaPasses
-// kernel pads short passes to 64 rows instead); per-token 64-bit mask words mask scores; tiles no row of the pass sees are never
-// loaded; online softmax in base 2 whose O rescale waits until a row's maximum grew by more than
-// 2^8 (kRescaleSlack). Rows whose query has a single partial write the final output directly,
-// the others write partial O (normalised) and LSE (natural log).
+// kernel pads short passes to 64 rows instead); per-token 64-bit mask words mask scores; tiles
+// no row of the pass sees are never loaded; online softmax in base 2 whose O rescale waits
+// until a row's maximum grew by more than 2^8 (kRescaleSlack). Rows whose query has a single
+// partial write the final output directly, the others write partial O (normalised) and LSE
+// (natural log).
 //
 // Stage 2: one warp per (query, head); queries with a single partial return at once; the others
 // merge their partials: out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max).
@@ -290,7 +291,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   // A pass holds up to 64 rows; each pass picks its own warp layout, so a short last pass (e.g.
   // 16 of 80 rows) splits its tiles' tokens over the warps instead of leaving 3 warps computing
   // padding rows (the 64-row step is bound by the SM's exp, MMA and shared-memory pipes, so
-  // wasted rows cost every CTA on the SM).
+  // wasted rows cost every CTA on the SM). The kWgmmaPasses kernel pads them to 64 rows all the
+  // same: without the mma.sync code it measured faster on every tree (deft_attention.h).
   const int rows_per_pass =
       kWgmmaOnly ? kStage1Warps * kMmaRows
                  : (num_rows <= kMmaRows ? kMmaRows
