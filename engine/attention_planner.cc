@@ -5,6 +5,7 @@
 #include <bit>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -118,6 +119,7 @@ kernels::AttentionPlanView AttentionPlan::view() const {
   v.task_kv_end = task_kv_end.data();
   v.task_entry_begin = task_entry_begin.data();
   v.task_mask_begin = task_mask_begin.data();
+  v.task_kv_ready = task_kv_ready.data();
   v.mask_words = mask_words.data();
   v.entry_query = entry_query.data();
   v.query_entry_begin = query_entry_begin.data();
@@ -134,6 +136,7 @@ void AttentionPlan::clear() {
   task_kv_end.clear();
   task_entry_begin.clear();
   task_mask_begin.clear();
+  task_kv_ready.clear();
   mask_words.clear();
   entry_query.clear();
   query_entry_begin.clear();
@@ -162,6 +165,12 @@ class PlanBuilder {
     }
     if (absl::Status status = order_queries(*tree, tree_queries.queries, row_base); !status.ok()) {
       return status;
+    }
+    // Per node rank, its first token that a query of the step names (queries are sorted by
+    // rank, then token): the step's KV write fills it and every later token of the node.
+    fresh_from_.assign(dfs_nodes_.size(), std::numeric_limits<int32_t>::max());
+    for (size_t i = queries_.node.size(); i-- > 0;) {
+      fresh_from_[rank_[queries_.node[i]]] = queries_.token_index[i];
     }
     for (size_t i = 0; i < tree_queries.queries.size(); ++i) {
       const QueryToken& q = tree_queries.queries[i];
@@ -325,6 +334,7 @@ class PlanBuilder {
     flat_base_ = static_cast<int32_t>(plan_->kv_slots.size());
     flat_.runs.clear();
     flat_.node_token_begin.clear();
+    fresh_.clear();
     int32_t flat = 0;
     for (int32_t r = 0; r < num_nodes; ++r) {
       const int32_t subtree_end = own_begin_[r + subtree_size_[r]];
@@ -340,6 +350,9 @@ class PlanBuilder {
                                   : queries_.token_index[own_end - 1] + 1;
       flat_.node_token_begin.push_back(flat);
       append_slots(kv, tree.kv_key(id), visible);
+      if (fresh_from_[r] < visible) {
+        fresh_.push_back({flat_base_ + flat + fresh_from_[r], flat_base_ + flat + visible});
+      }
       // Tokens up to and including own query k are seen by own queries k.. and the subtree.
       int32_t token = 0;
       for (int32_t q = own_begin; q < own_end && token < visible; ++q) {
@@ -560,6 +573,7 @@ class PlanBuilder {
     plan_->task_kv_end.push_back(flat_base_ + b);
     plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
     plan_->task_mask_begin.push_back(mask_begin);
+    plan_->task_kv_ready.push_back(ready_tokens(flat_base_ + a, flat_base_ + b));
     for (int32_t j = 0; j < g1 - g0; ++j) {
       if ((any >> j) & 1) plan_->entry_query.push_back(queries_.row[g0 + j]);
     }
@@ -589,7 +603,18 @@ class PlanBuilder {
     plan_->task_kv_end.push_back(kv_end);
     plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
     plan_->task_mask_begin.push_back(mask_begin);
+    plan_->task_kv_ready.push_back(ready_tokens(kv_begin, kv_end));
     for (int32_t q = g0; q < g1; ++q) plan_->entry_query.push_back(queries_.row[q]);
+  }
+
+  // Leading tokens of kv_slots [kv_begin, kv_end) (a task of the current tree's flattening)
+  // that the step's KV write does not touch: up to the first fresh interval it overlaps.
+  int32_t ready_tokens(int32_t kv_begin, int32_t kv_end) const {
+    const auto it = std::upper_bound(
+        fresh_.begin(), fresh_.end(), kv_begin,
+        [](int32_t token, const std::array<int32_t, 2>& fresh) { return token < fresh[1]; });
+    if (it == fresh_.end() || (*it)[0] >= kv_end) return kv_end - kv_begin;
+    return std::max(kv_begin, (*it)[0]) - kv_begin;
   }
 
   // Baseline: every query reads its own root-to-token path in split-KV chunks, no sharing.
@@ -601,19 +626,26 @@ class PlanBuilder {
       const int32_t path_begin = static_cast<int32_t>(plan_->kv_slots.size());
       path_.clear();
       for (NodeId id = queries_.node[q]; id != -1; id = tree.node(id).parent) path_.push_back(id);
+      int32_t path_fresh = -1;  // the path's first token that the step's KV write fills
       for (auto it = path_.rbegin(); it != path_.rend(); ++it) {
         const NodeId id = *it;
         const int32_t visible = id == queries_.node[q]
                                     ? queries_.token_index[q] + 1
                                     : static_cast<int32_t>(tree.node(id).tokens.size());
+        if (path_fresh < 0 && fresh_from_[rank_[id]] < visible) {
+          path_fresh = static_cast<int32_t>(plan_->kv_slots.size()) + fresh_from_[rank_[id]];
+        }
         append_slots(kv, tree.kv_key(id), visible);
       }
       const int32_t path_end = static_cast<int32_t>(plan_->kv_slots.size());
+      if (path_fresh < 0) path_fresh = path_end;
       for (int32_t a = path_begin; a < path_end; a += sequence_chunk) {
+        const int32_t end = std::min(path_end, a + sequence_chunk);
         plan_->task_kv_begin.push_back(a);
-        plan_->task_kv_end.push_back(std::min(path_end, a + sequence_chunk));
+        plan_->task_kv_end.push_back(end);
         plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
         plan_->task_mask_begin.push_back(-1);
+        plan_->task_kv_ready.push_back(std::clamp(path_fresh - a, 0, end - a));
         plan_->entry_query.push_back(queries_.row[q]);
       }
     }
@@ -631,6 +663,8 @@ class PlanBuilder {
   std::vector<int32_t> own_begin_;
   std::vector<int32_t> subtree_size_;
   std::vector<int32_t> fill_cursor_;
+  std::vector<int32_t> fresh_from_;              // per node rank (add_tree)
+  std::vector<std::array<int32_t, 2>> fresh_;    // kv_slots intervals the KV write fills
   int32_t flat_base_ = 0;   // index in plan.kv_slots of the current tree's first flat token
   int32_t run_cursor_ = 0;  // first run that the next piece can overlap
   int32_t step_queries_ = 0;       // every tree's queries of the step

@@ -114,6 +114,7 @@ struct AttentionPlan {
   std::vector<int32_t> task_kv_end;
   std::vector<int32_t> task_entry_begin;  // num_tasks + 1
   std::vector<int32_t> task_mask_begin;
+  std::vector<int32_t> task_kv_ready;  // see AttentionPlanView::task_kv_ready
   std::vector<uint64_t> mask_words;
   std::vector<int32_t> entry_query;
   std::vector<int32_t> query_entry_begin;  // num_queries + 1

@@ -65,6 +65,10 @@ struct AttentionPlanView {
   const int32_t* task_kv_end = nullptr;        // [num_tasks]
   const int32_t* task_entry_begin = nullptr;   // [num_tasks + 1]
   const int32_t* task_mask_begin = nullptr;    // [num_tasks], -1 = no mask
+  // Optional (null: none): per task, how many leading tokens of its run hold KV from before the
+  // step, i.e. slots that no query of the step writes. A kernel launched behind the step's KV
+  // write (a programmatic dependent launch) may read those before that write has finished.
+  const int32_t* task_kv_ready = nullptr;      // [num_tasks]
   const uint64_t* mask_words = nullptr;        // [num_mask_words]
   const int32_t* entry_query = nullptr;        // [num_entries]
   const int32_t* query_entry_begin = nullptr;  // [num_queries + 1]

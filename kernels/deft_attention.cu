@@ -219,6 +219,7 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
       {host_plan.query_entries, i32(sizes.num_entries), 0},
       {host_plan.prefill_runs,
        static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
+      {host_plan.task_kv_ready, i32(sizes.num_tasks), 0},
   };
   const size_t used[] = {
       i32(host_plan.num_kv_indices),
@@ -230,7 +231,8 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
       i32(host_plan.num_entries),
       i32(host_plan.num_queries + 1),
       i32(host_plan.num_entries),
-      static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun)};
+      static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun),
+      i32(host_plan.num_tasks)};
   size_t total = 0;
   for (Section& section : sections) {
     section.offset = total;
@@ -249,6 +251,10 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
       std::memcpy(staging + sections[i].offset, sections[i].source, used[i]);
     }
   }
+  if (host_plan.task_kv_ready == nullptr) {
+    // No readiness known: no task's KV may be read before the kernel ahead has finished.
+    std::memset(staging + sections[10].offset, 0, sections[10].bytes);
+  }
   if (capacity != nullptr) {
     // Padding: empty tasks (no KV, entries [num_entries, num_entries)), unmasked; queries
     // without entries. Padded kv_slots, mask words and entries are never read.
@@ -264,6 +270,7 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
     fill(3, tasks + 1, capacity->tasks + 1, entries);
     if (host_plan.task_entry_begin == nullptr) fill(3, 0, 1, 0);
     fill(4, tasks, capacity->tasks, -1);
+    fill(10, tasks, capacity->tasks, 0);
     fill(7, queries + 1, capacity->queries + 1, entries);
     if (host_plan.query_entry_begin == nullptr) fill(7, 0, 1, 0);
   }
@@ -284,6 +291,7 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
   device_view_.query_entry_begin = reinterpret_cast<const int32_t*>(at(7));
   device_view_.query_entries = reinterpret_cast<const int32_t*>(at(8));
   device_view_.prefill_runs = reinterpret_cast<const PrefillRun*>(at(9));
+  device_view_.task_kv_ready = reinterpret_cast<const int32_t*>(at(10));
 
   host_prefill_runs_.assign(host_plan.prefill_runs,
                             host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));

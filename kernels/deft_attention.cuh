@@ -282,6 +282,8 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const int entry_begin = plan.task_entry_begin[task];
   const int num_entries = plan.task_entry_begin[task + 1] - entry_begin;
   const int mask_begin = plan.task_mask_begin[task];
+  // Leading tokens whose KV predates the step (AttentionPlanView::task_kv_ready).
+  const int ready = plan.task_kv_ready != nullptr ? plan.task_kv_ready[task] : 0;
   const bool masked = mask_begin >= 0;
   const int group = params.group_size;
   const int num_rows = num_entries * group;
@@ -427,18 +429,27 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     }
 
     // The plan (row targets, the first tiles' slots) is read before waiting for the kernel
-    // before, which a programmatic launch overlaps.
+    // before, which a programmatic launch overlaps; so is the first tile when its tokens hold
+    // KV from before the step (the kernel before is the step's KV write).
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       if (upcoming[i] < num_tiles) prefetch_slots(upcoming[i], i);
     }
     cp_async_commit();
+    static_assert(kStages == 2, "one tile is loaded before the loop");
+    const bool first_tile_ready =
+        upcoming[0] < num_tiles && min(run_tokens, (upcoming[0] + 1) * kKvTileTokens) <= ready;
+    if (first_tile_ready) {
+      cp_async_wait<0>();
+      __syncthreads();  // the slots are in the ring
+      load_tile(upcoming[0], 0);
+      cp_async_commit();
+    }
     wait_for_prerequisite_grid();  // Q, the KV and our outputs: the kernel before is done
-    cp_async_wait<0>();
-    __syncthreads();  // the slots are in the ring
-#pragma unroll
-    for (int i = 0; i + 1 < kStages; ++i) {
-      if (upcoming[i] < num_tiles) load_tile(upcoming[i], i);
+    if (!first_tile_ready) {
+      cp_async_wait<0>();
+      __syncthreads();  // the slots are in the ring
+      if (upcoming[0] < num_tiles) load_tile(upcoming[0], 0);
       cp_async_commit();
     }
 

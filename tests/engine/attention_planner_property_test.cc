@@ -9,6 +9,7 @@
 //       for every query row, exactly the slots of its context, each once: every visible
 //       (query, KV token) pair is covered by exactly one entry and no invisible pair by any;
 //       the rows' positions and slots are those of their tokens;
+//   (d) each task's ready prefix (task_kv_ready) holds no slot the step writes, and stops at one;
 //   (b) deft_attention_cpu on the plan equals the float64 naive attention over each row's
 //       context (relative error < 1e-5), for GQA group sizes 1, 4 and 8;
 //   (c) io.kv_tokens_read is the sum of the task runs and at least the number of tree tokens
@@ -128,6 +129,30 @@ void check_plan(const RandomStep& step, const PlannerOptions& options, const Att
     ASSERT_LE(entries, kernels::kMaskWordBits) << "task " << task;
     const uint64_t all = entries == 64 ? ~uint64_t{0} : (uint64_t{1} << entries) - 1;
     ASSERT_EQ(any & all, all) << "task " << task << " has an entry that sees no token";
+  }
+  // (d) A task's ready tokens hold no slot that the step writes (a row's own slot), and the
+  // token after them does: the kernel reads them before the step's KV write has finished.
+  ASSERT_NE(view.task_kv_ready, nullptr);
+  std::vector<int32_t> written(plan.query_slot.begin(), plan.query_slot.end());
+  std::sort(written.begin(), written.end());
+  const auto is_written = [&](int32_t slot) {
+    return std::binary_search(written.begin(), written.end(), slot);
+  };
+  for (int32_t task = 0; task < view.num_tasks; ++task) {
+    const int32_t begin = view.task_kv_begin[task];
+    const int32_t tokens = view.task_kv_end[task] - begin;
+    const int32_t ready = view.task_kv_ready[task];
+    ASSERT_GE(ready, 0) << "task " << task;
+    ASSERT_LE(ready, tokens) << "task " << task;
+    for (int32_t i = 0; i < ready; ++i) {
+      ASSERT_FALSE(is_written(view.kv_slots[begin + i]))
+          << "task " << task << ": token " << i << " is written this step but counted ready ("
+          << ready << ")";
+    }
+    if (ready < tokens) {
+      EXPECT_TRUE(is_written(view.kv_slots[begin + ready]))
+          << "task " << task << ": ready stops at token " << ready << ", which is not written";
+    }
   }
   if (::testing::Test::HasFailure()) return;  // (b) and (c) mean little on a wrong cover
 

@@ -50,6 +50,43 @@ TEST(AttentionPlanner, FlattenReadsEveryTreeTokenOnce) {
   }
 }
 
+TEST(AttentionPlanner, TasksSayHowMuchOfTheirKvPredatesTheStep) {
+  // Decoding: only each leaf's last token is written this step.
+  FewShot job(256, 2, 80);
+  AttentionPlanner planner({.kind = PlanKind::kDeftFlatten, .chunk_tokens = 128});
+  AttentionPlan plan;
+  ASSERT_TRUE(planner.plan(job.input(), plan).ok());
+  // Tasks: the prompt's two chunks, leaf 0 [256, 336), leaf 1 cut at the chunk boundary 384.
+  ASSERT_EQ(plan.num_tasks(), 5);
+  EXPECT_EQ(plan.task_kv_ready[0], 128);
+  EXPECT_EQ(plan.task_kv_ready[1], 128);
+  EXPECT_EQ(plan.task_kv_ready[2], 79);
+  EXPECT_EQ(plan.task_kv_ready[3], 48);
+  EXPECT_EQ(plan.task_kv_ready[4], 31);
+  // Speculative verification: a chain of 3 draft tokens under a leaf, all new.
+  const NodeId leaf = job.queries[0].node;
+  const NodeId draft = job.tree.branch(leaf, 1).value()[0];
+  ASSERT_TRUE(job.tree.append(draft, std::vector<TokenId>(3, 9)).ok());
+  const std::vector<QueryToken> verify = {{draft, 0}, {draft, 1}, {draft, 2}};
+  ASSERT_TRUE(planner.plan(std::vector<TreeQueries>{{&job.tree, verify}}, plan).ok());
+  // Tasks: the prompt's chunks, leaf 0 with the first draft (all three queries see both),
+  // then the other two drafts under a mask.
+  ASSERT_EQ(plan.num_tasks(), 4);
+  EXPECT_EQ(plan.task_kv_ready[0], 128);
+  EXPECT_EQ(plan.task_kv_ready[1], 128);
+  EXPECT_EQ(plan.task_kv_end[2] - plan.task_kv_begin[2], 81);
+  EXPECT_EQ(plan.task_kv_ready[2], 80);
+  EXPECT_EQ(plan.task_kv_ready[3], 0);
+  // The sequence baseline: a path's chunks are ready up to the path's first new token.
+  AttentionPlanner sequence({.kind = PlanKind::kSequence, .chunk_tokens = 128});
+  ASSERT_TRUE(sequence.plan(std::vector<TreeQueries>{{&job.tree, verify}}, plan).ok());
+  ASSERT_EQ(plan.num_tasks(), 9);  // paths of 337, 338, 339 tokens: 3 chunks each
+  EXPECT_EQ(plan.task_kv_ready[0], 128);
+  EXPECT_EQ(plan.task_kv_ready[1], 128);
+  EXPECT_EQ(plan.task_kv_ready[2], 80);  // [256, 337): 80 old tokens, then the first draft
+  EXPECT_EQ(plan.task_kv_ready[8], 80);
+}
+
 TEST(AttentionPlanner, FlattenRunsPrivateSuffixesBesideEachOther) {
   // Prompt [0, 256), leaves of 50 tokens [256, 306), ... [456, 506); pieces of 256 tokens. Each
   // leaf holds at least kMinUnmaskedSplit tokens of one viewer: a task of its own without a mask
