@@ -33,6 +33,7 @@
 #include "kernels/attention_params.h"
 #include "kernels/cp_async.cuh"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/l2_discard.cuh"
 #include "kernels/wgmma.cuh"
 
 namespace deft::kernels::detail {
@@ -924,6 +925,15 @@ __global__ void __launch_bounds__(kStage2Threads)
 #pragma unroll
           for (int e = 0; e < kPerLane; ++e) acc[e] += weight * o[j][e];
         }
+      }
+    }
+    // This chunk's partial rows are dead (every lane's loads of them are in acc): each lane
+    // drops its own row (whole 128-byte lines) from L2 unwritten.
+    __syncwarp();
+    if (lane < chunk_count) {
+#pragma unroll
+      for (int line = 0; line < kHeadDim * 4 / kL2LineBytes; ++line) {
+        discard_l2_line(partial_out + my_row * kHeadDim + line * (kL2LineBytes / 4));
       }
     }
   }

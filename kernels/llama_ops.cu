@@ -7,6 +7,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/l2_discard.cuh"
 #include "kernels/float_convert.cuh"
 #include "kernels/llama_ops.h"
 
@@ -192,6 +193,13 @@ __global__ void __launch_bounds__(kThreads)
   detail::wait_for_prerequisite_grid();
   const int32_t vectors_per_row = width / 8;
   const int64_t total = int64_t{num_rows} * vectors_per_row;
+  // gate_up is dead once read: a whole warp's 512-byte spans of gate and up (32 consecutive
+  // vectors of one row, when rows hold whole spans and the buffer is aligned to them) are
+  // dropped from L2 unwritten.
+  constexpr int kSpanBytes = 32 * 16;
+  const bool discard = vectors_per_row % 32 == 0 && (width * sizeof(T)) % kSpanBytes == 0 &&
+                       reinterpret_cast<uintptr_t>(gate_up) % kSpanBytes == 0;
+  const int lane = static_cast<int>(threadIdx.x % 32);
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * kThreads) {
     const int64_t r = i / vectors_per_row;
@@ -205,6 +213,19 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < 8; ++j) y[j] = from_float<T>(silu_mul(to_float(gate[j]), to_float(up[j])));
     *reinterpret_cast<uint4*>(out + r * width + c) = result;
+    if (discard && __activemask() == 0xffffffffu) {
+      __syncwarp();  // every lane's loads are done (their values are in `result`)
+      constexpr int kSpanLines = kSpanBytes / detail::kL2LineBytes;
+      if (lane < 2 * kSpanLines) {
+        // The first kSpanLines lanes drop gate's span, the next up's; a span starts at lane 0's
+        // vector.
+        const int64_t first = (i - lane - r * vectors_per_row) * 8;
+        const int32_t line = lane % kSpanLines;
+        const T* span = gate_up + r * 2 * width + (lane < kSpanLines ? 0 : width) + first;
+        detail::discard_l2_line(reinterpret_cast<const char*>(span) +
+                                line * detail::kL2LineBytes);
+      }
+    }
   }
 }
 
