@@ -283,8 +283,6 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const int entry_begin = plan.task_entry_begin[task];
   const int num_entries = plan.task_entry_begin[task + 1] - entry_begin;
   const int mask_begin = plan.task_mask_begin[task];
-  // Leading tokens whose KV predates the step (AttentionPlanView::task_kv_ready).
-  const int ready = plan.task_kv_ready != nullptr ? plan.task_kv_ready[task] : 0;
   const bool masked = mask_begin >= 0;
   const int group = params.group_size;
   const int num_rows = num_entries * group;
@@ -438,21 +436,17 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     }
     cp_async_commit();
     static_assert(kStages == 2, "one tile is loaded before the loop");
+    // Its tokens' KV predates the step (AttentionPlanView::task_kv_ready).
     const bool first_tile_ready =
-        upcoming[0] < num_tiles && min(run_tokens, (upcoming[0] + 1) * kKvTileTokens) <= ready;
-    if (first_tile_ready) {
-      cp_async_wait<0>();
-      __syncthreads();  // the slots are in the ring
-      load_tile(upcoming[0], 0);
-      cp_async_commit();
-    }
-    wait_for_prerequisite_grid();  // Q, the KV and our outputs: the kernel before is done
-    if (!first_tile_ready) {
-      cp_async_wait<0>();
-      __syncthreads();  // the slots are in the ring
-      if (upcoming[0] < num_tiles) load_tile(upcoming[0], 0);
-      cp_async_commit();
-    }
+        upcoming[0] < num_tiles && plan.task_kv_ready != nullptr &&
+        min(run_tokens, (upcoming[0] + 1) * kKvTileTokens) <= plan.task_kv_ready[task];
+    // Q, the KV and our outputs: the kernel before is done.
+    if (!first_tile_ready) wait_for_prerequisite_grid();
+    cp_async_wait<0>();
+    __syncthreads();  // the slots are in the ring
+    if (upcoming[0] < num_tiles) load_tile(upcoming[0], 0);
+    cp_async_commit();
+    if (first_tile_ready) wait_for_prerequisite_grid();
 
     // This thread's two fragment rows (lane_row and lane_row + 8 of the warp's 16).
     const int row_a = pass_row0 + warp_row_block * kMmaRows + lane_row;
