@@ -74,7 +74,7 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
     children.push_back(child.id);
     nodes_.push_back(std::move(child));
   }
-  TreeNode& parent = nodes_[node];  // re-fetch: push_back may have moved the vector
+  TreeNode& parent = nodes_[node];
   parent.children.insert(parent.children.end(), children.begin(), children.end());
   num_live_nodes_ += k;
   return children;
