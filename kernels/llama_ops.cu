@@ -218,10 +218,9 @@ __global__ void __launch_bounds__(kThreads)
       constexpr int kSpanLines = kSpanBytes / detail::kL2LineBytes;
       if (lane < 2 * kSpanLines) {
         // The first kSpanLines lanes drop gate's span, the next up's; a span starts at lane 0's
-        // vector.
-        const int64_t first = (i - lane - r * vectors_per_row) * 8;
+        // column, c - 8 * lane (the warp's vectors are consecutive in one row).
         const int32_t line = lane % kSpanLines;
-        const T* span = gate_up + r * 2 * width + (lane < kSpanLines ? 0 : width) + first;
+        const T* span = gate_up + r * 2 * width + (lane < kSpanLines ? 0 : width) + c - 8 * lane;
         detail::discard_l2_line(reinterpret_cast<const char*>(span) +
                                 line * detail::kL2LineBytes);
       }
