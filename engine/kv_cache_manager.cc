@@ -49,7 +49,7 @@ absl::Status KvCacheManager::reserve(OwnerKey owner, int64_t num_tokens) {
                      " more pages of ", config_.page_tokens, " tokens, ", free_pages(),
                      " of ", num_pages(), " pages free"));
   }
-  std::vector<int32_t>& pages = owners_[owner];
+  PageList& pages = owners_[owner];
   for (int64_t i = 0; i < needed; ++i) {
     const int32_t page = free_list_.back();
     free_list_.pop_back();
@@ -75,7 +75,7 @@ void KvCacheManager::shrink(OwnerKey owner, int64_t num_tokens) {
   if (it == owners_.end()) return;
   const auto keep = static_cast<size_t>(pages_for(std::max<int64_t>(num_tokens, 0),
                                                   config_.page_tokens));
-  std::vector<int32_t>& pages = it->second;
+  PageList& pages = it->second;
   while (pages.size() > keep) {
     page_in_use_[pages.back()] = 0;
     free_list_.push_back(pages.back());
@@ -94,11 +94,11 @@ void KvCacheManager::move_front_pages(OwnerKey from, OwnerKey to, int64_t count)
                  static_cast<unsigned long long>(to));
     std::abort();
   }
-  std::vector<int32_t>& source = it->second;
-  owners_[to].assign(source.begin(), source.begin() + count);
-  it = owners_.find(from);  // owners_[to] may have rehashed
-  it->second.erase(it->second.begin(), it->second.begin() + count);
-  if (it->second.empty()) owners_.erase(it);
+  PageList& source = it->second;
+  PageList head(source.begin(), source.begin() + count);
+  source.erase(source.begin(), source.begin() + count);
+  if (source.empty()) owners_.erase(it);
+  owners_[to] = std::move(head);  // may rehash: `source` is not used after this
 }
 
 bool KvCacheManager::has_owner(OwnerKey owner) const { return owners_.count(owner) != 0; }

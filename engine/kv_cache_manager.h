@@ -6,9 +6,10 @@
 
 #include <cstdint>
 #include <span>
-#include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 
 namespace deft::engine {
@@ -48,7 +49,8 @@ class KvCacheManager {
   void move_front_pages(OwnerKey from, OwnerKey to, int64_t count);
 
   bool has_owner(OwnerKey owner) const;
-  // Pages of `owner` in token order (empty for an unknown owner).
+  // Pages of `owner` in token order (empty for an unknown owner); valid until the next call
+  // that changes any owner's pages.
   std::span<const int32_t> pages(OwnerKey owner) const;
   // KV slot of token `token_index` of `owner`; aborts if the token has no page (a bug).
   int32_t slot(OwnerKey owner, int64_t token_index) const;
@@ -67,7 +69,10 @@ class KvCacheManager {
   KvCacheConfig config_;
   std::vector<int32_t> free_list_;  // LIFO: recently freed pages are reused first
   std::vector<uint8_t> page_in_use_;
-  std::unordered_map<OwnerKey, std::vector<int32_t>> owners_;
+  // A speculative token tree's nodes hold one page each: their page lists live in the map's
+  // slots, so creating and releasing such an owner allocates nothing.
+  using PageList = absl::InlinedVector<int32_t, 3>;
+  absl::flat_hash_map<OwnerKey, PageList> owners_;
 };
 
 }  // namespace deft::engine
