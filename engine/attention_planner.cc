@@ -267,8 +267,8 @@ class PlanBuilder {
   absl::Status order_queries(const SequenceTree& tree, std::span<const QueryToken> queries,
                              int32_t row_base) {
     // Depth-first ranks of the live nodes.
-    // Sized by node id; only live nodes' entries are read, each set by this traversal (pruned
-    // ids stay tombstones in the tree, so the array is grown, never cleared: O(live nodes)).
+    // Sized by node id; only live nodes' entries are read, each set by this traversal (ids are
+    // never reused, so the array is grown, never cleared: O(live nodes)).
     const int32_t limit = tree.node_id_limit();
     if (static_cast<int32_t>(rank_.size()) < limit) rank_.resize(limit, -1);
     dfs_nodes_.clear();

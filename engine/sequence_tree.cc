@@ -12,34 +12,34 @@ SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv) : tree_id_(tree
   TreeNode root;
   root.id = 0;
   root.alive = true;
-  nodes_.push_back(std::move(root));
+  nodes_.emplace(0, std::move(root));
+  next_id_ = 1;
   num_live_nodes_ = 1;
 }
 
 SequenceTree::~SequenceTree() {
   if (kv_ == nullptr) return;
-  for (const TreeNode& n : nodes_) {
-    if (n.alive) kv_->release(kv_key(n.id));
-  }
+  for (const auto& [id, n] : nodes_) kv_->release(kv_key(id));
 }
 
 bool SequenceTree::contains(NodeId node) const {
-  return node >= 0 && node < static_cast<NodeId>(nodes_.size()) && nodes_[node].alive;
+  return nodes_.contains(node);
 }
 
 const TreeNode& SequenceTree::node(NodeId id) const {
-  if (!contains(id)) {
+  const auto it = nodes_.find(id);
+  if (it == nodes_.end()) {
     std::fprintf(stderr, "SequenceTree %u: node %d is not a live node\n", tree_id_, id);
     std::abort();
   }
-  return nodes_[id];
+  return it->second;
 }
 
 absl::Status SequenceTree::append(NodeId node, std::span<const TokenId> tokens) {
   if (!contains(node)) {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
-  TreeNode& n = nodes_[node];
+  TreeNode& n = nodes_.find(node)->second;
   if (!n.children.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "tree ", tree_id_, ": node ", node, " has ", n.children.size(),
@@ -64,17 +64,17 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
   }
   std::vector<NodeId> children;
   children.reserve(k);
-  const int64_t child_depth = nodes_[node].depth_begin + nodes_[node].tokens.size();
+  TreeNode& parent = nodes_.find(node)->second;
+  const int64_t child_depth = parent.depth_begin + static_cast<int64_t>(parent.tokens.size());
   for (int32_t i = 0; i < k; ++i) {
     TreeNode child;
-    child.id = static_cast<NodeId>(nodes_.size());
+    child.id = next_id_++;
     child.parent = node;
     child.depth_begin = child_depth;
     child.alive = true;
     children.push_back(child.id);
-    nodes_.push_back(std::move(child));
+    nodes_.emplace(child.id, std::move(child));
   }
-  TreeNode& parent = nodes_[node];
   parent.children.insert(parent.children.end(), children.begin(), children.end());
   num_live_nodes_ += k;
   return children;
@@ -85,7 +85,7 @@ absl::Status SequenceTree::prune(NodeId node) {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
   if (node == root()) {
-    TreeNode& root_node = nodes_[node];
+    TreeNode& root_node = nodes_.find(node)->second;
     if (!root_node.children.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tree ", tree_id_, ": cannot prune the root while it has ", root_node.children.size(),
@@ -97,21 +97,18 @@ absl::Status SequenceTree::prune(NodeId node) {
     return absl::OkStatus();
   }
   // Detach from the parent, then free the subtree (iteratively: trees can be deep).
-  std::vector<NodeId>& siblings = nodes_[nodes_[node].parent].children;
+  std::vector<NodeId>& siblings = nodes_.find(nodes_.find(node)->second.parent)->second.children;
   std::erase(siblings, node);
   std::vector<NodeId> stack = {node};
   while (!stack.empty()) {
     const NodeId id = stack.back();
     stack.pop_back();
-    TreeNode& n = nodes_[id];
+    const auto it = nodes_.find(id);
+    const TreeNode& n = it->second;
     stack.insert(stack.end(), n.children.begin(), n.children.end());
     total_tokens_ -= static_cast<int64_t>(n.tokens.size());
     if (kv_ != nullptr) kv_->release(kv_key(id));
-    n.alive = false;
-    n.children.clear();
-    n.children.shrink_to_fit();
-    n.tokens.clear();
-    n.tokens.shrink_to_fit();
+    nodes_.erase(it);
     --num_live_nodes_;
   }
   return absl::OkStatus();
@@ -124,25 +121,24 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
   if (node == root()) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split the root"));
   }
-  const int64_t size = static_cast<int64_t>(nodes_[node].tokens.size());
+  TreeNode& tail = nodes_.find(node)->second;
+  const int64_t size = static_cast<int64_t>(tail.tokens.size());
   if (at <= 0 || at > size || (kv_ != nullptr && at % kv_->page_tokens() != 0)) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split node ",
                                                    node, " of ", size, " tokens at ", at));
   }
   TreeNode head;
-  head.id = static_cast<NodeId>(nodes_.size());
-  head.parent = nodes_[node].parent;
+  head.id = next_id_++;
+  head.parent = tail.parent;
   head.children = {node};
-  head.depth_begin = nodes_[node].depth_begin;
+  head.depth_begin = tail.depth_begin;
   head.alive = true;
-  nodes_.push_back(std::move(head));
-  TreeNode& head_node = nodes_.back();
-  TreeNode& tail = nodes_[node];
+  TreeNode& head_node = nodes_.emplace(head.id, std::move(head)).first->second;
   head_node.tokens.assign(tail.tokens.begin(), tail.tokens.begin() + at);
   tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + at);
   tail.depth_begin += at;
   tail.parent = head_node.id;
-  std::vector<NodeId>& siblings = nodes_[head_node.parent].children;
+  std::vector<NodeId>& siblings = nodes_.find(head_node.parent)->second.children;
   *std::find(siblings.begin(), siblings.end(), node) = head_node.id;
   if (kv_ != nullptr) {
     kv_->move_front_pages(kv_key(node), kv_key(head_node.id), at / kv_->page_tokens());
@@ -155,7 +151,7 @@ absl::Status SequenceTree::truncate(NodeId node, int64_t length) {
   if (!contains(node)) {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
-  TreeNode& n = nodes_[node];
+  TreeNode& n = nodes_.find(node)->second;
   if (!n.children.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("tree ", tree_id_, ": node ", node, " has live children; cannot truncate"));
@@ -176,7 +172,7 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::path(NodeId node) const {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
   std::vector<NodeId> result;
-  for (NodeId id = node; id != -1; id = nodes_[id].parent) result.push_back(id);
+  for (NodeId id = node; id != -1; id = nodes_.find(id)->second.parent) result.push_back(id);
   std::reverse(result.begin(), result.end());
   return result;
 }
@@ -193,7 +189,7 @@ std::vector<NodeId> SequenceTree::dfs_order() const {
     const NodeId id = stack.back();
     stack.pop_back();
     order.push_back(id);
-    const std::vector<NodeId>& children = nodes_[id].children;
+    const std::vector<NodeId>& children = nodes_.find(id)->second.children;
     stack.insert(stack.end(), children.rbegin(), children.rend());
   }
   return order;
@@ -202,7 +198,7 @@ std::vector<NodeId> SequenceTree::dfs_order() const {
 std::vector<NodeId> SequenceTree::live_leaves() const {
   std::vector<NodeId> leaves;
   for (NodeId id : dfs_order()) {
-    if (nodes_[id].children.empty()) leaves.push_back(id);
+    if (nodes_.find(id)->second.children.empty()) leaves.push_back(id);
   }
   return leaves;
 }
@@ -210,22 +206,22 @@ std::vector<NodeId> SequenceTree::live_leaves() const {
 bool SequenceTree::check_invariants() const {
   int32_t live = 0;
   int64_t tokens = 0;
-  for (const TreeNode& n : nodes_) {
-    if (!n.alive) continue;
+  for (const auto& [id, n] : nodes_) {
+    if (!n.alive || n.id != id || id < 0 || id >= next_id_) return false;
     ++live;
     tokens += static_cast<int64_t>(n.tokens.size());
     if (n.id == root()) {
       if (n.parent != -1 || n.depth_begin != 0) return false;
     } else {
       if (!contains(n.parent)) return false;
-      const TreeNode& parent = nodes_[n.parent];
+      const TreeNode& parent = nodes_.find(n.parent)->second;
       if (std::count(parent.children.begin(), parent.children.end(), n.id) != 1) return false;
       if (n.depth_begin != parent.depth_begin + static_cast<int64_t>(parent.tokens.size())) {
         return false;
       }
     }
     for (NodeId child : n.children) {
-      if (!contains(child) || nodes_[child].parent != n.id) return false;
+      if (!contains(child) || nodes_.find(child)->second.parent != n.id) return false;
     }
     if (kv_ != nullptr) {
       const int64_t pages = static_cast<int64_t>(kv_->pages(kv_key(n.id)).size());

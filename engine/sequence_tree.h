@@ -6,10 +6,10 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <span>
 #include <vector>
 
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/kv_cache_manager.h"
@@ -76,7 +76,7 @@ class SequenceTree {
 
   int32_t num_live_nodes() const { return num_live_nodes_; }
   // One past the largest node id ever handed out (ids of pruned nodes are never reused).
-  int32_t node_id_limit() const { return static_cast<int32_t>(nodes_.size()); }
+  int32_t node_id_limit() const { return next_id_; }
   int64_t total_tokens() const { return total_tokens_; }
   // Slot ids live in the KV manager under this key.
   KvCacheManager::OwnerKey kv_key(NodeId node) const {
@@ -90,9 +90,11 @@ class SequenceTree {
  private:
   uint32_t tree_id_;
   KvCacheManager* kv_;
-  // Indexed by NodeId; pruned nodes stay as tombstones. A deque: growing it moves no node (a
-  // vector reallocating its tombstones was ~45 % of building a 64-token speculative tree).
-  std::deque<TreeNode> nodes_;
+  // The live nodes by id (node_hash_map: references stay valid while nodes are added). A pruned
+  // node's entry is erased, so a long speculative session holds memory for its live nodes only,
+  // never for the 64 nodes each step prunes; ids are never reused (next_id_ only grows).
+  absl::node_hash_map<NodeId, TreeNode> nodes_;
+  NodeId next_id_ = 0;
   int32_t num_live_nodes_ = 0;
   int64_t total_tokens_ = 0;
 };

@@ -86,6 +86,40 @@ TEST(SequenceTree, PruneFreesTheWholeSubtreeAtOnce) {
   EXPECT_TRUE(kv.check_invariants());
 }
 
+// A speculative session: every step hangs a 64-node token tree under the prefix and prunes it.
+// Pruned nodes leave the tree (their ids stay dead: never handed out again), the KV pool and
+// the owner table return to the prefix alone, and the ids keep growing.
+TEST(SequenceTree, PrunedIdsAreNeverReusedAcrossManySteps) {
+  KvCacheManager kv({.page_tokens = 16, .num_pages = 128});
+  SequenceTree tree(3, &kv);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(100)).ok());
+  const int used = kv.used_pages();
+  std::set<NodeId> seen = {tree.root()};
+  for (int step = 0; step < 200; ++step) {
+    NodeId parent = tree.root();
+    NodeId first = -1;
+    for (int i = 0; i < 64; ++i) {
+      const NodeId child = tree.branch(i % 8 == 0 ? tree.root() : parent, 1).value()[0];
+      ASSERT_TRUE(seen.insert(child).second) << "id " << child << " handed out twice";
+      ASSERT_TRUE(tree.append(child, tokens(1)).ok());
+      if (first < 0) first = child;
+      parent = child;
+    }
+    ASSERT_EQ(tree.num_live_nodes(), 65);
+    for (NodeId child : std::vector<NodeId>(tree.node(tree.root()).children)) {
+      ASSERT_TRUE(tree.prune(child).ok());
+    }
+    ASSERT_FALSE(tree.contains(first));
+    ASSERT_EQ(tree.prune(first).code(), absl::StatusCode::kNotFound);
+  }
+  EXPECT_EQ(tree.num_live_nodes(), 1);
+  EXPECT_EQ(tree.node_id_limit(), 1 + 200 * 64);
+  EXPECT_EQ(kv.used_pages(), used);
+  EXPECT_EQ(kv.num_owners(), 1u);
+  EXPECT_TRUE(tree.check_invariants());
+  EXPECT_TRUE(kv.check_invariants());
+}
+
 TEST(SequenceTree, DestructorReturnsEveryPage) {
   KvCacheManager kv({.page_tokens = 16, .num_pages = 32});
   {
