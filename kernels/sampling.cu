@@ -4,6 +4,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 
 #include "kernels/cuda_check.h"
 #include "kernels/philox.h"
@@ -15,7 +16,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-// A cluster of kRowSplit blocks per row: each block finds the most and least likely keys and the
+// A cluster of kSplit blocks per row: each block finds the most and least likely keys and the
 // log-softmax sum of its share of the row, block rank 0 combines them (distributed shared
 // memory) and does the rest alone (greedy rows need nothing more). One block per row spent ~40
 // µs on 20 rows' first two passes on the H100 (20 SMs busy). 512 threads, at most 64 registers
@@ -23,7 +24,10 @@ namespace cg = cooperative_groups;
 // SM, took two: 29.0 µs for 20 rows in the decode step under ncu, 18.8 with 512; H100,
 // 2026-11-23). A 128256-logit row is 501 KiB; it stays in L2 across passes.
 constexpr int kThreads = 512;
-constexpr int kRowSplit = 8;  // portable cluster size
+// Blocks per row: 8 (the portable cluster size) while rows x 8 blocks fit on the GPU at once,
+// else 4 or 2 (fewer, longer blocks in one wave rather than two waves: 64 rows took 38.8 µs in
+// two waves of 8 blocks a row in the H100's decode step, 2026-11-24).
+constexpr int kRowSplits[] = {8, 4, 2};
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;  // radix-select bins per pass
 // Histogram masses are summed as 64-bit fixed point (weights are in [0, 1]) with two native
@@ -58,20 +62,33 @@ __device__ __forceinline__ float key_logit(uint64_t key) {
   return from_ordered_bits(static_cast<uint32_t>(key >> 32));
 }
 
-// Calls f(token, logit) for every logit of the row, coalesced (float4 when aligned).
+// float4 loads a thread has in flight in for_each_logit: one at a time, a pass over 64 rows of
+// 128256 logits waited on L2 latency (greedy 64 rows: 32.7 µs, H100, 2026-11-24).
+constexpr int kLoadBatch = 4;
+
+// Calls f(token, logit) for every logit of the row, coalesced (float4 when aligned), each
+// thread's tokens in ascending order.
 template <typename F>
 __device__ __forceinline__ void for_each_logit(const float* row, int32_t vocab_size, F&& f) {
   int32_t begin = 0;
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
     const int32_t quads = vocab_size / 4;
     const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int32_t q = threadIdx.x; q < quads; q += kThreads) {
-      const float4 v = row4[q];
+    const auto visit = [&](int32_t q, const float4& v) {
       f(4 * q, v.x);
       f(4 * q + 1, v.y);
       f(4 * q + 2, v.z);
       f(4 * q + 3, v.w);
+    };
+    int32_t q = threadIdx.x;
+    for (; q + (kLoadBatch - 1) * kThreads < quads; q += kLoadBatch * kThreads) {
+      float4 v[kLoadBatch];
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) v[j] = row4[q + j * kThreads];
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) visit(q + j * kThreads, v[j]);
     }
+    for (; q < quads; q += kThreads) visit(q, row4[q]);
     begin = quads * 4;
   }
   for (int32_t i = begin + threadIdx.x; i < vocab_size; i += kThreads) f(i, row[i]);
@@ -250,13 +267,14 @@ __device__ uint64_t select_key(const float* row, const float* weights, int32_t v
   return lo;
 }
 
+template <int kSplit>
 __global__ void __launch_bounds__(kThreads, 2)
     sample_rows_kernel(const SamplingDims dims, const float* __restrict__ logits,
                        const RowSamplingParams* __restrict__ params, float* __restrict__ workspace,
                        SampledRow* __restrict__ out, SampledTop* __restrict__ top) {
   __shared__ SharedState sh;
   cg::cluster_group cluster = cg::this_cluster();
-  const int32_t r = blockIdx.x / kRowSplit;
+  const int32_t r = blockIdx.x / kSplit;
   const int32_t rank = static_cast<int32_t>(cluster.block_rank());
   const int32_t vocab = dims.vocab_size;
   const float* row = logits + static_cast<int64_t>(r) * dims.row_stride;
@@ -265,38 +283,55 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Passes 1 and 2 over this block's share (a multiple of 4 tokens, so float4 alignment holds):
   // most and least likely keys, first non-finite logit, the sum relative to the share's max.
   {
-    const int32_t share = (vocab + 4 * kRowSplit - 1) / (4 * kRowSplit) * 4;
+    const int32_t share = (vocab + 4 * kSplit - 1) / (4 * kSplit) * 4;
     const int32_t begin = min(vocab, rank * share);
     const int32_t count = min(vocab, begin + share) - begin;
-    uint64_t key_max = 0, key_min = ~uint64_t{0};
+    // Per thread: the largest logit and its first token, the smallest and its last (the keys'
+    // tie-breaks: a thread visits its tokens in ascending order), turned into likelihood keys
+    // once; per-logit 64-bit keys made these passes instruction-bound (H100, 2026-11-24).
+    float best = 0.0f, worst = 0.0f;
+    int32_t best_at = -1, worst_at = -1;
     int32_t bad = INT_MAX;
     for_each_logit(row + begin, count, [&](int32_t i, float logit) {
       if (isnan(logit) || logit == INFINITY) bad = min(bad, begin + i);
-      const uint64_t key = likelihood_key(logit, begin + i);
-      key_max = max(key_max, key);
-      key_min = min(key_min, key);
+      if (best_at < 0 || logit > best) {
+        best = logit;
+        best_at = i;
+      }
+      if (worst_at < 0 || logit <= worst) {
+        worst = logit;
+        worst_at = i;
+      }
     });
+    uint64_t key_max = best_at >= 0 ? likelihood_key(best, begin + best_at) : 0;
+    uint64_t key_min = worst_at >= 0 ? likelihood_key(worst, begin + worst_at) : ~uint64_t{0};
     bad = block_reduce(bad, MinOp{}, sh.reduce.i32);
     key_max = block_reduce(key_max, MaxOp{}, sh.reduce.u64);
     key_min = block_reduce(key_min, MinOp{}, sh.reduce.u64);
     double sum = 0.0;
     const float share_max = key_max != 0 ? key_logit(key_max) : -INFINITY;
     if (bad == INT_MAX && share_max != -INFINITY) {
+      // fp32 with a compensation term (Kahan): a thread's 16-250 weights in [0, 1] sum to within
+      // a few ulp, without a conversion and a double add per logit.
+      float partial = 0.0f, compensation = 0.0f;
       for_each_logit(row + begin, count, [&](int32_t, float logit) {
-        sum += static_cast<double>(expf(logit - share_max));
+        const float term = expf(logit - share_max) - compensation;
+        const float next = partial + term;
+        compensation = (next - partial) - term;
+        partial = next;
       });
-      sum = block_reduce(sum, SumOp{}, sh.reduce.f64);
+      sum = block_reduce(static_cast<double>(partial), SumOp{}, sh.reduce.f64);
     }
     if (threadIdx.x == 0) sh.share = {key_max, key_min, sum, bad};
   }
   cluster.sync();  // every share is written
   uint64_t key_max = 0, key_min = ~uint64_t{0};
   int32_t bad = INT_MAX;
-  double share_sums[kRowSplit];
-  float share_maxes[kRowSplit];
+  double share_sums[kSplit];
+  float share_maxes[kSplit];
   if (rank == 0) {
 #pragma unroll
-    for (int b = 0; b < kRowSplit; ++b) {
+    for (int b = 0; b < kSplit; ++b) {
       const RowShare other = *cluster.map_shared_rank(&sh.share, b);
       key_max = max(key_max, other.key_max);
       key_min = min(key_min, other.key_min);
@@ -322,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // The raw log-softmax normaliser from the shares' sums.
   double raw_sum = 0.0;
 #pragma unroll
-  for (int b = 0; b < kRowSplit; ++b) {
+  for (int b = 0; b < kSplit; ++b) {
     if (share_maxes[b] != -INFINITY) {
       raw_sum += share_sums[b] * exp(static_cast<double>(share_maxes[b]) - max_logit);
     }
@@ -472,19 +507,36 @@ void launch_sample_rows(const SamplingDims& dims, const float* logits,
                         const RowSamplingParams* params, float* workspace, SampledRow* out,
                         SampledTop* top, cudaStream_t stream) {
   if (dims.num_rows <= 0) return;
+  // Two blocks an SM (the kernel's launch bounds); the SM count is fixed per process and device.
+  static const int resident_blocks = [] {
+    int device = 0, sms = 0;
+    DEFT_CUDA_CHECK(cudaGetDevice(&device));
+    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return 2 * sms;
+  }();
+  int split = kRowSplits[std::size(kRowSplits) - 1];
+  for (int candidate : kRowSplits) {
+    if (int64_t{dims.num_rows} * candidate <= resident_blocks) {
+      split = candidate;
+      break;
+    }
+  }
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = kRowSplit;
+  attribute.val.clusterDim.x = static_cast<unsigned>(split);
   attribute.val.clusterDim.y = 1;
   attribute.val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(dims.num_rows) * kRowSplit);
+  config.gridDim = dim3(static_cast<unsigned>(dims.num_rows * split));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;
+  auto* kernel = split == 8   ? &sample_rows_kernel<8>
+                 : split == 4 ? &sample_rows_kernel<4>
+                              : &sample_rows_kernel<2>;
   DEFT_CUDA_CHECK(
-      cudaLaunchKernelEx(&config, sample_rows_kernel, dims, logits, params, workspace, out, top));
+      cudaLaunchKernelEx(&config, kernel, dims, logits, params, workspace, out, top));
   DEFT_CUDA_CHECK_LAUNCH();
 }
 

@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -127,16 +128,17 @@ TEST(SamplingGpu, PhiloxUniformMatchesEngine) {
   }
 }
 
-class SamplingGpuTest : public ::testing::TestWithParam<int32_t> {};
+// (vocab, rows per config): the row count picks the blocks per row (8, 4 or 2 on an H100's 132
+// SMs: 20, 40 and 100 rows).
+class SamplingGpuTest : public ::testing::TestWithParam<std::tuple<int32_t, int32_t>> {};
 
 TEST_P(SamplingGpuTest, MatchesEngineSampler) {
   DEFT_SKIP_WITHOUT_GPU();
-  const int32_t vocab = GetParam();
+  const auto [vocab, rows_per_config] = GetParam();
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
   std::mt19937_64 rng64(seed);
-  constexpr int kRowsPerConfig = 40;
   engine::Sampler sampler;
   int64_t compared = 0, boundary_cases = 0;
   double worst_logprob = 0.0;
@@ -144,7 +146,7 @@ TEST_P(SamplingGpuTest, MatchesEngineSampler) {
     std::vector<float> logits;
     std::vector<RowSamplingParams> params;
     std::vector<SamplingParams> engine_params;
-    for (int r = 0; r < kRowsPerConfig; ++r) {
+    for (int r = 0; r < rows_per_config; ++r) {
       const std::vector<float> row = random_row(vocab, r % 5, rng);
       logits.insert(logits.end(), row.begin(), row.end());
       SamplingParams p{.temperature = config.temperature,
@@ -162,7 +164,7 @@ TEST_P(SamplingGpuTest, MatchesEngineSampler) {
                         .step = step});
     }
     const GpuRows gpu = sample_on_gpu(logits, vocab, params);
-    for (int r = 0; r < kRowsPerConfig; ++r) {
+    for (int r = 0; r < rows_per_config; ++r) {
       const std::span<const float> row(logits.data() + static_cast<size_t>(r) * vocab, vocab);
       absl::StatusOr<engine::SampledToken> ref =
           sampler.sample(row, engine_params[r], params[r].step);
@@ -206,10 +208,15 @@ TEST_P(SamplingGpuTest, MatchesEngineSampler) {
 }
 
 // 7 and 1001: fewer tokens than threads or top logprobs asked, rows not 16-byte aligned.
-INSTANTIATE_TEST_SUITE_P(Vocab, SamplingGpuTest, ::testing::Values(7, 1001, 32000, 128256),
-                         [](const ::testing::TestParamInfo<int32_t>& info) {
-                           return "v" + std::to_string(info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Vocab, SamplingGpuTest,
+    ::testing::Values(std::tuple{7, 40}, std::tuple{1001, 40}, std::tuple{32000, 40},
+                      std::tuple{128256, 40}, std::tuple{128256, 20}, std::tuple{1001, 100},
+                      std::tuple{128256, 100}),
+    [](const ::testing::TestParamInfo<std::tuple<int32_t, int32_t>>& info) {
+      return "v" + std::to_string(std::get<0>(info.param)) + "_r" +
+             std::to_string(std::get<1>(info.param));
+    });
 
 TEST(SamplingGpu, ReportsNonFiniteRows) {
   DEFT_SKIP_WITHOUT_GPU();
