@@ -289,7 +289,11 @@ constexpr int kRopeMaxHalf = 128;  // head_dim <= 256
 
 // The same as qkv_rope_write_kernel, 4 consecutive pairs a thread with 8-byte loads and stores,
 // each angle's sine and cosine computed once per block (not once per head). For head_dim / 2 a
-// multiple of 4, at most kRopeMaxHalf, and 8-byte aligned buffers.
+// multiple of 4, at most kRopeMaxHalf, and 8-byte aligned buffers. A thread's items (at most
+// kRopeItemsPerThread) are loaded before the table is built, so the block waits on one memory
+// round trip instead of two (positions, then the QKV row).
+constexpr int kRopeItemsPerThread = kRopeHeadsPerBlock * (kRopeMaxHalf / 4) / kRopeThreads;
+
 template <typename T>
 __global__ void __launch_bounds__(kRopeThreads)
     qkv_rope_write_vector_kernel(const QkvRopeDims dims, const int32_t* __restrict__ positions,
@@ -306,6 +310,18 @@ __global__ void __launch_bounds__(kRopeThreads)
   const int32_t heads = dims.num_q_heads + 2 * dims.num_kv_heads;
   const int32_t first_head = blockIdx.y * kRopeHeadsPerBlock;
   const int32_t last_head = min(heads, first_head + kRopeHeadsPerBlock);
+  const int32_t quads = half / 4;
+  const int32_t items = (last_head - first_head) * quads;
+  const T* row = qkv + int64_t{token} * heads * dims.head_dim;
+  float4 x1[kRopeItemsPerThread], x2[kRopeItemsPerThread];
+#pragma unroll
+  for (int k = 0; k < kRopeItemsPerThread; ++k) {
+    const int32_t item = threadIdx.x + k * kRopeThreads;
+    if (item >= items) continue;
+    const int32_t c1 = (first_head + item / quads) * dims.head_dim + (item % quads) * 4;
+    x1[k] = load4(row + c1);
+    x2[k] = load4(row + c1 + half);
+  }
   const int32_t slot = slots[token];
   if (threadIdx.x < half && first_head < dims.num_q_heads + dims.num_kv_heads) {
     // fp32 angle as transformers computes it; accurate sincosf (angles reach 1e5 rad).
@@ -313,20 +329,19 @@ __global__ void __launch_bounds__(kRopeThreads)
     sincosf(angle, &sin_table[threadIdx.x], &cos_table[threadIdx.x]);
   }
   __syncthreads();
-  const int32_t quads = half / 4;
   const int64_t kv_size = int64_t{dims.num_kv_heads} * dims.head_dim;
-  const T* row = qkv + int64_t{token} * heads * dims.head_dim;
-  for (int32_t item = threadIdx.x; item < (last_head - first_head) * quads;
-       item += kRopeThreads) {
+#pragma unroll
+  for (int k = 0; k < kRopeItemsPerThread; ++k) {
+    const int32_t item = threadIdx.x + k * kRopeThreads;
+    if (item >= items) continue;
     const int32_t head = first_head + item / quads;
     const int32_t pair = (item % quads) * 4;
     const int32_t c1 = head * dims.head_dim + pair;
-    float4 x1 = load4(row + c1);
-    float4 x2 = load4(row + c1 + half);
+    float4 a = x1[k], b = x2[k];
     if (bias != nullptr) {
-      x1.x += bias[c1], x1.y += bias[c1 + 1], x1.z += bias[c1 + 2], x1.w += bias[c1 + 3];
-      x2.x += bias[c1 + half], x2.y += bias[c1 + half + 1], x2.z += bias[c1 + half + 2],
-          x2.w += bias[c1 + half + 3];
+      a.x += bias[c1], a.y += bias[c1 + 1], a.z += bias[c1 + 2], a.w += bias[c1 + 3];
+      b.x += bias[c1 + half], b.y += bias[c1 + half + 1], b.z += bias[c1 + half + 2],
+          b.w += bias[c1 + half + 3];
     }
     T* dst;
     if (head < dims.num_q_heads) {
@@ -338,16 +353,16 @@ __global__ void __launch_bounds__(kRopeThreads)
     } else {
       dst = v_cache + slot * kv_size +
             (head - dims.num_q_heads - dims.num_kv_heads) * dims.head_dim;
-      store4(dst + pair, x1.x, x1.y, x1.z, x1.w);
-      store4(dst + pair + half, x2.x, x2.y, x2.z, x2.w);
+      store4(dst + pair, a.x, a.y, a.z, a.w);
+      store4(dst + pair + half, b.x, b.y, b.z, b.w);
       continue;
     }
     const float4 c = *reinterpret_cast<const float4*>(cos_table + pair);
     const float4 s = *reinterpret_cast<const float4*>(sin_table + pair);
-    store4(dst + pair, x1.x * c.x - x2.x * s.x, x1.y * c.y - x2.y * s.y, x1.z * c.z - x2.z * s.z,
-           x1.w * c.w - x2.w * s.w);
-    store4(dst + pair + half, x2.x * c.x + x1.x * s.x, x2.y * c.y + x1.y * s.y,
-           x2.z * c.z + x1.z * s.z, x2.w * c.w + x1.w * s.w);
+    store4(dst + pair, a.x * c.x - b.x * s.x, a.y * c.y - b.y * s.y, a.z * c.z - b.z * s.z,
+           a.w * c.w - b.w * s.w);
+    store4(dst + pair + half, b.x * c.x + a.x * s.x, b.y * c.y + a.y * s.y,
+           b.z * c.z + a.z * s.z, b.w * c.w + a.w * s.w);
   }
 }
 
