@@ -280,41 +280,24 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float* row = logits + static_cast<int64_t>(r) * dims.row_stride;
   const RowSamplingParams p = params[r];
 
-  // One pass over this block's share (a multiple of 4 tokens, so float4 alignment holds): most
-  // and least likely keys, first non-finite logit, and the sum of exp(logit - max).
+  // Passes 1 and 2 over this block's share (a multiple of 4 tokens, so float4 alignment holds):
+  // most and least likely keys, first non-finite logit, the sum relative to the share's max.
   {
     const int32_t share = (vocab + 4 * kSplit - 1) / (4 * kSplit) * 4;
     const int32_t begin = min(vocab, rank * share);
     const int32_t count = min(vocab, begin + share) - begin;
     // Per thread: the largest logit and its first token, the smallest and its last (the keys'
     // tie-breaks: a thread visits its tokens in ascending order), turned into likelihood keys
-    // once (per-logit 64-bit keys made the pass instruction-bound: H100, 2026-11-24); and the
-    // sum of exp(logit - best) so far, rescaled when `best` grows, in fp32 with a compensation
-    // term (Kahan): a thread's 16-250 weights in [0, 1] sum to within a few ulp without a
-    // conversion and a double add per logit, and the row is read once, not twice.
+    // once; per-logit 64-bit keys made these passes instruction-bound (H100, 2026-11-24).
     float best = 0.0f, worst = 0.0f;
     int32_t best_at = -1, worst_at = -1;
     int32_t bad = INT_MAX;
-    float partial = 0.0f, compensation = 0.0f;
     for_each_logit(row + begin, count, [&](int32_t i, float logit) {
       if (isnan(logit) || logit == INFINITY) bad = min(bad, begin + i);
-      float term;
       if (best_at < 0 || logit > best) {
-        // A larger maximum: what was summed relative to the old one shrinks (nothing was summed
-        // while it was -inf).
-        const float scale = best_at >= 0 && best != -INFINITY ? expf(best - logit) : 0.0f;
-        partial *= scale;
-        compensation *= scale;
         best = logit;
         best_at = i;
-        term = logit == -INFINITY ? 0.0f : 1.0f;
-      } else {
-        term = logit == -INFINITY ? 0.0f : expf(logit - best);
       }
-      const float y = term - compensation;
-      const float next = partial + y;
-      compensation = (next - partial) - y;
-      partial = next;
       if (worst_at < 0 || logit <= worst) {
         worst = logit;
         worst_at = i;
@@ -328,12 +311,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     double sum = 0.0;
     const float share_max = key_max != 0 ? key_logit(key_max) : -INFINITY;
     if (bad == INT_MAX && share_max != -INFINITY) {
-      // Each thread's sum, moved from its own maximum to the share's.
-      const double mine = best_at >= 0 && best != -INFINITY
-                              ? static_cast<double>(partial) *
-                                    exp(static_cast<double>(best) - static_cast<double>(share_max))
-                              : 0.0;
-      sum = block_reduce(mine, SumOp{}, sh.reduce.f64);
+      // fp32 with a compensation term (Kahan): a thread's 16-250 weights in [0, 1] sum to within
+      // a few ulp, without a conversion and a double add per logit.
+      float partial = 0.0f, compensation = 0.0f;
+      for_each_logit(row + begin, count, [&](int32_t, float logit) {
+        const float term = expf(logit - share_max) - compensation;
+        const float next = partial + term;
+        compensation = (next - partial) - term;
+        partial = next;
+      });
+      sum = block_reduce(static_cast<double>(partial), SumOp{}, sh.reduce.f64);
     }
     if (threadIdx.x == 0) sh.share = {key_max, key_min, sum, bad};
   }
