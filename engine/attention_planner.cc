@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 
 namespace deft::engine {
@@ -170,7 +171,7 @@ class PlanBuilder {
     // rank, then token): the step's KV write fills it and every later token of the node.
     fresh_from_.assign(dfs_nodes_.size(), std::numeric_limits<int32_t>::max());
     for (size_t i = queries_.node.size(); i-- > 0;) {
-      fresh_from_[rank_[queries_.node[i]]] = queries_.token_index[i];
+      fresh_from_[rank_.at(queries_.node[i])] = queries_.token_index[i];
     }
     for (size_t i = 0; i < tree_queries.queries.size(); ++i) {
       const QueryToken& q = tree_queries.queries[i];
@@ -267,16 +268,13 @@ class PlanBuilder {
   absl::Status order_queries(const SequenceTree& tree, std::span<const QueryToken> queries,
                              int32_t row_base) {
     // Depth-first ranks of the live nodes.
-    // Sized by node id; only live nodes' entries are read, each set by this traversal (ids are
-    // never reused, so the array is grown, never cleared: O(live nodes)).
-    const int32_t limit = tree.node_id_limit();
-    if (static_cast<int32_t>(rank_.size()) < limit) rank_.resize(limit, -1);
+    rank_.clear();
     dfs_nodes_.clear();
     stack_.assign(1, tree.root());
     while (!stack_.empty()) {
       const NodeId id = stack_.back();
       stack_.pop_back();
-      rank_[id] = static_cast<int32_t>(dfs_nodes_.size());
+      rank_.insert_or_assign(id, static_cast<int32_t>(dfs_nodes_.size()));
       dfs_nodes_.push_back(id);
       const std::vector<NodeId>& children = tree.node(id).children;
       stack_.insert(stack_.end(), children.rbegin(), children.rend());
@@ -295,7 +293,7 @@ class PlanBuilder {
             absl::StrCat("planner: query ", i, " names token ", q.token_index, " of node ",
                          q.node, ", which holds ", size, " tokens"));
       }
-      order_.push_back({rank_[q.node], q.token_index, static_cast<int32_t>(i)});
+      order_.push_back({rank_.at(q.node), q.token_index, static_cast<int32_t>(i)});
     }
     std::sort(order_.begin(), order_.end());
     queries_.row.clear();
@@ -322,13 +320,13 @@ class PlanBuilder {
     const int32_t num_queries = static_cast<int32_t>(queries_.row.size());
     // own_begin_[r]: first depth-first query at or after node rank r.
     own_begin_.assign(num_nodes + 1, num_queries);
-    for (int32_t q = num_queries - 1; q >= 0; --q) own_begin_[rank_[queries_.node[q]]] = q;
+    for (int32_t q = num_queries - 1; q >= 0; --q) own_begin_[rank_.at(queries_.node[q])] = q;
     for (int32_t r = num_nodes - 1; r >= 0; --r) {
       own_begin_[r] = std::min(own_begin_[r], own_begin_[r + 1]);
     }
     subtree_size_.assign(num_nodes, 1);
     for (int32_t r = num_nodes - 1; r > 0; --r) {
-      subtree_size_[rank_[tree.node(dfs_nodes_[r]).parent]] += subtree_size_[r];
+      subtree_size_[rank_.at(tree.node(dfs_nodes_[r]).parent)] += subtree_size_[r];
     }
     const KvCacheManager& kv = *tree.kv();
     flat_base_ = static_cast<int32_t>(plan_->kv_slots.size());
@@ -632,8 +630,8 @@ class PlanBuilder {
         const int32_t visible = id == queries_.node[q]
                                     ? queries_.token_index[q] + 1
                                     : static_cast<int32_t>(tree.node(id).tokens.size());
-        if (path_fresh < 0 && fresh_from_[rank_[id]] < visible) {
-          path_fresh = static_cast<int32_t>(plan_->kv_slots.size()) + fresh_from_[rank_[id]];
+        if (path_fresh < 0 && fresh_from_[rank_.at(id)] < visible) {
+          path_fresh = static_cast<int32_t>(plan_->kv_slots.size()) + fresh_from_[rank_.at(id)];
         }
         append_slots(kv, tree.kv_key(id), visible);
       }
@@ -656,7 +654,10 @@ class PlanBuilder {
   OrderedQueries queries_;
   FlatTree flat_;
   std::vector<std::array<int32_t, 3>> order_;  // (node rank, token index, input index)
-  std::vector<int32_t> rank_;
+  // Depth-first rank of each live node of the current tree, by id. A map, not an array sized by
+  // the largest id: a speculative session hands out 64 ids a step, so such an array would grow
+  // without bound while the live nodes stay a few dozen.
+  absl::flat_hash_map<NodeId, int32_t> rank_;
   std::vector<NodeId> dfs_nodes_;
   std::vector<NodeId> stack_;
   std::vector<NodeId> path_;
