@@ -8,7 +8,8 @@
 
 namespace deft::engine {
 
-SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv) : tree_id_(tree_id), kv_(kv) {
+SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv, NodeId max_node_ids)
+    : tree_id_(tree_id), kv_(kv), max_node_ids_(std::max<NodeId>(max_node_ids, 1)) {
   TreeNode root;
   root.id = 0;
   root.alive = true;
@@ -61,6 +62,10 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
   }
   if (k < 1) {
     return absl::InvalidArgumentError(absl::StrCat("branch factor must be >= 1, got ", k));
+  }
+  if (k > max_node_ids_ - next_id_) {
+    return absl::ResourceExhaustedError(absl::StrCat("tree ", tree_id_, ": all ", max_node_ids_,
+                                                     " node ids are used; start a new tree"));
   }
   std::vector<NodeId> children;
   children.reserve(k);
@@ -120,6 +125,10 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
   }
   if (node == root()) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split the root"));
+  }
+  if (next_id_ >= max_node_ids_) {
+    return absl::ResourceExhaustedError(absl::StrCat("tree ", tree_id_, ": all ", max_node_ids_,
+                                                     " node ids are used; start a new tree"));
   }
   TreeNode& tail = nodes_.find(node)->second;
   const int64_t size = static_cast<int64_t>(tail.tokens.size());

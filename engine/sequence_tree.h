@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -30,8 +31,10 @@ struct TreeNode {
 
 class SequenceTree {
  public:
-  // The tree starts with one empty root node (id 0). `kv` may be null (topology only).
-  explicit SequenceTree(uint32_t tree_id, KvCacheManager* kv = nullptr);
+  // The tree starts with one empty root node (id 0). `kv` may be null (topology only). Ids are
+  // handed out once each, below `max_node_ids` (tests lower it).
+  explicit SequenceTree(uint32_t tree_id, KvCacheManager* kv = nullptr,
+                        NodeId max_node_ids = std::numeric_limits<NodeId>::max());
   ~SequenceTree();  // releases every page the tree holds
   SequenceTree(const SequenceTree&) = delete;
   SequenceTree& operator=(const SequenceTree&) = delete;
@@ -45,6 +48,7 @@ class SequenceTree {
   absl::Status append(NodeId node, std::span<const TokenId> tokens);
 
   // Creates `k` (>= 1) empty children under `node`; returns their ids. Copies no KV.
+  // RESOURCE_EXHAUSTED (nothing changes) once the tree has handed out all its ids.
   absl::StatusOr<std::vector<NodeId>> branch(NodeId node, int32_t k);
 
   // Removes `node` and its whole subtree and frees their pages. Pruning the root is refused
@@ -95,6 +99,7 @@ class SequenceTree {
   // never for the 64 nodes each step prunes; ids are never reused (next_id_ only grows).
   absl::node_hash_map<NodeId, TreeNode> nodes_;
   NodeId next_id_ = 0;
+  NodeId max_node_ids_;
   int32_t num_live_nodes_ = 0;
   int64_t total_tokens_ = 0;
 };

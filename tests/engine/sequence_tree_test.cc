@@ -120,6 +120,24 @@ TEST(SequenceTree, PrunedIdsAreNeverReusedAcrossManySteps) {
   EXPECT_TRUE(kv.check_invariants());
 }
 
+TEST(SequenceTree, RunningOutOfIdsIsAnErrorThatChangesNothing) {
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 16});
+  SequenceTree tree(2, &kv, /*max_node_ids=*/6);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(8)).ok());
+  const std::vector<NodeId> children = tree.branch(tree.root(), 4).value();  // ids 1-4
+  EXPECT_EQ(tree.branch(tree.root(), 2).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(tree.num_live_nodes(), 5);
+  ASSERT_TRUE(tree.append(children[0], tokens(8)).ok());
+  ASSERT_TRUE(tree.split(children[0], 4).ok());  // id 5, the last one
+  EXPECT_EQ(tree.split(children[0], 2).status().code(), absl::StatusCode::kResourceExhausted);
+  // Pruning frees nodes, not ids.
+  for (NodeId child : children) ASSERT_TRUE(tree.prune(child).ok());
+  EXPECT_EQ(tree.branch(tree.root(), 1).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(tree.node_id_limit(), 6);
+  EXPECT_TRUE(tree.check_invariants());
+  EXPECT_TRUE(kv.check_invariants());
+}
+
 TEST(SequenceTree, DestructorReturnsEveryPage) {
   KvCacheManager kv({.page_tokens = 16, .num_pages = 32});
   {
