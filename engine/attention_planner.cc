@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -46,6 +47,7 @@ struct FlatTree {
 struct OrderedQueries {
   std::vector<int32_t> row;          // plan row of the i-th query in depth-first order
   std::vector<NodeId> node;          // its node
+  std::vector<int32_t> rank;         // its node's depth-first rank
   std::vector<int32_t> token_index;  // its token within the node
 };
 
@@ -171,7 +173,7 @@ class PlanBuilder {
     // rank, then token): the step's KV write fills it and every later token of the node.
     fresh_from_.assign(dfs_nodes_.size(), std::numeric_limits<int32_t>::max());
     for (size_t i = queries_.node.size(); i-- > 0;) {
-      fresh_from_[rank_.at(queries_.node[i])] = queries_.token_index[i];
+      fresh_from_[queries_.rank[i]] = queries_.token_index[i];
     }
     for (size_t i = 0; i < tree_queries.queries.size(); ++i) {
       const QueryToken& q = tree_queries.queries[i];
@@ -235,6 +237,7 @@ class PlanBuilder {
         for (int32_t k = i; k < j; ++k, ++kept) {
           queries_.row[kept] = queries_.row[k];
           queries_.node[kept] = queries_.node[k];
+          queries_.rank[kept] = queries_.rank[k];
           queries_.token_index[kept] = queries_.token_index[k];
         }
       }
@@ -242,6 +245,7 @@ class PlanBuilder {
     }
     queries_.row.resize(kept);
     queries_.node.resize(kept);
+    queries_.rank.resize(kept);
     queries_.token_index.resize(kept);
   }
 
@@ -267,22 +271,29 @@ class PlanBuilder {
   // Validates the queries and numbers them depth-first (node rank, then token index).
   absl::Status order_queries(const SequenceTree& tree, std::span<const QueryToken> queries,
                              int32_t row_base) {
-    // Depth-first ranks of the live nodes.
+    // Depth-first ranks of the live nodes (every live node hangs below the root), and each
+    // rank's parent rank.
     rank_.clear();
     dfs_nodes_.clear();
-    stack_.assign(1, tree.root());
+    parent_rank_.clear();
+    stack_.assign(1, {tree.root(), -1});
     while (!stack_.empty()) {
-      const NodeId id = stack_.back();
+      const auto [id, parent_rank] = stack_.back();
       stack_.pop_back();
-      rank_.insert_or_assign(id, static_cast<int32_t>(dfs_nodes_.size()));
+      const auto rank = static_cast<int32_t>(dfs_nodes_.size());
+      rank_.insert_or_assign(id, rank);
       dfs_nodes_.push_back(id);
+      parent_rank_.push_back(parent_rank);
       const std::vector<NodeId>& children = tree.node(id).children;
-      stack_.insert(stack_.end(), children.rbegin(), children.rend());
+      for (auto child = children.rbegin(); child != children.rend(); ++child) {
+        stack_.push_back({*child, rank});
+      }
     }
     order_.clear();
     for (size_t i = 0; i < queries.size(); ++i) {
       const QueryToken& q = queries[i];
-      if (!tree.contains(q.node)) {
+      const auto ranked = rank_.find(q.node);
+      if (ranked == rank_.end()) {
         return absl::InvalidArgumentError(absl::StrCat("planner: query ", i, " names node ",
                                                        q.node, ", not a live node of tree ",
                                                        tree.tree_id()));
@@ -293,11 +304,12 @@ class PlanBuilder {
             absl::StrCat("planner: query ", i, " names token ", q.token_index, " of node ",
                          q.node, ", which holds ", size, " tokens"));
       }
-      order_.push_back({rank_.at(q.node), q.token_index, static_cast<int32_t>(i)});
+      order_.push_back({ranked->second, q.token_index, static_cast<int32_t>(i)});
     }
     std::sort(order_.begin(), order_.end());
     queries_.row.clear();
     queries_.node.clear();
+    queries_.rank.clear();
     queries_.token_index.clear();
     for (size_t i = 0; i < order_.size(); ++i) {
       const auto& [rank, token_index, input] = order_[i];
@@ -308,6 +320,7 @@ class PlanBuilder {
       }
       queries_.row.push_back(row_base + input);
       queries_.node.push_back(dfs_nodes_[rank]);
+      queries_.rank.push_back(rank);
       queries_.token_index.push_back(token_index);
     }
     return absl::OkStatus();
@@ -320,13 +333,13 @@ class PlanBuilder {
     const int32_t num_queries = static_cast<int32_t>(queries_.row.size());
     // own_begin_[r]: first depth-first query at or after node rank r.
     own_begin_.assign(num_nodes + 1, num_queries);
-    for (int32_t q = num_queries - 1; q >= 0; --q) own_begin_[rank_.at(queries_.node[q])] = q;
+    for (int32_t q = num_queries - 1; q >= 0; --q) own_begin_[queries_.rank[q]] = q;
     for (int32_t r = num_nodes - 1; r >= 0; --r) {
       own_begin_[r] = std::min(own_begin_[r], own_begin_[r + 1]);
     }
     subtree_size_.assign(num_nodes, 1);
     for (int32_t r = num_nodes - 1; r > 0; --r) {
-      subtree_size_[rank_.at(tree.node(dfs_nodes_[r]).parent)] += subtree_size_[r];
+      subtree_size_[parent_rank_[r]] += subtree_size_[r];
     }
     const KvCacheManager& kv = *tree.kv();
     flat_base_ = static_cast<int32_t>(plan_->kv_slots.size());
@@ -659,7 +672,8 @@ class PlanBuilder {
   // without bound while the live nodes stay a few dozen.
   absl::flat_hash_map<NodeId, int32_t> rank_;
   std::vector<NodeId> dfs_nodes_;
-  std::vector<NodeId> stack_;
+  std::vector<int32_t> parent_rank_;  // by rank; -1 for the root
+  std::vector<std::pair<NodeId, int32_t>> stack_;  // (node, its parent's rank)
   std::vector<NodeId> path_;
   std::vector<int32_t> own_begin_;
   std::vector<int32_t> subtree_size_;
