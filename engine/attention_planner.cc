@@ -635,16 +635,18 @@ class PlanBuilder {
     const int32_t sequence_chunk = options_.chunk_tokens > 0 ? options_.chunk_tokens : 128;
     for (size_t q = 0; q < queries_.row.size(); ++q) {
       const int32_t path_begin = static_cast<int32_t>(plan_->kv_slots.size());
+      // The path's node ranks, leaf first.
       path_.clear();
-      for (NodeId id = queries_.node[q]; id != -1; id = tree.node(id).parent) path_.push_back(id);
+      for (int32_t r = queries_.rank[q]; r != -1; r = parent_rank_[r]) path_.push_back(r);
       int32_t path_fresh = -1;  // the path's first token that the step's KV write fills
       for (auto it = path_.rbegin(); it != path_.rend(); ++it) {
-        const NodeId id = *it;
-        const int32_t visible = id == queries_.node[q]
+        const int32_t rank = *it;
+        const NodeId id = dfs_nodes_[rank];
+        const int32_t visible = rank == queries_.rank[q]
                                     ? queries_.token_index[q] + 1
                                     : static_cast<int32_t>(tree.node(id).tokens.size());
-        if (path_fresh < 0 && fresh_from_[rank_.at(id)] < visible) {
-          path_fresh = static_cast<int32_t>(plan_->kv_slots.size()) + fresh_from_[rank_.at(id)];
+        if (path_fresh < 0 && fresh_from_[rank] < visible) {
+          path_fresh = static_cast<int32_t>(plan_->kv_slots.size()) + fresh_from_[rank];
         }
         append_slots(kv, tree.kv_key(id), visible);
       }
@@ -674,7 +676,7 @@ class PlanBuilder {
   std::vector<NodeId> dfs_nodes_;
   std::vector<int32_t> parent_rank_;  // by rank; -1 for the root
   std::vector<std::pair<NodeId, int32_t>> stack_;  // (node, its parent's rank)
-  std::vector<NodeId> path_;
+  std::vector<int32_t> path_;  // node ranks of a query's path (the sequence baseline)
   std::vector<int32_t> own_begin_;
   std::vector<int32_t> subtree_size_;
   std::vector<int32_t> fill_cursor_;
