@@ -34,6 +34,7 @@
 #include "engine/kv_cache_manager.h"
 #include "engine/sequence_tree.h"
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/prefill_attention.h"
 #include "models/llama_cuda.h"
 #include "models/model_config.h"

@@ -11,6 +11,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.cuh"
 #include "kernels/deft_attention.h"
+#include "kernels/device_info.h"
 
 namespace deft::kernels {
 
@@ -46,9 +47,7 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
     int64_t resident;  // CTAs resident at once on the device
   };
   static const std::array<Choice, 3> choices = [] {
-    int device = 0, sms = 0;
-    DEFT_CUDA_CHECK(cudaGetDevice(&device));
-    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int32_t sms = current_device_sm_count();
     std::array<Choice, 3> c = {
         Choice{32, &detail::deft_attention_stage2_kernel<T, kHeadDim, 32>, 0},
         Choice{16, &detail::deft_attention_stage2_kernel<T, kHeadDim, 16>, 0},
@@ -91,13 +90,11 @@ auto stage1_kernel() {
 
 template <typename T, int kHeadDim>
 int32_t resident_ctas_typed() {
-  int device = 0, sms = 0, per_sm = 0;
-  DEFT_CUDA_CHECK(cudaGetDevice(&device));
-  DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 0;
   DEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &per_sm, stage1_kernel<T, kHeadDim, false>(), detail::kStage1Threads,
       detail::Stage1Smem<kHeadDim>::kBytes));
-  return per_sm * sms;
+  return per_sm * current_device_sm_count();
 }
 
 template <typename T, int kHeadDim>

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/prefill_attention.cuh"
 #include "kernels/prefill_attention.h"
 
@@ -57,16 +58,6 @@ bool prefill_attention_supported(const AttentionDims& dims) {
   return (dims.head_dim == 64 || dims.head_dim == 128) && dims.softmax_scale > 0.0f &&
          dims.num_kv_heads > 0 && dims.num_q_heads > 0 &&
          dims.num_q_heads % dims.num_kv_heads == 0;
-}
-
-int32_t current_device_sm_count() {
-  static const int32_t count = [] {
-    int device = 0, sms = 0;
-    DEFT_CUDA_CHECK(cudaGetDevice(&device));
-    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return static_cast<int32_t>(sms);
-  }();
-  return count;
 }
 
 PrefillLaunchShape prefill_launch_shape(std::span<const PrefillRun> host_runs,

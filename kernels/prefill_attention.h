@@ -56,7 +56,4 @@ void launch_prefill_attention(const AttentionPlanView& device_plan,
                               DType dtype, const void* q, const void* k_cache, const void* v_cache,
                               PrefillAttentionBuffers& buffers, void* out, cudaStream_t stream);
 
-// Number of SMs of the current device (cached per process), for prefill_launch_shape.
-int32_t current_device_sm_count();
-
 }  // namespace deft::kernels

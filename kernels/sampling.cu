@@ -7,6 +7,7 @@
 #include <iterator>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/philox.h"
 #include "kernels/sampling.h"
 
@@ -508,13 +509,8 @@ void launch_sample_rows(const SamplingDims& dims, const float* logits,
                         const RowSamplingParams* params, float* workspace, SampledRow* out,
                         SampledTop* top, cudaStream_t stream) {
   if (dims.num_rows <= 0) return;
-  // Two blocks an SM (the kernel's launch bounds); the SM count is fixed per process and device.
-  static const int resident_blocks = [] {
-    int device = 0, sms = 0;
-    DEFT_CUDA_CHECK(cudaGetDevice(&device));
-    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return 2 * sms;
-  }();
+  // Two blocks an SM (the kernel's launch bounds).
+  const int64_t resident_blocks = int64_t{2} * current_device_sm_count();
   int split = kRowSplits[std::size(kRowSplits) - 1];
   for (int candidate : kRowSplits) {
     if (int64_t{dims.num_rows} * candidate <= resident_blocks) {

@@ -38,6 +38,7 @@
 #include "kernels/bulk_copy.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/device_info.h"
 #include "kernels/float_convert.cuh"
 #include "kernels/skinny_gemm.h"
 #include "kernels/tensor_map.h"
@@ -355,16 +356,6 @@ void prepare() {
   });
 }
 
-int sm_count() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    DEFT_CUDA_CHECK(cudaGetDevice(&device));
-    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
-  }();
-  return count;
-}
-
 // The handed-over pieces and their flags for the largest grid, one set per (device, stream):
 // launches on one stream are ordered, launches on different streams (two runners) never share.
 struct Workspace {
@@ -391,7 +382,7 @@ Workspace workspace(cudaStream_t stream) {
                  "launch_skinny_gemm: call skinny_gemm_reserve(stream) before capturing a graph\n");
     std::abort();
   }
-  const size_t ctas = static_cast<size_t>(kCtasPerSm) * sm_count();
+  const size_t ctas = static_cast<size_t>(kCtasPerSm) * current_device_sm_count();
   Workspace w{.device = device, .stream = stream};
   DEFT_CUDA_CHECK(cudaMalloc(&w.pieces, ctas * kSlotFloats * sizeof(float)));
   DEFT_CUDA_CHECK(cudaMalloc(&w.flags, ctas * sizeof(uint32_t)));
@@ -414,7 +405,7 @@ struct Grid {
 // sums); for fewer, each tile split among a cluster of up to 8 CTAs, about one CTA per SM.
 // split_k > 0: tiles x split_k. At most two CTAs per SM, at least 4 k-blocks each.
 Grid grid_for(int tiles, int k_blocks, int split_k) {
-  const int64_t sms = sm_count();
+  const int64_t sms = current_device_sm_count();
   const int64_t items = int64_t{tiles} * k_blocks;
   int64_t split;
   if (split_k > 0) {
@@ -497,7 +488,7 @@ void skinny_gemm_reserve(cudaStream_t stream) {
   if (skinny_gemm_available()) workspace(stream);
 }
 
-bool skinny_gemm_wide(const SkinnyGemmDims& dims) { return tiles_of(dims) >= sm_count(); }
+bool skinny_gemm_wide(const SkinnyGemmDims& dims) { return tiles_of(dims) >= current_device_sm_count(); }
 
 int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k) {
   return grid_for(tiles_of(dims), k_blocks_of(dims), split_k).ctas;

@@ -1,0 +1,11 @@
+// The current device's properties that launches size their grids by.
+#pragma once
+
+#include <cstdint>
+
+namespace deft::kernels {
+
+// Number of SMs of the current device, read once per process (a runner uses one device).
+int32_t current_device_sm_count();
+
+}  // namespace deft::kernels
