@@ -46,8 +46,7 @@ struct FlatTree {
 // The step's queries of one tree in depth-first order.
 struct OrderedQueries {
   std::vector<int32_t> row;          // plan row of the i-th query in depth-first order
-  std::vector<NodeId> node;          // its node
-  std::vector<int32_t> rank;         // its node's depth-first rank
+  std::vector<int32_t> rank;         // its node's depth-first rank (the node: dfs_nodes_[rank])
   std::vector<int32_t> token_index;  // its token within the node
 };
 
@@ -172,7 +171,7 @@ class PlanBuilder {
     // Per node rank, its first token that a query of the step names (queries are sorted by
     // rank, then token): the step's KV write fills it and every later token of the node.
     fresh_from_.assign(dfs_nodes_.size(), std::numeric_limits<int32_t>::max());
-    for (size_t i = queries_.node.size(); i-- > 0;) {
+    for (size_t i = queries_.rank.size(); i-- > 0;) {
       fresh_from_[queries_.rank[i]] = queries_.token_index[i];
     }
     for (size_t i = 0; i < tree_queries.queries.size(); ++i) {
@@ -226,17 +225,17 @@ class PlanBuilder {
     int32_t kept = 0;
     for (int32_t i = 0; i < n;) {
       int32_t j = i + 1;
-      while (j < n && queries_.node[j] == queries_.node[i] &&
+      while (j < n && queries_.rank[j] == queries_.rank[i] &&
              queries_.token_index[j] == queries_.token_index[j - 1] + 1 &&
              queries_.row[j] == queries_.row[j - 1] + 1) {
         ++j;
       }
       if (j - i >= options_.min_prefill_run) {
-        add_prefill_run(tree, queries_.node[i], queries_.token_index[i], j - i, queries_.row[i]);
+        add_prefill_run(tree, dfs_nodes_[queries_.rank[i]], queries_.token_index[i], j - i,
+                        queries_.row[i]);
       } else {
         for (int32_t k = i; k < j; ++k, ++kept) {
           queries_.row[kept] = queries_.row[k];
-          queries_.node[kept] = queries_.node[k];
           queries_.rank[kept] = queries_.rank[k];
           queries_.token_index[kept] = queries_.token_index[k];
         }
@@ -244,7 +243,6 @@ class PlanBuilder {
       i = j;
     }
     queries_.row.resize(kept);
-    queries_.node.resize(kept);
     queries_.rank.resize(kept);
     queries_.token_index.resize(kept);
   }
@@ -308,7 +306,6 @@ class PlanBuilder {
     }
     std::sort(order_.begin(), order_.end());
     queries_.row.clear();
-    queries_.node.clear();
     queries_.rank.clear();
     queries_.token_index.clear();
     for (size_t i = 0; i < order_.size(); ++i) {
@@ -319,7 +316,6 @@ class PlanBuilder {
                          " is queried twice (queries ", order_[i - 1][2], " and ", input, ")"));
       }
       queries_.row.push_back(row_base + input);
-      queries_.node.push_back(dfs_nodes_[rank]);
       queries_.rank.push_back(rank);
       queries_.token_index.push_back(token_index);
     }
@@ -355,7 +351,7 @@ class PlanBuilder {
       const TreeNode& node = tree.node(id);
       // Own queries are [own_begin, own_end), sorted by token index.
       int32_t own_end = own_begin;
-      while (own_end < subtree_end && queries_.node[own_end] == id) ++own_end;
+      while (own_end < subtree_end && queries_.rank[own_end] == r) ++own_end;
       const int32_t visible = own_end < subtree_end
                                   ? static_cast<int32_t>(node.tokens.size())
                                   : queries_.token_index[own_end - 1] + 1;
