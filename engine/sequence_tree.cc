@@ -12,7 +12,6 @@ SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv, NodeId max_node
     : tree_id_(tree_id), kv_(kv), max_node_ids_(std::max<NodeId>(max_node_ids, 1)) {
   TreeNode root;
   root.id = 0;
-  root.alive = true;
   nodes_.emplace(0, std::move(root));
   next_id_ = 1;
   num_live_nodes_ = 1;
@@ -76,7 +75,6 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
     child.id = next_id_++;
     child.parent = node;
     child.depth_begin = child_depth;
-    child.alive = true;
     children.push_back(child.id);
     nodes_.emplace(child.id, std::move(child));
   }
@@ -141,7 +139,6 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
   head.parent = tail.parent;
   head.children = {node};
   head.depth_begin = tail.depth_begin;
-  head.alive = true;
   TreeNode& head_node = nodes_.emplace(head.id, std::move(head)).first->second;
   head_node.tokens.assign(tail.tokens.begin(), tail.tokens.begin() + at);
   tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + at);
@@ -216,7 +213,7 @@ bool SequenceTree::check_invariants() const {
   int32_t live = 0;
   int64_t tokens = 0;
   for (const auto& [id, n] : nodes_) {
-    if (!n.alive || n.id != id || id < 0 || id >= next_id_) return false;
+    if (n.id != id || id < 0 || id >= next_id_) return false;
     ++live;
     tokens += static_cast<int64_t>(n.tokens.size());
     if (n.id == root()) {

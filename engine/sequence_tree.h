@@ -26,7 +26,6 @@ struct TreeNode {
   std::vector<NodeId> children;
   std::vector<TokenId> tokens;
   int64_t depth_begin = 0;  // depth (RoPE position) of tokens[0] = tokens on the path above
-  bool alive = false;
 };
 
 class SequenceTree {
