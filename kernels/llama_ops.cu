@@ -7,8 +7,8 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/dependent_launch.cuh"
-#include "kernels/l2_discard.cuh"
 #include "kernels/float_convert.cuh"
+#include "kernels/l2_discard.cuh"
 #include "kernels/llama_ops.h"
 
 namespace deft::kernels {
