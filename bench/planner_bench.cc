@@ -1,9 +1,13 @@
 // Planning time per step on one core (Google Benchmark), for every plan kind, on:
 // few-shot (prompt 4000, b = 50, suffixes 400), speculative decoding (prefix 6000 + the 256-token
 // Medusa tree) and the largest step of each reasoning workload. Target: < 50 us per step.
+// Also the tree bookkeeping of a speculative-decoding step (method "bookkeeping": hang the
+// 64-token Medusa tree under a 6000-token prefix, then commit the trace's accepted tokens and
+// prune the rest; 20000 steps in a row, as a long session runs them).
 // Writes bench/results/planner-cpu-<date>.json.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <memory>
 
 #include "bench/bench_result.h"
@@ -135,6 +139,31 @@ int main(int argc, char** argv) {
       })->Unit(benchmark::kMicrosecond)->MinTime(0.2);
     }
   }
+  // Tree bookkeeping of speculative steps, one after another on one tree.
+  std::vector<double> bookkeeping_us;
+  if (auto trace = engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
+      trace.ok()) {
+    benchmark::RegisterBenchmark(
+        "specdec_p6000_t64/bookkeeping",
+        [trace = *trace, &bookkeeping_us](benchmark::State& state) {
+          KvCacheManager kv({.num_pages = 1 << 16});
+          SequenceTree tree(0, &kv);
+          engine::SpecDecReplay replay(trace, tree, 6000);
+          const std::vector<int32_t>& accept = trace.accept_lengths.at(0);
+          std::vector<QueryToken> queries;
+          size_t step = 0;
+          for (auto _ : state) {
+            const auto start = std::chrono::steady_clock::now();
+            replay.build_token_tree(queries);
+            replay.commit(std::max(1, accept[step++ % accept.size()]));
+            const auto stop = std::chrono::steady_clock::now();
+            if (!replay.status().ok()) state.SkipWithError(replay.status().ToString().c_str());
+            bookkeeping_us.push_back(std::chrono::duration<double, std::micro>(stop - start).count());
+          }
+        })
+        ->Unit(benchmark::kMicrosecond)
+        ->Iterations(20000);
+  }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
 
@@ -157,6 +186,19 @@ int main(int argc, char** argv) {
                  {"mask_words", job->io.mask_words},
                  {"chunk_tokens", 128},
                  {"target_us", 50}};
+    result.add(row);
+  }
+  if (!bookkeeping_us.empty()) {
+    Samples stats = summarize(bookkeeping_us);
+    ResultRow row;
+    row.case_name = "specdec_p6000_t64";
+    row.method = "bookkeeping";
+    row.median_us = stats.median;
+    row.p10_us = stats.p10;
+    row.p90_us = stats.p90;
+    row.repetitions = static_cast<int64_t>(bookkeeping_us.size());
+    row.extra = {{"what", "SpecDecReplay::build_token_tree + commit per step, 20000 steps on one tree"},
+                 {"tree_tokens", 64}};
     result.add(row);
   }
   std::printf("wrote %s\n", result.write().c_str());
