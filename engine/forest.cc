@@ -63,15 +63,11 @@ absl::StatusOr<std::vector<NodeId>> Forest::branch(NodeId node, int32_t k) {
   return children;
 }
 
-void Forest::hold(NodeId node) {
-  if (static_cast<size_t>(node) >= holds_.size()) {
-    holds_.resize(std::max<size_t>(static_cast<size_t>(node) + 1, holds_.size() * 2), 0);
-  }
-  ++holds_[node];
-}
+void Forest::hold(NodeId node) { ++holds_[node]; }
 
 int32_t Forest::holds(NodeId node) const {
-  return static_cast<size_t>(node) < holds_.size() ? holds_[node] : 0;
+  const auto it = holds_.find(node);
+  return it != holds_.end() ? it->second : 0;
 }
 
 void Forest::release(NodeId node) {
@@ -79,7 +75,7 @@ void Forest::release(NodeId node) {
     std::fprintf(stderr, "Forest: release of node %d, which is not held\n", node);
     std::abort();
   }
-  --holds_[node];
+  if (--holds_[node] == 0) holds_.erase(node);
   collect(node);
 }
 

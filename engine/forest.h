@@ -18,6 +18,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/sequence_tree.h"
@@ -57,7 +58,9 @@ class Forest {
 
   KvCacheManager* kv_;
   SequenceTree tree_;
-  std::vector<int32_t> holds_;  // by node id
+  // Holds by node id, for held nodes only (ids are never reused, so an array by id would grow
+  // with every node the server ever made).
+  absl::flat_hash_map<NodeId, int32_t> holds_;
 };
 
 }  // namespace deft::engine
