@@ -311,6 +311,7 @@ int main(int argc, char** argv) {
   int fewshot_steps = 100, spec_steps = 50, chunk_tokens = 0;
   std::string gemm_arg = "skinny_head", only_case, only_method;
   bool wide_search = false;
+  int prefetch_kib = -1;  // --prefetch KIB (set_weight_prefetch); -1: the runner's default
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--workloads") workloads = argv[i + 1];
@@ -322,6 +323,12 @@ int main(int argc, char** argv) {
     else if (flag == "--chunk-tokens") chunk_tokens = std::atoi(argv[i + 1]);
     else if (flag == "--case") only_case = argv[i + 1];
     else if (flag == "--method") only_method = argv[i + 1];
+    else if (flag == "--prefetch") {
+      if (std::sscanf(argv[i + 1], "%d", &prefetch_kib) != 1 || prefetch_kib < 0) {
+        std::fprintf(stderr, "--prefetch: '%s' is not a KiB count >= 0\n", argv[i + 1]);
+        return 1;
+      }
+    }
   }
   if (!only_case.empty() && only_case != "fewshot_p4000_b20_s100" &&
       only_case != "specdec_p6000_t64") {
@@ -372,6 +379,11 @@ int main(int argc, char** argv) {
   const std::string gpu = prop.name;
   const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
   BenchResult result("e2e_step", gpu, tag, argc, argv);
+  if (prefetch_kib >= 0) {
+    (*runner)->set_weight_prefetch(int64_t{prefetch_kib} * 1024);
+    std::printf("weight prefetch before the QKV, gate/up and down GEMMs: %d KiB a GEMM\n",
+                prefetch_kib);
+  }
   Bench bench(**runner, config, chunk_tokens);
 
   struct Method {
@@ -502,6 +514,7 @@ int main(int argc, char** argv) {
           row.floor_us = floor.median;
           row.extra = {
               {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
+              {"weight_prefetch_bytes", (*runner)->weight_prefetch()},
               {"gemm", gemm == "skinny"        ? "skinny GEMM (<= 64 rows), tuned cuBLASLt "
                                                      "otherwise"
                      : gemm == "skinny_head" ? "skinny GEMM for the LM head (<= 64 rows), tuned "

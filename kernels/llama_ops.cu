@@ -7,8 +7,10 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/device_info.h"
 #include "kernels/float_convert.cuh"
 #include "kernels/l2_discard.cuh"
+#include "kernels/l2_prefetch.cuh"
 #include "kernels/llama_ops.h"
 
 namespace deft::kernels {
@@ -50,6 +52,17 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A WeightPrefetch's contract (llama_ops.h); a violation is a caller bug.
+void check_prefetch(const char* what, const WeightPrefetch& p) {
+  if (p.base == nullptr) return;
+  if (p.rows < 0 || p.row_bytes <= 0 || p.bytes_per_row <= 0) {
+    std::fprintf(stderr, "%s: bad weight prefetch (rows %lld, row bytes %lld, %d bytes a row)\n",
+                 what, static_cast<long long>(p.rows), static_cast<long long>(p.row_bytes),
+                 p.bytes_per_row);
+    std::abort();
+  }
+}
 bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 // Launches `kernel` with programmatic stream serialization: it may be scheduled while the kernel
@@ -87,9 +100,11 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
                     float* __restrict__ x, const float* __restrict__ add_bias,
-                    const float* __restrict__ weight, T* __restrict__ out) {
+                    const float* __restrict__ weight, T* __restrict__ out,
+                    const WeightPrefetch prefetch) {
   // The GEMM after it may start streaming its weights (it waits for our output itself).
   detail::allow_dependent_launch();
+  if (detail::prefetch_weight_rows(prefetch)) return;
   detail::wait_for_prerequisite_grid();
   const int32_t i = blockIdx.x;
   const int64_t r = row_index != nullptr ? row_index[i] : i;
@@ -122,9 +137,11 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rms_norm_vector_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
                            float* __restrict__ x, const float* __restrict__ add_bias,
-                           const float* __restrict__ weight, T* __restrict__ out) {
+                           const float* __restrict__ weight, T* __restrict__ out,
+                           const WeightPrefetch prefetch) {
   // The GEMM after it may start streaming its weights (it waits for our output itself).
   detail::allow_dependent_launch();
+  if (detail::prefetch_weight_rows(prefetch)) return;
   const int32_t vectors = dims.width / 4;
   float4 w[kNormVectors], b[kNormVectors];
 #pragma unroll
@@ -170,12 +187,14 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     silu_mul_kernel(int32_t num_rows, int32_t width, const T* __restrict__ gate_up,
-                    T* __restrict__ out) {
+                    T* __restrict__ out, const WeightPrefetch prefetch) {
   detail::allow_dependent_launch();  // the GEMM after it, as above
+  if (detail::prefetch_weight_rows(prefetch)) return;
   detail::wait_for_prerequisite_grid();
+  const int64_t blocks = prefetch.base != nullptr ? prefetch.first_block : gridDim.x;
   const int64_t total = int64_t{num_rows} * width;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * kThreads) {
+       i += blocks * kThreads) {
     const int64_t r = i / width;
     const int64_t c = i - r * width;
     out[i] = from_float<T>(silu_mul(to_float(gate_up[r * 2 * width + c]),
@@ -188,9 +207,11 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     silu_mul_vector_kernel(int32_t num_rows, int32_t width, const T* __restrict__ gate_up,
-                           T* __restrict__ out) {
+                           T* __restrict__ out, const WeightPrefetch prefetch) {
   detail::allow_dependent_launch();  // the GEMM after it, as above
+  if (detail::prefetch_weight_rows(prefetch)) return;
   detail::wait_for_prerequisite_grid();
+  const int64_t blocks = prefetch.base != nullptr ? prefetch.first_block : gridDim.x;
   const int32_t vectors_per_row = width / 8;
   const int64_t total = int64_t{num_rows} * vectors_per_row;
   // gate_up is dead once read: a whole warp's 512-byte spans of gate and up (32 consecutive
@@ -201,7 +222,7 @@ __global__ void __launch_bounds__(kThreads)
                        reinterpret_cast<uintptr_t>(gate_up) % kSpanBytes == 0;
   const int lane = static_cast<int>(threadIdx.x % 32);
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * kThreads) {
+       i += blocks * kThreads) {
     const int64_t r = i / vectors_per_row;
     const int64_t c = (i - r * vectors_per_row) * 8;
     const uint4 gate_bits = *reinterpret_cast<const uint4*>(gate_up + r * 2 * width + c);
@@ -396,7 +417,9 @@ void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int3
 }
 
 void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_index, float* x,
-                     const float* add_bias, const float* weight, void* out, cudaStream_t stream) {
+                     const float* add_bias, const float* weight, void* out, cudaStream_t stream,
+                     const WeightPrefetch& prefetch) {
+  check_prefetch("launch_rms_norm", prefetch);
   if (row_index != nullptr && add_bias != nullptr) {
     std::fprintf(stderr, "launch_rms_norm: add_bias with a row gather\n");
     std::abort();
@@ -405,25 +428,34 @@ void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_in
   const bool vector = dims.width % 4 == 0 && dims.width <= 4 * kNormVectors * kThreads &&
                       aligned16(x) && aligned16(weight) && aligned16(out) &&
                       (add_bias == nullptr || aligned16(add_bias));
+  WeightPrefetch with_ctas = prefetch;
+  with_ctas.first_block = dims.num_rows;
+  const int32_t blocks =
+      dims.num_rows + (prefetch.base != nullptr ? current_device_sm_count() : 0);
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_dependent(vector ? &rms_norm_vector_kernel<T> : &rms_norm_kernel<T>,
-                     dim3(static_cast<unsigned>(dims.num_rows)), kThreads, stream, dims, row_index,
-                     x, add_bias, weight, static_cast<T*>(out));
+                     dim3(static_cast<unsigned>(blocks)), kThreads, stream, dims, row_index,
+                     x, add_bias, weight, static_cast<T*>(out), with_ctas);
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
 
 void launch_silu_mul(int32_t num_rows, int32_t width, DType dtype, const void* gate_up, void* out,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const WeightPrefetch& prefetch) {
+  check_prefetch("launch_silu_mul", prefetch);
   if (num_rows <= 0) return;
   const bool vector = width % 8 == 0 && aligned16(gate_up) && aligned16(out);
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t items = int64_t{num_rows} * (vector ? width / 8 : width);
+    WeightPrefetch with_ctas = prefetch;
+    with_ctas.first_block = grid_for(items);
+    const int32_t blocks =
+        with_ctas.first_block + (prefetch.base != nullptr ? current_device_sm_count() : 0);
     launch_dependent(vector ? &silu_mul_vector_kernel<T> : &silu_mul_kernel<T>,
-                     dim3(static_cast<unsigned>(grid_for(items))), kThreads, stream, num_rows,
-                     width, static_cast<const T*>(gate_up), static_cast<T*>(out));
+                     dim3(static_cast<unsigned>(blocks)), kThreads, stream, num_rows, width,
+                     static_cast<const T*>(gate_up), static_cast<T*>(out), with_ctas);
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }

@@ -18,13 +18,26 @@ namespace deft::kernels {
 void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int32_t* tokens,
                       const void* table, float* out, cudaStream_t stream);
 
+// Weight bytes for a small kernel to pull into L2 for the GEMM after it (kernels/l2_prefetch.cuh):
+// the first `bytes_per_row` bytes of each of `rows` rows of `row_bytes` bytes from `base` (where a
+// decode GEMM's CTAs start reading), issued by extra CTAs of the launch (one per SM) while its
+// own run. base == nullptr: none. first_block is the launcher's (where the extra CTAs start).
+struct WeightPrefetch {
+  const void* base = nullptr;
+  int64_t rows = 0;
+  int64_t row_bytes = 0;
+  int32_t bytes_per_row = 0;
+  int32_t first_block = 0;
+};
+
 // x: fp32 residual (bias folded in place when add_bias is set); out: [num_rows][width] dtype.
 void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_index, float* x,
-                     const float* add_bias, const float* weight, void* out, cudaStream_t stream);
+                     const float* add_bias, const float* weight, void* out, cudaStream_t stream,
+                     const WeightPrefetch& prefetch = {});
 
 // gate_up: [num_rows][2 * width] dtype; out: [num_rows][width] dtype.
 void launch_silu_mul(int32_t num_rows, int32_t width, DType dtype, const void* gate_up, void* out,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const WeightPrefetch& prefetch = {});
 
 // qkv, q_out, k_cache, v_cache: dtype; bias, inv_freq: fp32; positions, slots: device int32.
 void launch_qkv_rope_write(const QkvRopeDims& dims, DType dtype, const int32_t* positions,

@@ -158,6 +158,7 @@ struct LlamaCudaRunner::State {
   kernels::AttentionDims dims;
   bool deft_kernels = false;
   SkinnyGemmUse skinny_gemm = SkinnyGemmUse::kOff;  // set_skinny_gemm
+  int64_t prefetch_bytes = 0;  // set_weight_prefetch: per GEMM
   DeviceBuffer cublas_workspace;
   int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
 
@@ -430,9 +431,24 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                       .num_kv_heads = c.num_key_value_heads,
                                       .head_dim = c.head_dim};
   const kernels::RmsNormDims norm_dims{.num_rows = rows, .width = hidden, .eps = eps};
+  const size_t e = kernels::dtype_bytes(dtype);
+  // The next GEMM's weights (out rows of in elements) for the small kernel before it to warm
+  // L2: the first prefetch_bytes / out bytes of every row (whole 128-byte lines, at least one),
+  // where each of the GEMM's CTAs starts reading.
+  const auto prefetch = [&](const DeviceBuffer& weights, int64_t out, int64_t in) {
+    if (prefetch_bytes == 0 || rows > kernels::kSkinnyGemmMaxRows) {
+      return kernels::WeightPrefetch{};
+    }
+    const int64_t row_bytes = in * static_cast<int64_t>(e);
+    const int64_t per_row = std::clamp<int64_t>(prefetch_bytes / out / 128 * 128, 128, row_bytes);
+    return kernels::WeightPrefetch{.base = weights.data(),
+                                   .rows = out,
+                                   .row_bytes = row_bytes,
+                                   .bytes_per_row = static_cast<int32_t>(per_row)};
+  };
   for (Layer& layer : layers) {
     kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, nullptr, layer.input_norm.as<float>(),
-                             normed.data(), stream);
+                             normed.data(), stream, prefetch(layer.qkv, qkv_width, hidden));
     mark(kOther);
     gemm(normed.data(), layer.qkv.data(), rows, hidden, qkv_width, qkv.data(), false, false);
     mark(kGemm);
@@ -460,12 +476,14 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
     mark(kGemm);
     // The O projection's bias (Llama with attention_bias) is folded into the residual here.
     kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, layer.o_bias.as<float>(),
-                             layer.post_norm.as<float>(), normed.data(), stream);
+                             layer.post_norm.as<float>(), normed.data(), stream,
+                             prefetch(layer.gate_up, 2 * int64_t{intermediate}, hidden));
     mark(kOther);
     gemm(normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, gate_up.data(),
          false, false);
     mark(kGemm);
-    kernels::launch_silu_mul(rows, intermediate, dtype, gate_up.data(), act.data(), stream);
+    kernels::launch_silu_mul(rows, intermediate, dtype, gate_up.data(), act.data(), stream,
+                             prefetch(layer.down, hidden, intermediate));
     mark(kOther);
     gemm(act.data(), layer.down.data(), rows, intermediate, hidden, x, true, true);
     mark(kGemm);
@@ -526,6 +544,10 @@ absl::Status check_options(const LlamaCudaOptions& options) {
   if (!(options.kv_memory_fraction > 0.0 && options.kv_memory_fraction <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "llama_cuda: kv_memory_fraction must be in (0, 1], got ", options.kv_memory_fraction));
+  }
+  if (options.weight_prefetch_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "llama_cuda: weight_prefetch_bytes must be >= 0, got ", options.weight_prefetch_bytes));
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
@@ -699,6 +721,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.gemms->set_wide_search(options.wide_gemm_search);
   if (options.tune_gemms) s.tune_gemms(c);
   s.use_graphs = options.cuda_graphs;
+  s.prefetch_bytes = options.weight_prefetch_bytes;
   s.max_graphs = options.max_cuda_graphs;
   if (options.skinny_lm_head && kernels::skinny_gemm_available()) {
     s.skinny_gemm = SkinnyGemmUse::kLmHead;
@@ -751,12 +774,14 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   spdlog::info(
       "llama_cuda: loaded {} ({}, {} layers, hidden {}, vocab {}, {}) on a GPU with {:.0f} MiB: "
       "{:.1f} MiB weights, {:.1f} MiB activations for {} rows, {:.1f} MiB KV for {} slots "
-      "({:.1f} KiB per token), attention: {}, decode LM head: {}",
+      "({:.1f} KiB per token), attention: {}, decode LM head: {}, weight prefetch before "
+      "decode GEMMs: {:.1f} MiB",
       info_.name, info_.family, info_.num_layers, c.hidden_size, info_.vocab_size,
       kernels::dtype_name(s.dtype), total_bytes / kMiB, s.weight_bytes / kMiB,
       s.activation_bytes / kMiB, s.max_rows, s.kv_bytes / kMiB, slots, slot_bytes / 1024.0,
       s.deft_kernels ? "DeFT kernels" : "generic kernel (head_dim not built for DeFT)",
-      s.skinny_gemm == SkinnyGemmUse::kLmHead ? "skinny GEMM" : "cuBLAS");
+      s.skinny_gemm == SkinnyGemmUse::kLmHead ? "skinny GEMM" : "cuBLAS",
+      static_cast<double>(s.prefetch_bytes) / kMiB);
   return absl::OkStatus();
 }
 
@@ -776,6 +801,17 @@ void LlamaCudaRunner::set_skinny_gemm(SkinnyGemmUse use) {
   state_->skinny_gemm = use;
   // Before any graph capture on the runner's stream.
   if (use != SkinnyGemmUse::kOff) kernels::skinny_gemm_reserve(state_->stream);
+}
+int64_t LlamaCudaRunner::weight_prefetch() const { return state_->prefetch_bytes; }
+void LlamaCudaRunner::set_weight_prefetch(int64_t bytes_per_gemm) {
+  if (bytes_per_gemm < 0) {
+    std::fprintf(stderr, "set_weight_prefetch: %lld bytes\n",
+                 static_cast<long long>(bytes_per_gemm));
+    std::abort();
+  }
+  // Captured step graphs hold the kernels' arguments.
+  if (state_->prefetch_bytes != bytes_per_gemm) state_->drop_graphs();
+  state_->prefetch_bytes = bytes_per_gemm;
 }
 void LlamaCudaRunner::time_attention(bool on) {
   state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;

@@ -59,6 +59,12 @@ struct LlamaCudaOptions {
   // cuBLASLt on the H100, speculative ones 11 µs slower to 53 µs faster (bench/results/e2e_step-h100-notes.md,
   // session 15); false: cuBLAS(Lt) for every GEMM.
   bool skinny_lm_head = true;
+  // Decode steps (<= kernels::kSkinnyGemmMaxRows rows): the RMSNorms and SiLU·mul before the
+  // QKV, gate/up and down GEMMs pull about this many bytes of that GEMM's weights into L2 while
+  // they run, the first bytes of every weight row (kernels::WeightPrefetch), so the GEMM's
+  // weight stream starts before it does; 0: none. 4 MiB: the H100's speculative step ~65 µs
+  // faster, few-shot ~35 µs (bench/results/e2e_step-h100-notes.md, session 19).
+  int64_t weight_prefetch_bytes = int64_t{4} << 20;
 };
 
 struct CudaGraphStats {
@@ -134,6 +140,9 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   // (kernels::skinny_gemm_wide), the LM head only, or all. Benchmarks compare.
   enum class SkinnyGemmUse { kOff, kWide, kLmHead, kAll };
   void set_skinny_gemm(SkinnyGemmUse use);
+  // LlamaCudaOptions::weight_prefetch_bytes for the next steps. Benchmarks compare.
+  void set_weight_prefetch(int64_t bytes_per_gemm);
+  int64_t weight_prefetch() const;
   // time_attention(true): the next steps run with StepTiming::kPhases (a few µs of host time
   // per launch), so last_attention_seconds() reports their attention time.
   void time_attention(bool on) override;

@@ -116,6 +116,50 @@ TEST_P(LlamaOpsGpuTest, SiluMul) {
   }
 }
 
+// A WeightPrefetch adds CTAs that only touch L2: the outputs (and the residual) are the same bit
+// for bit, for the vector and general kernels, with rows longer and shorter than the prefetch.
+TEST_P(LlamaOpsGpuTest, WeightPrefetchLeavesOutputsUnchanged) {
+  DeviceBuffer weights(size_t{3} << 20);
+  const WeightPrefetch prefetches[] = {
+      {.base = weights.data(), .rows = 1000, .row_bytes = 3072, .bytes_per_row = 1024},
+      {.base = weights.data(), .rows = 96, .row_bytes = 32768, .bytes_per_row = 130},
+      {.base = weights.data(), .rows = 7, .row_bytes = 16, .bytes_per_row = 256}};
+  for (const WeightPrefetch& prefetch : prefetches) {
+    for (const int32_t width : {4096, 1002}) {
+      const int32_t rows = 5;
+      const Tensor16 x = random_tensor(static_cast<size_t>(rows) * width, dtype(), rng_, 3.0f);
+      const Tensor16 bias = random_tensor(width, dtype(), rng_, 0.5f);
+      const Tensor16 weight = random_tensor(width, dtype(), rng_);
+      const RmsNormDims dims{.num_rows = rows, .width = width, .eps = 1e-5f};
+      DeviceBuffer d_bias = to_device(bias.values), d_weight = to_device(weight.values);
+      DeviceBuffer d_x1 = to_device(x.values), d_x2 = to_device(x.values);
+      DeviceBuffer d_out1(x.values.size() * 2), d_out2(x.values.size() * 2);
+      launch_rms_norm(dims, dtype(), nullptr, d_x1.as<float>(), d_bias.as<float>(),
+                      d_weight.as<float>(), d_out1.data(), nullptr);
+      launch_rms_norm(dims, dtype(), nullptr, d_x2.as<float>(), d_bias.as<float>(),
+                      d_weight.as<float>(), d_out2.data(), nullptr, prefetch);
+      EXPECT_EQ(to_host<uint16_t>(d_out2, x.values.size()),
+                to_host<uint16_t>(d_out1, x.values.size()))
+          << "rms_norm width " << width << ", seed " << seed_;
+      EXPECT_EQ(to_host<float>(d_x2, x.values.size()), to_host<float>(d_x1, x.values.size()))
+          << "rms_norm residual, width " << width;
+    }
+    for (const int32_t width : {14336, 300}) {
+      const int32_t rows = 64;
+      const Tensor16 gate_up =
+          random_tensor(static_cast<size_t>(rows) * 2 * width, dtype(), rng_, 2.0f);
+      const size_t count = static_cast<size_t>(rows) * width;
+      // Two inputs: the vector kernel drops what it read from L2 unwritten.
+      DeviceBuffer d_in1 = to_device(gate_up.bits), d_in2 = to_device(gate_up.bits);
+      DeviceBuffer d_out1(count * 2), d_out2(count * 2);
+      launch_silu_mul(rows, width, dtype(), d_in1.data(), d_out1.data(), nullptr);
+      launch_silu_mul(rows, width, dtype(), d_in2.data(), d_out2.data(), nullptr, prefetch);
+      EXPECT_EQ(to_host<uint16_t>(d_out2, count), to_host<uint16_t>(d_out1, count))
+          << "silu_mul width " << width << ", seed " << seed_;
+    }
+  }
+}
+
 // head_dim / 2 a multiple of 4 (the vector kernel: 32, 64, 128; 40 heads cross its head runs)
 // and not (the general kernel: 6, 20).
 TEST_P(LlamaOpsGpuTest, QkvBiasRopeAndKvWrite) {
