@@ -253,11 +253,11 @@ class PlanBuilder {
                        int32_t row) {
     const KvCacheManager& kv = *tree.kv();
     const int32_t kv_begin = static_cast<int32_t>(plan_->kv_slots.size());
-    path_.clear();
+    ancestors_.clear();
     for (NodeId id = tree.node(node).parent; id != -1; id = tree.node(id).parent) {
-      path_.push_back(id);
+      ancestors_.push_back(id);
     }
-    for (auto it = path_.rbegin(); it != path_.rend(); ++it) {
+    for (auto it = ancestors_.rbegin(); it != ancestors_.rend(); ++it) {
       append_slots(kv, tree.kv_key(*it), static_cast<int32_t>(tree.node(*it).tokens.size()));
     }
     append_slots(kv, tree.kv_key(node), first + count);
@@ -673,6 +673,7 @@ class PlanBuilder {
   std::vector<int32_t> parent_rank_;  // by rank; -1 for the root
   std::vector<std::pair<NodeId, int32_t>> stack_;  // (node, its parent's rank)
   std::vector<int32_t> path_;  // node ranks of a query's path (the sequence baseline)
+  std::vector<NodeId> ancestors_;  // a prefill run's node's proper ancestors, nearest first
   std::vector<int32_t> own_begin_;
   std::vector<int32_t> subtree_size_;
   std::vector<int32_t> fill_cursor_;

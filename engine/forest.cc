@@ -3,10 +3,31 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
 namespace deft::engine {
+namespace {
 
-Forest::Forest(KvCacheManager* kv) : kv_(kv), tree_(/*tree_id=*/0, kv) {}
+// place_prompt's split and branch can only fail when the tree's node ids run out (unreachable:
+// see kMaxFirstNodeId), and its callers' Work::start() cannot fail: a bug.
+[[noreturn]] void die_placing_prompt(const char* operation, const absl::Status& status) {
+  std::fprintf(stderr,
+               "Forest::place_prompt: %s failed (a bug: it cannot fail for a valid "
+               "prompt while node ids last): %s\n",
+               operation, status.ToString().c_str());
+  std::abort();
+}
+
+}  // namespace
+
+Forest::Forest(KvCacheManager* kv, NodeId first_node_id)
+    : kv_(kv), tree_(/*tree_id=*/0, kv, std::numeric_limits<NodeId>::max(), first_node_id) {
+  if (first_node_id < 1 || first_node_id > kMaxFirstNodeId) {
+    std::fprintf(stderr, "Forest: first node id %lld is outside [1, 2^62]\n",
+                 static_cast<long long>(first_node_id));
+    std::abort();
+  }
+}
 
 PromptPlacement Forest::place_prompt(std::span<const TokenId> prompt) {
   // The last prompt token is never shared: its row gives the prompt's next-token logits.
@@ -40,19 +61,13 @@ PromptPlacement Forest::place_prompt(std::span<const TokenId> prompt) {
     const int64_t cut = best_match / page * page;
     if (cut == 0) break;
     absl::StatusOr<NodeId> head = tree_.split(best, cut);
-    if (!head.ok()) {
-      std::fprintf(stderr, "Forest: split failed: %s\n", head.status().ToString().c_str());
-      std::abort();
-    }
+    if (!head.ok()) die_placing_prompt("split", head.status());
     at = *head;
     pos += cut;
     break;
   }
   absl::StatusOr<std::vector<NodeId>> node = branch(at, 1);
-  if (!node.ok()) {
-    std::fprintf(stderr, "Forest: branch failed: %s\n", node.status().ToString().c_str());
-    std::abort();
-  }
+  if (!node.ok()) die_placing_prompt("branch", node.status());
   return {.node = node->front(), .shared = pos};
 }
 
@@ -72,7 +87,8 @@ int32_t Forest::holds(NodeId node) const {
 
 void Forest::release(NodeId node) {
   if (holds(node) <= 0) {
-    std::fprintf(stderr, "Forest: release of node %d, which is not held\n", node);
+    std::fprintf(stderr, "Forest: release of node %lld, which is not held\n",
+                 static_cast<long long>(node));
     std::abort();
   }
   if (--holds_[node] == 0) holds_.erase(node);

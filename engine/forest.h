@@ -25,6 +25,10 @@
 
 namespace deft::engine {
 
+// The highest first node id (SchedulerOptions::first_node_id) a forest accepts: 2^62 ids are
+// left above it, never used up (25k ids a second for 5 million years).
+inline constexpr NodeId kMaxFirstNodeId = NodeId{1} << 62;
+
 struct PromptPlacement {
   NodeId node = -1;        // the prompt's own node (empty: its tokens are to be appended)
   int64_t shared = 0;      // prompt tokens whose KV it shares (the node's depth_begin)
@@ -32,14 +36,18 @@ struct PromptPlacement {
 
 class Forest {
  public:
-  explicit Forest(KvCacheManager* kv);
+  // Node ids after the root start at `first_node_id` (SchedulerOptions::first_node_id; 1 to
+  // kMaxFirstNodeId, else the constructor aborts).
+  explicit Forest(KvCacheManager* kv, NodeId first_node_id = 1);
 
   SequenceTree& tree() { return tree_; }
   const SequenceTree& tree() const { return tree_; }
   KvCacheManager& kv() { return *kv_; }
 
   // Places a prompt (>= 1 token): an empty held node whose path shares the longest live
-  // prefix; the caller appends prompt[shared:] to it. Never fails for a valid prompt.
+  // prefix; the caller appends prompt[shared:] to it. Never fails for a valid prompt: it takes
+  // up to two fresh node ids, and the forest's 64-bit ids cannot run out (kMaxFirstNodeId), so
+  // a failure aborts as a bug, with a message.
   PromptPlacement place_prompt(std::span<const TokenId> prompt);
 
   // k empty children under `node`, each held once.

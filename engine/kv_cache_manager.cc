@@ -89,9 +89,12 @@ void KvCacheManager::move_front_pages(OwnerKey from, OwnerKey to, int64_t count)
   auto it = owners_.find(from);
   if (it == owners_.end() || static_cast<int64_t>(it->second.size()) < count ||
       !pages(to).empty()) {
-    std::fprintf(stderr, "KvCacheManager::move_front_pages: cannot move %lld pages %llx -> %llx\n",
-                 static_cast<long long>(count), static_cast<unsigned long long>(from),
-                 static_cast<unsigned long long>(to));
+    std::fprintf(
+        stderr, "KvCacheManager::move_front_pages: cannot move %lld pages %llx:%llx -> %llx:%llx\n",
+        static_cast<long long>(count), static_cast<unsigned long long>(absl::Uint128High64(from)),
+        static_cast<unsigned long long>(absl::Uint128Low64(from)),
+        static_cast<unsigned long long>(absl::Uint128High64(to)),
+        static_cast<unsigned long long>(absl::Uint128Low64(to)));
     std::abort();
   }
   PageList& source = it->second;
@@ -113,8 +116,10 @@ int32_t KvCacheManager::slot(OwnerKey owner, int64_t token_index) const {
   std::span<const int32_t> owned = pages(owner);
   const int64_t page_index = token_index / config_.page_tokens;
   if (token_index < 0 || page_index >= static_cast<int64_t>(owned.size())) {
-    std::fprintf(stderr, "KvCacheManager::slot: token %lld of owner %llx has no page\n",
-                 static_cast<long long>(token_index), static_cast<unsigned long long>(owner));
+    std::fprintf(stderr, "KvCacheManager::slot: token %lld of owner %llx:%llx has no page\n",
+                 static_cast<long long>(token_index),
+                 static_cast<unsigned long long>(absl::Uint128High64(owner)),
+                 static_cast<unsigned long long>(absl::Uint128Low64(owner)));
     std::abort();
   }
   return owned[page_index] * config_.page_tokens +

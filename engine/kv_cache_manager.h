@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
+#include "absl/numeric/int128.h"
 #include "absl/status/status.h"
 
 namespace deft::engine {
@@ -21,8 +22,9 @@ struct KvCacheConfig {
 
 class KvCacheManager {
  public:
-  // Opaque owner key; SequenceTree uses (tree_id << 32) | node_id.
-  using OwnerKey = uint64_t;
+  // Opaque owner key; SequenceTree uses (tree_id << 64) | node_id: 128 bits, so that its 64-bit
+  // node ids (never reused, so they grow past 2^32 on a long-running server) stay whole.
+  using OwnerKey = absl::uint128;
 
   // Aborts on a non-positive page size or a negative page count (a configuration bug).
   explicit KvCacheManager(KvCacheConfig config);

@@ -28,7 +28,7 @@ Scheduler::Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokeni
       runner_(runner),
       tokenizer_(tokenizer),
       kv_({.page_tokens = options.page_tokens, .num_pages = options.kv_pages}),
-      forest_(&kv_),
+      forest_(&kv_, options.first_node_id),
       planner_(with_wave(options.planner, runner)),
       step_(forest_, sampler_, tokenizer, runner.vocab_size()) {}
 

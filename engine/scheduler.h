@@ -36,6 +36,10 @@ struct SchedulerOptions {
   int32_t kv_pages = 2048;
   int32_t max_queued_works = 64;  // waiting for admission
   int32_t max_step_tokens = 2048;  // query rows per step
+  // Node ids of the forest start here (after the root, 0; at most kMaxFirstNodeId). Clients
+  // see them (TreeSession, Verify): a high start shows at once whether a client handles ids
+  // past 2^32, which a real server reaches after days.
+  NodeId first_node_id = 1;
   PlannerOptions planner;
   SessionLimits sessions;
 };

@@ -8,12 +8,15 @@
 
 namespace deft::engine {
 
-SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv, NodeId max_node_ids)
-    : tree_id_(tree_id), kv_(kv), max_node_ids_(std::max<NodeId>(max_node_ids, 1)) {
+SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv, NodeId max_node_ids,
+                           NodeId first_node_id)
+    : tree_id_(tree_id),
+      kv_(kv),
+      next_id_(std::max<NodeId>(first_node_id, 1)),
+      max_node_ids_(std::max<NodeId>(max_node_ids, 1)) {
   TreeNode root;
   root.id = 0;
   nodes_.emplace(0, std::move(root));
-  next_id_ = 1;
   num_live_nodes_ = 1;
 }
 
@@ -29,7 +32,8 @@ bool SequenceTree::contains(NodeId node) const {
 const TreeNode& SequenceTree::node(NodeId id) const {
   const auto it = nodes_.find(id);
   if (it == nodes_.end()) {
-    std::fprintf(stderr, "SequenceTree %u: node %d is not a live node\n", tree_id_, id);
+    std::fprintf(stderr, "SequenceTree %u: node %lld is not a live node\n", tree_id_,
+                 static_cast<long long>(id));
     std::abort();
   }
   return it->second;
@@ -63,8 +67,8 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
     return absl::InvalidArgumentError(absl::StrCat("branch factor must be >= 1, got ", k));
   }
   if (k > max_node_ids_ - next_id_) {
-    return absl::ResourceExhaustedError(absl::StrCat("tree ", tree_id_, ": all ", max_node_ids_,
-                                                     " node ids are used; start a new tree"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tree ", tree_id_, ": its node ids (below ", max_node_ids_, ") are used up"));
   }
   std::vector<NodeId> children;
   children.reserve(k);
@@ -125,8 +129,8 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split the root"));
   }
   if (next_id_ >= max_node_ids_) {
-    return absl::ResourceExhaustedError(absl::StrCat("tree ", tree_id_, ": all ", max_node_ids_,
-                                                     " node ids are used; start a new tree"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tree ", tree_id_, ": its node ids (below ", max_node_ids_, ") are used up"));
   }
   TreeNode& tail = nodes_.find(node)->second;
   const int64_t size = static_cast<int64_t>(tail.tokens.size());

@@ -17,7 +17,10 @@
 
 namespace deft::engine {
 
-using NodeId = int32_t;
+// Node ids are 64-bit: the engine keeps one tree for the server's lifetime and never reuses an
+// id (every prompt, branch, split and drafted speculative token takes a fresh one), so a busy
+// server (~25k ids a second) would run through 2^31 ids in about a day.
+using NodeId = int64_t;
 using TokenId = int32_t;
 
 struct TreeNode {
@@ -30,10 +33,12 @@ struct TreeNode {
 
 class SequenceTree {
  public:
-  // The tree starts with one empty root node (id 0). `kv` may be null (topology only). Ids are
-  // handed out once each, below `max_node_ids` (tests lower it).
+  // The tree starts with one empty root node (id 0). `kv` may be null (topology only). The
+  // other ids are handed out once each, from `first_node_id` up and below `max_node_ids`
+  // (tests lower the limit, or start high to see ids past 2^32 without making 2^32 nodes).
   explicit SequenceTree(uint32_t tree_id, KvCacheManager* kv = nullptr,
-                        NodeId max_node_ids = std::numeric_limits<NodeId>::max());
+                        NodeId max_node_ids = std::numeric_limits<NodeId>::max(),
+                        NodeId first_node_id = 1);
   ~SequenceTree();  // releases every page the tree holds
   SequenceTree(const SequenceTree&) = delete;
   SequenceTree& operator=(const SequenceTree&) = delete;
@@ -79,11 +84,11 @@ class SequenceTree {
 
   int32_t num_live_nodes() const { return num_live_nodes_; }
   // One past the largest node id ever handed out (ids of pruned nodes are never reused).
-  int32_t node_id_limit() const { return next_id_; }
+  NodeId node_id_limit() const { return next_id_; }
   int64_t total_tokens() const { return total_tokens_; }
   // Slot ids live in the KV manager under this key.
   KvCacheManager::OwnerKey kv_key(NodeId node) const {
-    return (uint64_t{tree_id_} << 32) | static_cast<uint32_t>(node);
+    return (KvCacheManager::OwnerKey{tree_id_} << 64) | static_cast<uint64_t>(node);
   }
   KvCacheManager* kv() const { return kv_; }
 
@@ -97,7 +102,7 @@ class SequenceTree {
   // node's entry is erased, so a long speculative session holds memory for its live nodes only,
   // never for the 64 nodes each step prunes; ids are never reused (next_id_ only grows).
   absl::node_hash_map<NodeId, TreeNode> nodes_;
-  NodeId next_id_ = 0;
+  NodeId next_id_;
   NodeId max_node_ids_;
   int32_t num_live_nodes_ = 0;
   int64_t total_tokens_ = 0;

@@ -81,6 +81,30 @@ TEST(ForestTest, PromptsShareWholePagesOfALivePrefix) {
   EXPECT_TRUE(kv.check_invariants());
 }
 
+// The forest a server would have after days: ids past 2^32. Placement (with its split), holds
+// and collection work as with small ids; a start beyond 2^62 is refused (ids must never run out).
+TEST(ForestTest, IdsPast32BitsPlaceHoldAndRelease) {
+  constexpr NodeId kFirst = (NodeId{1} << 32) + 11;
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 64});
+  Forest forest(&kv, kFirst);
+  const std::vector<TokenId> prompt = iota_tokens(10, 10);
+  const PromptPlacement a = forest.place_prompt(prompt);
+  EXPECT_EQ(a.node, kFirst);
+  ASSERT_TRUE(forest.tree().append(a.node, prompt).ok());
+  const PromptPlacement b = forest.place_prompt(prompt);  // splits `a` after 8 tokens
+  EXPECT_EQ(b.shared, 8);
+  EXPECT_EQ(forest.tree().node(a.node).parent, kFirst + 1);
+  EXPECT_EQ(b.node, kFirst + 2);
+  EXPECT_EQ(forest.holds(b.node), 1);
+  forest.release(a.node);
+  EXPECT_TRUE(forest.tree().contains(kFirst + 1));  // b still hangs below the head
+  forest.release(b.node);
+  EXPECT_EQ(forest.tree().num_live_nodes(), 1);
+  EXPECT_EQ(kv.used_pages(), 0);
+  EXPECT_TRUE(forest.tree().check_invariants());
+  EXPECT_DEATH({ Forest refused(&kv, kMaxFirstNodeId + 1); }, "first node id");
+}
+
 TEST(ForestTest, RandomPromptsHoldsAndReleasesKeepTheKvConsistent) {
   std::mt19937 random(7);
   KvCacheManager kv({.page_tokens = 4, .num_pages = 4096});

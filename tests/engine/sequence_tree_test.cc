@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <random>
 #include <set>
+
+#include "absl/numeric/int128.h"
 
 namespace deft::engine {
 namespace {
@@ -134,6 +137,41 @@ TEST(SequenceTree, RunningOutOfIdsIsAnErrorThatChangesNothing) {
   for (NodeId child : children) ASSERT_TRUE(tree.prune(child).ok());
   EXPECT_EQ(tree.branch(tree.root(), 1).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(tree.node_id_limit(), 6);
+  EXPECT_TRUE(tree.check_invariants());
+  EXPECT_TRUE(kv.check_invariants());
+}
+
+// A long-running server's ids pass 2^31 and 2^32 (ids are never reused); a tree that starts
+// there shows every operation keeps them whole, as ids and as KV owner keys. The ids cross
+// 2^32 + 2^31, where a cut to 32 bits would turn them negative.
+TEST(SequenceTree, IdsPast32BitsWorkThroughBranchSplitAndPrune) {
+  constexpr NodeId kFirst = (NodeId{1} << 32) + (NodeId{1} << 31) - 2;
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 16});
+  SequenceTree tree(3, &kv, std::numeric_limits<NodeId>::max(), /*first_node_id=*/kFirst);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(8)).ok());
+  const std::vector<NodeId> children = tree.branch(tree.root(), 4).value();
+  EXPECT_EQ(children, (std::vector<NodeId>{kFirst, kFirst + 1, kFirst + 2, kFirst + 3}));
+  for (NodeId child : children) ASSERT_TRUE(tree.append(child, tokens(8, 100)).ok());
+
+  const NodeId head = tree.split(children[2], 4).value();
+  EXPECT_EQ(head, kFirst + 4);
+  EXPECT_EQ(tree.node(children[2]).parent, head);
+  EXPECT_EQ(tree.path(children[2]).value(), (std::vector<NodeId>{tree.root(), head, children[2]}));
+  EXPECT_EQ(tree.depth(children[2], 0), 12);
+  EXPECT_EQ(absl::Uint128Low64(tree.kv_key(head)), static_cast<uint64_t>(head));
+  EXPECT_EQ(absl::Uint128High64(tree.kv_key(head)), 3u);
+  EXPECT_EQ(kv.pages(tree.kv_key(head)).size(), 1u);
+  EXPECT_EQ(kv.pages(tree.kv_key(children[2])).size(), 1u);
+  EXPECT_TRUE(tree.check_invariants());
+
+  ASSERT_TRUE(tree.prune(children[0]).ok());
+  ASSERT_TRUE(tree.prune(head).ok());  // and children[2] below it
+  EXPECT_FALSE(tree.contains(children[2]));
+  EXPECT_EQ(tree.prune(children[2]).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tree.live_leaves(), (std::vector<NodeId>{children[1], children[3]}));
+  EXPECT_EQ(tree.branch(children[1], 1).value(), std::vector<NodeId>{kFirst + 5});
+  EXPECT_EQ(tree.node_id_limit(), kFirst + 6);
+  EXPECT_EQ(kv.used_pages(), 2 + 2 * 2);
   EXPECT_TRUE(tree.check_invariants());
   EXPECT_TRUE(kv.check_invariants());
 }

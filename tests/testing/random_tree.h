@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <sstream>
@@ -225,7 +226,12 @@ inline void add_random_tree(QueryKind kind, const RandomStepLimits& limits, Test
                             RandomStep& step) {
   using namespace random_tree_internal;
   const auto tree_id = static_cast<uint32_t>(step.trees.size() + 1);
-  step.trees.push_back(std::make_unique<engine::SequenceTree>(tree_id, step.kv.get()));
+  // Every other tree numbers its nodes past 2^32 + 2^31, as a long-running server's forest does
+  // (ids are never reused): an id cut to 32 bits anywhere shows up as a wrong or unknown node.
+  const engine::NodeId first_node_id =
+      tree_id % 2 == 1 ? (engine::NodeId{1} << 32) + (engine::NodeId{1} << 31) : 1;
+  step.trees.push_back(std::make_unique<engine::SequenceTree>(
+      tree_id, step.kv.get(), std::numeric_limits<engine::NodeId>::max(), first_node_id));
   engine::SequenceTree& tree = *step.trees.back();
   std::vector<engine::QueryToken>& queries = step.queries.emplace_back();
   const bool bare_prefill = kind == QueryKind::kExtend && rng.bernoulli(0.25);
