@@ -21,7 +21,7 @@ bool SessionStream::call(v1::SessionRequest request,
                          const std::function<void(const v1::SessionResponse&)>& on_response) {
   request.set_request_id(next_request_id_++);
   if (writes_done_ || !stream_->Write(request)) return false;
-  std::set<int32_t> decoding;
+  std::set<int64_t> decoding;
   if (request.has_decode())
     decoding.insert(request.decode().nodes().begin(), request.decode().nodes().end());
   v1::SessionResponse response;
@@ -53,13 +53,13 @@ grpc::Status SessionStream::finish() {
 void print_session_response(const v1::SessionResponse& response, uint64_t session_id) {
   switch (response.result_case()) {
     case v1::SessionResponse::kCreatedNode:
-      std::printf("session %llu: created node %d\n", static_cast<unsigned long long>(session_id),
-                  response.created_node());
+      std::printf("session %llu: created node %lld\n", static_cast<unsigned long long>(session_id),
+                  static_cast<long long>(response.created_node()));
       break;
     case v1::SessionResponse::kDecoded: {
       const v1::NodeTokens& decoded = response.decoded();
-      std::printf("decoded node %d +%d %s%s%s\n", decoded.node(), decoded.delta().ids_size(),
-                  quoted(decoded.delta().text()).c_str(),
+      std::printf("decoded node %lld +%d %s%s%s\n", static_cast<long long>(decoded.node()),
+                  decoded.delta().ids_size(), quoted(decoded.delta().text()).c_str(),
                   decoded.finish_reason() == v1::FINISH_REASON_UNSPECIFIED ? "" : " finish=",
                   decoded.finish_reason() == v1::FINISH_REASON_UNSPECIFIED
                       ? ""
@@ -71,7 +71,7 @@ void print_session_response(const v1::SessionResponse& response, uint64_t sessio
                   absl::StrJoin(response.branched().children(), " ").c_str());
       break;
     case v1::SessionResponse::kPruned:
-      std::printf("pruned node %d\n", response.pruned());
+      std::printf("pruned node %lld\n", static_cast<long long>(response.pruned()));
       break;
     case v1::SessionResponse::kScored:
       std::printf(
@@ -88,8 +88,8 @@ void print_session_response(const v1::SessionResponse& response, uint64_t sessio
                   response.error().code(), response.error().message().c_str());
       break;
     case v1::SessionResponse::kExtended:
-      std::printf("extended node %d length %d\n", response.extended().node(),
-                  response.extended().length());
+      std::printf("extended node %lld length %d\n",
+                  static_cast<long long>(response.extended().node()), response.extended().length());
       break;
     case v1::SessionResponse::RESULT_NOT_SET:
       std::printf("(empty response to request %llu)\n",
@@ -102,10 +102,10 @@ namespace {
 
 // Node ids the session returned so far ($0, $1, ...: created nodes, branch children and verify
 // leaves in the order they came back); null while only the syntax is checked.
-using NodeRefs = std::vector<int32_t>;
+using NodeRefs = std::vector<int64_t>;
 
 // "NODE" (an id) or "$K" (the K-th returned node) -> node id.
-bool parse_node(const std::string& text, const NodeRefs* refs, int32_t* node) {
+bool parse_node(const std::string& text, const NodeRefs* refs, int64_t* node) {
   if (!text.empty() && text[0] == '$') {
     size_t index = 0;
     if (!absl::SimpleAtoi(text.substr(1), &index)) return false;
@@ -121,10 +121,10 @@ bool parse_node(const std::string& text, const NodeRefs* refs, int32_t* node) {
 }
 
 // "NODE,NODE,..." -> node ids.
-std::optional<std::vector<int32_t>> parse_nodes(const std::string& text, const NodeRefs* refs) {
-  std::vector<int32_t> nodes;
+std::optional<std::vector<int64_t>> parse_nodes(const std::string& text, const NodeRefs* refs) {
+  std::vector<int64_t> nodes;
   for (absl::string_view part : absl::StrSplit(text, ',')) {
-    int32_t node = 0;
+    int64_t node = 0;
     if (!parse_node(std::string(part), refs, &node)) return std::nullopt;
     nodes.push_back(node);
   }
@@ -170,7 +170,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, const NodeRefs*
   ScriptCommand command;
   v1::SessionRequest& request = command.request;
   const auto [word, rest] = split_first(line);
-  int32_t node = 0;
+  int64_t node = 0;
   if (word == "create") {
     std::optional<v1::Prompt> prompt = parse_content(rest, error);
     if (!prompt) return std::nullopt;
@@ -217,7 +217,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, const NodeRefs*
   }
   if (word == "decode") {
     int32_t max_tokens = 0;
-    const std::optional<std::vector<int32_t>> nodes =
+    const std::optional<std::vector<int64_t>> nodes =
         words.size() >= 3 ? parse_nodes(words[1], refs) : std::nullopt;
     if (!nodes || !absl::SimpleAtoi(words[2], &max_tokens)) {
       *error = "expected: decode NODE[,NODE...] MAX_TOKENS [SAMPLING]";
@@ -299,8 +299,8 @@ int session_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) 
       }
       continue;
     }
-    std::map<int32_t, std::pair<std::string, int32_t>> decoded;  // node -> text, tokens
-    std::map<int32_t, v1::FinishReason> finish;
+    std::map<int64_t, std::pair<std::string, int32_t>> decoded;  // node -> text, tokens
+    std::map<int64_t, v1::FinishReason> finish;
     const bool answered = stream.call(command->request, [&](const v1::SessionResponse& response) {
       print_session_response(response, stream.session_id());
       std::fflush(stdout);
@@ -321,8 +321,8 @@ int session_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) 
       }
     });
     for (const auto& [node, text_tokens] : decoded) {
-      std::printf("node %d: %s [%d tokens, %s]\n", node, quoted(text_tokens.first).c_str(),
-                  text_tokens.second, finish_name(finish[node]));
+      std::printf("node %lld: %s [%d tokens, %s]\n", static_cast<long long>(node),
+                  quoted(text_tokens.first).c_str(), text_tokens.second, finish_name(finish[node]));
     }
     if (!answered || closed) break;
   }

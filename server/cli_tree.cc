@@ -15,14 +15,15 @@ void print_event(const v1::TreeEvent& event) {
   switch (event.event_case()) {
     case v1::TreeEvent::kNodeCreated: {
       const v1::TreeNodeInfo& node = event.node_created();
-      std::printf("created node %d (parent %d, depth %d)\n", node.node(), node.parent(),
+      std::printf("created node %lld (parent %lld, depth %d)\n",
+                  static_cast<long long>(node.node()), static_cast<long long>(node.parent()),
                   node.depth());
       break;
     }
     case v1::TreeEvent::kTokens: {
       const v1::NodeTokens& tokens = event.tokens();
-      std::printf("tokens node %d +%d %s%s%s\n", tokens.node(), tokens.delta().ids_size(),
-                  quoted(tokens.delta().text()).c_str(),
+      std::printf("tokens node %lld +%d %s%s%s\n", static_cast<long long>(tokens.node()),
+                  tokens.delta().ids_size(), quoted(tokens.delta().text()).c_str(),
                   tokens.finish_reason() == v1::FINISH_REASON_UNSPECIFIED ? "" : " finish=",
                   tokens.finish_reason() == v1::FINISH_REASON_UNSPECIFIED
                       ? ""
@@ -30,7 +31,7 @@ void print_event(const v1::TreeEvent& event) {
       break;
     }
     case v1::TreeEvent::kPruned:
-      std::printf("pruned node %d\n", event.pruned());
+      std::printf("pruned node %lld\n", static_cast<long long>(event.pruned()));
       break;
     case v1::TreeEvent::kFinished:
       std::printf("finished\n");
@@ -43,8 +44,9 @@ void print_event(const v1::TreeEvent& event) {
 
 void print_result(const v1::TreeResult& result) {
   for (const v1::TreeNodeInfo& node : result.nodes()) {
-    std::printf("node %d parent %d depth %d score %.4f finish %s tokens %d %s\n", node.node(),
-                node.parent(), node.depth(), node.score(), finish_name(node.finish_reason()),
+    std::printf("node %lld parent %lld depth %d score %.4f finish %s tokens %d %s\n",
+                static_cast<long long>(node.node()), static_cast<long long>(node.parent()),
+                node.depth(), node.score(), finish_name(node.finish_reason()),
                 node.tokens().ids_size(), quoted(node.tokens().text()).c_str());
   }
   std::printf("best path: %s\n", absl::StrJoin(result.best_path(), " ").c_str());

@@ -51,7 +51,7 @@ int call_verify(v1::Deft::Stub& stub, const v1::VerifyRequest& request,
   std::printf("accepted %s (entries %s)\n", absl::StrJoin(response.accepted(), " ").c_str(),
               absl::StrJoin(response.accepted_entries(), " ").c_str());
   std::printf("bonus %d\n", response.bonus_token());
-  std::printf("node %d\n", response.node());
+  std::printf("node %lld\n", static_cast<long long>(response.node()));
   // The committed text, for reading (a failure here does not fail the verify).
   v1::DetokenizeRequest detokenize;
   detokenize.mutable_ids()->CopyFrom(response.accepted());
@@ -89,8 +89,9 @@ int verify_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
     stream.finish();
     return 1;
   }
-  std::printf("session %llu: created node %d\n",
-              static_cast<unsigned long long>(stream.session_id()), created.created_node());
+  std::printf("session %llu: created node %lld\n",
+              static_cast<unsigned long long>(stream.session_id()),
+              static_cast<long long>(created.created_node()));
   request.set_session_id(stream.session_id());
   request.set_node(created.created_node());
   const int result = call_verify(stub, request);

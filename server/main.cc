@@ -182,6 +182,7 @@ int main(int argc, char** argv) {
       .kv_pages = config.kv_pages,
       .max_queued_works = config.max_queued_jobs,
       .max_step_tokens = config.max_step_tokens,
+      .first_node_id = config.first_node_id,
       .sessions = {.max_sessions = config.max_sessions,
                    .max_nodes = config.max_session_nodes,
                    .max_branches = config.max_branches,

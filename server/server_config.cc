@@ -9,13 +9,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "engine/attention_planner.h"
+#include "engine/forest.h"
 #include "nlohmann/json.hpp"
 
 namespace deft::server {
 namespace {
 
-using Member =
-    std::variant<std::string ServerConfig::*, int32_t ServerConfig::*, double ServerConfig::*>;
+using Member = std::variant<std::string ServerConfig::*, int32_t ServerConfig::*,
+                            int64_t ServerConfig::*, double ServerConfig::*>;
 
 // One configurable field: its JSON key; its option is the key with '-' for '_'.
 struct Field {
@@ -51,6 +52,9 @@ const std::vector<Field>& fields() {
        "most nodes one TreeSession holds (each keeps its next-token logits)"},
       {"max_verify_entries", &ServerConfig::max_verify_entries,
        "most drafted tokens in one Verify"},
+      {"first_node_id", &ServerConfig::first_node_id,
+       "node ids (TreeSession, Verify) start here, up to 2^62; a high start (e.g. 4294967296) "
+       "checks that clients handle 64-bit ids"},
       {"backend", &ServerConfig::backend,
        "auto (CUDA when built with it and a GPU is visible, else CPU) | cpu | cuda"},
       {"plan", &ServerConfig::plan,
@@ -96,6 +100,11 @@ absl::Status set_from_text(ServerConfig& config, const Field& field, const std::
       return absl::InvalidArgumentError(
           absl::StrCat("option ", name, ": '", text, "' is not a 32-bit integer"));
     }
+  } else if (auto* member = std::get_if<int64_t ServerConfig::*>(&field.member)) {
+    if (!absl::SimpleAtoi(text, &(config.**member))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option ", name, ": '", text, "' is not a 64-bit integer"));
+    }
   } else {
     const auto real = std::get<double ServerConfig::*>(field.member);
     if (!absl::SimpleAtod(text, &(config.*real)) || !std::isfinite(config.*real)) {
@@ -120,6 +129,12 @@ absl::Status set_from_json(ServerConfig& config, const Field& field, const nlohm
     const int64_t number = value.get<int64_t>();
     if (number < INT32_MIN || number > INT32_MAX) return bad("a 32-bit integer");
     config.** member = static_cast<int32_t>(number);
+  } else if (auto* member = std::get_if<int64_t ServerConfig::*>(&field.member)) {
+    if (!value.is_number_integer()) return bad("an integer");
+    if (value.is_number_unsigned() && value.get<uint64_t>() > INT64_MAX) {
+      return bad("a 64-bit integer");
+    }
+    config.** member = value.get<int64_t>();
   } else {
     if (!value.is_number()) return bad("a number");
     config.*std::get<double ServerConfig::*>(field.member) = value.get<double>();
@@ -239,8 +254,14 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_sessions", config.max_sessions, 0),
            at_least("max_session_nodes", config.max_session_nodes, 1),
            at_least("max_verify_entries", config.max_verify_entries, 1),
+           at_least("first_node_id", config.first_node_id, 1),
        }) {
     if (!status.ok()) return status;
+  }
+  if (config.first_node_id > engine::kMaxFirstNodeId) {
+    return absl::InvalidArgumentError(absl::StrCat("config: first_node_id = ", config.first_node_id,
+                                                   " must be <= 2^62 = ", engine::kMaxFirstNodeId,
+                                                   " (ids must never run out)"));
   }
   if (config.listen.empty()) return absl::InvalidArgumentError("config: listen is empty");
   if (!(config.shutdown_grace_seconds >= 0)) {

@@ -619,7 +619,7 @@ TEST(ServerConfig, HelpListsEveryOptionWithItsDefault) {
   for (const char* option :
        {"--config", "--model", "--listen", "--metrics-listen", "--kv-pages", "--page-tokens",
         "--max-queued-jobs", "--max-tree-tokens", "--max-prompt-tokens", "--plan", "--log-level",
-        "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
+        "--first-node-id", "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
     EXPECT_NE(result.output.find(option), std::string::npos) << option << "\n" << result.output;
   }
 }
@@ -640,6 +640,9 @@ TEST(ServerConfig, BadOptionsAndFieldsExitTwoNamingThem) {
       {{"--kv-pages", "0"}, "kv_pages"},
       {{"--plan", "magic"}, "magic"},
       {{"--log-level", "loud"}, "loud"},
+      {{"--first-node-id", "0"}, "first_node_id"},
+      {{"--first-node-id", "4611686018427387905"}, "first_node_id"},    // 2^62 + 1
+      {{"--first-node-id", "9223372036854775808"}, "--first-node-id"},  // 2^63: not an int64
       {{"--config", config.string()}, "kv_pagez"},
       {{"--config", "/nonexistent/deft.json"}, "/nonexistent/deft.json"},
   };

@@ -81,7 +81,7 @@ std::vector<v1::SessionResponse> TestSession::call(v1::SessionRequest request, b
     ADD_FAILURE() << "the session stream is closed; request not sent: " << request.DebugString();
     return responses;
   }
-  std::set<int32_t> decoding;
+  std::set<int64_t> decoding;
   if (request.has_decode()) {
     decoding.insert(request.decode().nodes().begin(), request.decode().nodes().end());
   }
@@ -146,41 +146,41 @@ v1::SessionResponse TestSession::create_text(const std::string& text) {
   return last_or_empty(call(request));
 }
 
-v1::SessionResponse TestSession::extend(int32_t node, const std::vector<int32_t>& tokens) {
+v1::SessionResponse TestSession::extend(int64_t node, const std::vector<int32_t>& tokens) {
   v1::SessionRequest request;
   request.mutable_extend()->set_node(node);
   *request.mutable_extend()->mutable_content() = token_prompt(tokens);
   return last_or_empty(call(request));
 }
 
-v1::SessionResponse TestSession::extend_text(int32_t node, const std::string& text) {
+v1::SessionResponse TestSession::extend_text(int64_t node, const std::string& text) {
   v1::SessionRequest request;
   request.mutable_extend()->set_node(node);
   *request.mutable_extend()->mutable_content() = text_prompt(text);
   return last_or_empty(call(request));
 }
 
-v1::SessionResponse TestSession::branch(int32_t node, int32_t k) {
+v1::SessionResponse TestSession::branch(int64_t node, int32_t k) {
   v1::SessionRequest request;
   request.mutable_branch()->set_node(node);
   request.mutable_branch()->set_k(k);
   return last_or_empty(call(request));
 }
 
-v1::SessionResponse TestSession::prune(int32_t node) {
+v1::SessionResponse TestSession::prune(int64_t node) {
   v1::SessionRequest request;
   request.mutable_prune()->set_node(node);
   return last_or_empty(call(request));
 }
 
-v1::SessionResponse TestSession::score(int32_t node, const std::vector<int32_t>& tokens) {
+v1::SessionResponse TestSession::score(int64_t node, const std::vector<int32_t>& tokens) {
   v1::SessionRequest request;
   request.mutable_score()->set_node(node);
   *request.mutable_score()->mutable_continuation() = token_prompt(tokens);
   return last_or_empty(call(request));
 }
 
-v1::SessionResponse TestSession::score_text(int32_t node, const std::string& text) {
+v1::SessionResponse TestSession::score_text(int64_t node, const std::string& text) {
   v1::SessionRequest request;
   request.mutable_score()->set_node(node);
   *request.mutable_score()->mutable_continuation() = text_prompt(text);
@@ -193,7 +193,7 @@ v1::SessionResponse TestSession::close() {
   return last_or_empty(call(request));
 }
 
-TestSession::Decoded TestSession::decode(const std::vector<int32_t>& nodes,
+TestSession::Decoded TestSession::decode(const std::vector<int64_t>& nodes,
                                          const v1::SamplingParams& sampling) {
   v1::SessionRequest request;
   request.mutable_decode()->mutable_nodes()->Add(nodes.begin(), nodes.end());
@@ -213,7 +213,7 @@ TestSession::Decoded TestSession::decode(const std::vector<int32_t>& nodes,
   return decoded;
 }
 
-TestSession::Decoded TestSession::decode_greedy(const std::vector<int32_t>& nodes, int max_tokens) {
+TestSession::Decoded TestSession::decode_greedy(const std::vector<int64_t>& nodes, int max_tokens) {
   v1::SamplingParams sampling;
   sampling.set_max_tokens(max_tokens);
   sampling.set_ignore_eos(true);

@@ -39,7 +39,7 @@ deft::v1::GenerateRequest greedy_request(const std::vector<int32_t>& prompt, int
 struct TreeRun {
   grpc::Status status;
   std::vector<deft::v1::TreeEvent> events;
-  std::map<int32_t, StreamedTokens> streamed;  // per node, from `tokens` events
+  std::map<int64_t, StreamedTokens> streamed;  // per node, from `tokens` events
   int finished_events = 0;
   deft::v1::TreeResult result;  // the last `finished` event
 };
@@ -60,23 +60,23 @@ class TestSession {
   // Single-response commands: the response (has_error() when refused).
   deft::v1::SessionResponse create(const std::vector<int32_t>& prompt);
   deft::v1::SessionResponse create_text(const std::string& text);
-  deft::v1::SessionResponse extend(int32_t node, const std::vector<int32_t>& tokens);
-  deft::v1::SessionResponse extend_text(int32_t node, const std::string& text);
-  deft::v1::SessionResponse branch(int32_t node, int32_t k);
-  deft::v1::SessionResponse prune(int32_t node);
-  deft::v1::SessionResponse score(int32_t node, const std::vector<int32_t>& tokens);
-  deft::v1::SessionResponse score_text(int32_t node, const std::string& text);
+  deft::v1::SessionResponse extend(int64_t node, const std::vector<int32_t>& tokens);
+  deft::v1::SessionResponse extend_text(int64_t node, const std::string& text);
+  deft::v1::SessionResponse branch(int64_t node, int32_t k);
+  deft::v1::SessionResponse prune(int64_t node);
+  deft::v1::SessionResponse score(int64_t node, const std::vector<int32_t>& tokens);
+  deft::v1::SessionResponse score_text(int64_t node, const std::string& text);
   deft::v1::SessionResponse close();
 
   // A decode: per node its tokens; `error` set when the command was refused.
   struct Decoded {
-    std::map<int32_t, StreamedTokens> nodes;
+    std::map<int64_t, StreamedTokens> nodes;
     std::optional<deft::v1::Error> error;
     int responses = 0;
   };
-  Decoded decode(const std::vector<int32_t>& nodes, const deft::v1::SamplingParams& sampling);
+  Decoded decode(const std::vector<int64_t>& nodes, const deft::v1::SamplingParams& sampling);
   // Greedy, EOS ignored, max_tokens new tokens per node.
-  Decoded decode_greedy(const std::vector<int32_t>& nodes, int max_tokens);
+  Decoded decode_greedy(const std::vector<int64_t>& nodes, int max_tokens);
 
   uint64_t session_id() const { return session_id_; }
   bool stream_ended() const { return ended_; }

@@ -159,16 +159,16 @@ ServerProcess* TreeRpcTest::server_ = nullptr;
 // Checks the shape of a finished RunTree job and returns its nodes by id: events refer to known
 // nodes, parents and depths agree, the streamed tokens equal the final tokens, pruned nodes are
 // marked, and the best path runs from the root to a live leaf with the best score.
-std::map<int32_t, v1::TreeNodeInfo> check_tree(const TreeRun& run,
+std::map<int64_t, v1::TreeNodeInfo> check_tree(const TreeRun& run,
                                                const v1::RunTreeRequest& request) {
-  std::map<int32_t, v1::TreeNodeInfo> nodes;
+  std::map<int64_t, v1::TreeNodeInfo> nodes;
   EXPECT_TRUE(run.status.ok()) << run.status.error_message();
   EXPECT_EQ(run.finished_events, 1);
   if (run.events.empty() || !run.status.ok()) return nodes;
   EXPECT_TRUE(run.events.back().has_finished()) << "the last event is not `finished`";
 
-  std::map<int32_t, v1::TreeNodeInfo> created;  // node 0 (the prompt) may or may not be announced
-  std::set<int32_t> pruned;
+  std::map<int64_t, v1::TreeNodeInfo> created;  // node 0 (the prompt) may or may not be announced
+  std::set<int64_t> pruned;
   for (const v1::TreeEvent& event : run.events) {
     if (event.has_node_created()) {
       const v1::TreeNodeInfo& node = event.node_created();
@@ -187,7 +187,7 @@ std::map<int32_t, v1::TreeNodeInfo> check_tree(const TreeRun& run,
       EXPECT_EQ(node.tokens().ids_size(), 0) << "node_created carries tokens";
       created[node.node()] = node;
     } else if (event.has_tokens()) {
-      const int32_t node = event.tokens().node();
+      const int64_t node = event.tokens().node();
       EXPECT_TRUE(created.count(node) > 0) << "tokens of unannounced node " << node;
       EXPECT_EQ(pruned.count(node), 0u) << "tokens of pruned node " << node;
       for (const int32_t id : event.tokens().delta().ids()) {
@@ -211,7 +211,7 @@ std::map<int32_t, v1::TreeNodeInfo> check_tree(const TreeRun& run,
     EXPECT_EQ(nodes[0].parent(), -1);
     EXPECT_EQ(nodes[0].depth(), 0);
   }
-  std::map<int32_t, std::vector<int32_t>> children;
+  std::map<int64_t, std::vector<int64_t>> children;
   for (const auto& [id, node] : nodes) {
     SCOPED_TRACE(node.DebugString());
     if (id == 0) continue;
@@ -254,7 +254,7 @@ std::map<int32_t, v1::TreeNodeInfo> check_tree(const TreeRun& run,
     }
   }
   // The best path: root first, parent links, ends at a live leaf whose score is the best.
-  const std::vector<int32_t> path(result.best_path().begin(), result.best_path().end());
+  const std::vector<int64_t> path(result.best_path().begin(), result.best_path().end());
   EXPECT_GE(path.size(), 2u);
   if (path.empty()) return nodes;
   EXPECT_EQ(path.front(), 0);
@@ -341,7 +341,7 @@ TEST_F(TreeRpcTest, RunTreeWithOneBranchIsTheGreedyGeneration) {
   const TreeRun run = run_tree(*stub_, request);
   const auto nodes = check_tree(run, request);
   std::vector<int32_t> path_ids;
-  for (const int32_t id : run.result.best_path()) {
+  for (const int64_t id : run.result.best_path()) {
     if (id != 0)
       path_ids = concat(path_ids,
                         {nodes.at(id).tokens().ids().begin(), nodes.at(id).tokens().ids().end()});
@@ -564,7 +564,7 @@ TEST_F(TreeRpcTest, SessionEveryCommand) {
   const v1::SessionResponse created = session.create(prompt);
   ASSERT_TRUE(created.has_created_node()) << created.DebugString();
   EXPECT_NE(session.session_id(), 0u);
-  const int32_t root = created.created_node();
+  const int64_t root = created.created_node();
 
   const v1::SessionResponse extended = session.extend(root, extension);
   ASSERT_TRUE(extended.has_extended()) << extended.DebugString();
@@ -573,10 +573,10 @@ TEST_F(TreeRpcTest, SessionEveryCommand) {
 
   const v1::SessionResponse branched = session.branch(root, 3);
   ASSERT_TRUE(branched.has_branched()) << branched.DebugString();
-  const std::vector<int32_t> children(branched.branched().children().begin(),
+  const std::vector<int64_t> children(branched.branched().children().begin(),
                                       branched.branched().children().end());
   ASSERT_EQ(children.size(), 3u);
-  EXPECT_EQ(std::set<int32_t>(children.begin(), children.end()).size(), 3u);
+  EXPECT_EQ(std::set<int64_t>(children.begin(), children.end()).size(), 3u);
   EXPECT_EQ(std::count(children.begin(), children.end(), root), 0);
 
   // Greedy siblings decode the same tokens in the same steps, equal to Generate.
@@ -584,7 +584,7 @@ TEST_F(TreeRpcTest, SessionEveryCommand) {
   const TestSession::Decoded decoded = session.decode_greedy(children, 8);
   ASSERT_FALSE(decoded.error) << decoded.error->message();
   ASSERT_EQ(decoded.nodes.size(), 3u);
-  for (const int32_t child : children) {
+  for (const int64_t child : children) {
     SCOPED_TRACE(child);
     const StreamedTokens& tokens = decoded.nodes.at(child);
     EXPECT_EQ(tokens.ids, reference.ids);
@@ -612,7 +612,7 @@ TEST_F(TreeRpcTest, SessionEveryCommand) {
   const StreamedTokens longer = greedy(*stub_, concat(prompt, extension), 12);
   const TestSession::Decoded more = session.decode_greedy({children[0], children[2]}, 4);
   ASSERT_FALSE(more.error) << more.error->message();
-  for (const int32_t child : {children[0], children[2]}) {
+  for (const int64_t child : {children[0], children[2]}) {
     EXPECT_EQ(more.nodes.at(child).ids, slice(longer.ids, 8, 12)) << child;
   }
 
@@ -625,7 +625,7 @@ TEST_F(TreeRpcTest, SessionEveryCommand) {
 TEST_F(TreeRpcTest, SessionExtendDecodeAndScoreEqualGenerate) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   TestSession session(*stub_);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
 
   // decode == Generate on the same tokens.
   const StreamedTokens reference = greedy(*stub_, prompt, 10);
@@ -656,7 +656,7 @@ TEST_F(TreeRpcTest, SessionExtendDecodeAndScoreEqualGenerate) {
   EXPECT_EQ(decoded_after.nodes.at(root).ids, after.ids);
 
   // A second root in the same session sharing the prompt: same greedy tokens.
-  const int32_t twin = session.create(prompt).created_node();
+  const int64_t twin = session.create(prompt).created_node();
   EXPECT_NE(twin, root);
   EXPECT_EQ(session.decode_greedy({twin}, 10).nodes[twin].ids, reference.ids);
   EXPECT_TRUE(session.close().closed());
@@ -676,14 +676,14 @@ TEST_F(TreeRpcTest, SessionDecodeStopsLikeGenerate) {
   EXPECT_EQ(expected.finish, v1::FINISH_REASON_STOP);
 
   TestSession session(*stub_);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
   const v1::SessionResponse branched = session.branch(root, 2);
   ASSERT_TRUE(branched.has_branched());
-  const std::vector<int32_t> children(branched.branched().children().begin(),
+  const std::vector<int64_t> children(branched.branched().children().begin(),
                                       branched.branched().children().end());
   const TestSession::Decoded decoded = session.decode(children, request.sampling());
   ASSERT_FALSE(decoded.error) << decoded.error->message();
-  for (const int32_t child : children) {
+  for (const int64_t child : children) {
     SCOPED_TRACE(child);
     EXPECT_EQ(decoded.nodes.at(child).ids, expected.ids);
     EXPECT_EQ(decoded.nodes.at(child).text, expected.text);
@@ -697,10 +697,10 @@ TEST_F(TreeRpcTest, SessionExtendAnEmptyChildEqualsGenerate) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   const std::vector<int32_t> extension = tokenize(*stub_, " The child", false);
   TestSession session(*stub_);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
   const v1::SessionResponse branched = session.branch(root, 2);
   ASSERT_TRUE(branched.has_branched());
-  const int32_t child = branched.branched().children(0);
+  const int64_t child = branched.branched().children(0);
   const v1::SessionResponse extended = session.extend(child, extension);
   ASSERT_TRUE(extended.has_extended()) << extended.DebugString();
   EXPECT_EQ(extended.extended().node(), child);
@@ -708,7 +708,7 @@ TEST_F(TreeRpcTest, SessionExtendAnEmptyChildEqualsGenerate) {
   ASSERT_FALSE(decoded.error) << decoded.error->message();
   EXPECT_EQ(decoded.nodes.at(child).ids, greedy(*stub_, concat(prompt, extension), 8).ids);
   // The other child still starts right after the prompt.
-  const int32_t other = branched.branched().children(1);
+  const int64_t other = branched.branched().children(1);
   EXPECT_EQ(session.decode_greedy({other}, 8).nodes[other].ids, greedy(*stub_, prompt, 8).ids);
   EXPECT_TRUE(session.close().closed());
   EXPECT_TRUE(session.finish().ok());
@@ -723,13 +723,13 @@ TEST_F(TreeRpcTest, SessionSamplingIsSeededPerNode) {
   sampling.set_seed(4242);
   sampling.set_max_tokens(12);
   sampling.set_ignore_eos(true);
-  std::vector<std::map<int32_t, StreamedTokens>> runs;
-  std::vector<std::vector<int32_t>> child_ids;
+  std::vector<std::map<int64_t, StreamedTokens>> runs;
+  std::vector<std::vector<int64_t>> child_ids;
   for (int run = 0; run < 2; ++run) {
     TestSession session(*stub_);
-    const int32_t root = session.create(prompt).created_node();
+    const int64_t root = session.create(prompt).created_node();
     const v1::SessionResponse branched = session.branch(root, 3);
-    const std::vector<int32_t> children(branched.branched().children().begin(),
+    const std::vector<int64_t> children(branched.branched().children().begin(),
                                         branched.branched().children().end());
     ASSERT_EQ(children.size(), 3u);
     const TestSession::Decoded decoded = session.decode(children, sampling);
@@ -755,11 +755,11 @@ TEST_F(TreeRpcTest, SessionBadCommandsFailAloneAndTheSessionStaysUsable) {
   TestSession session(*stub_);
   // Before any create: nothing to refer to.
   EXPECT_EQ(error_code(session.extend(0, {5})), kNotFound);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
   const v1::SessionResponse branched = session.branch(root, 2);
   ASSERT_TRUE(branched.has_branched()) << branched.DebugString();
-  const int32_t left = branched.branched().children(0);
-  const int32_t right = branched.branched().children(1);
+  const int64_t left = branched.branched().children(0);
+  const int64_t right = branched.branched().children(1);
   ASSERT_TRUE(session.prune(right).has_pruned());
 
   struct Case {
@@ -835,10 +835,10 @@ TEST_F(TreeRpcTest, SessionBadCommandsFailAloneAndTheSessionStaysUsable) {
 TEST_F(TreeRpcTest, SessionDisconnectFreesItsKvAndLeavesOtherSessionsUntouched) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   TestSession keeper(*stub_);
-  const int32_t root = keeper.create(prompt).created_node();
+  const int64_t root = keeper.create(prompt).created_node();
   const v1::SessionResponse branched = keeper.branch(root, 2);
   ASSERT_TRUE(branched.has_branched()) << branched.DebugString();
-  const std::vector<int32_t> leaves(branched.branched().children().begin(),
+  const std::vector<int64_t> leaves(branched.branched().children().begin(),
                                     branched.branched().children().end());
   ASSERT_FALSE(keeper.decode_greedy(leaves, 5).error);
   std::this_thread::sleep_for(milliseconds(200));
@@ -867,7 +867,7 @@ TEST_F(TreeRpcTest, SessionDisconnectFreesItsKvAndLeavesOtherSessionsUntouched) 
   // 2. Another session cancels its stream mid-decode.
   {
     TestSession cancelled(*stub_);
-    const int32_t node = cancelled.create(prompt).created_node();
+    const int64_t node = cancelled.create(prompt).created_node();
     v1::SessionRequest request;
     request.set_request_id(1);
     request.mutable_decode()->add_nodes(node);
@@ -887,7 +887,7 @@ TEST_F(TreeRpcTest, SessionDisconnectFreesItsKvAndLeavesOtherSessionsUntouched) 
   const StreamedTokens reference = greedy(*stub_, prompt, 9);
   const TestSession::Decoded decoded = keeper.decode_greedy(leaves, 4);
   ASSERT_FALSE(decoded.error) << decoded.error->message();
-  for (const int32_t leaf : leaves)
+  for (const int64_t leaf : leaves)
     EXPECT_EQ(decoded.nodes.at(leaf).ids, slice(reference.ids, 5, 9));
   EXPECT_TRUE(keeper.close().closed());
   EXPECT_TRUE(keeper.finish().ok());
@@ -897,7 +897,7 @@ TEST_F(TreeRpcTest, SessionDisconnectFreesItsKvAndLeavesOtherSessionsUntouched) 
 
 // ---- Verify -------------------------------------------------------------------------------
 
-v1::VerifyRequest verify_request(uint64_t session, int32_t node, std::vector<int32_t> tokens,
+v1::VerifyRequest verify_request(uint64_t session, int64_t node, std::vector<int32_t> tokens,
                                  std::vector<int32_t> parents) {
   v1::VerifyRequest request;
   request.set_session_id(session);
@@ -921,7 +921,7 @@ TEST_F(TreeRpcTest, VerifyAcceptsTheGreedyPathAndReturnsTheNextGreedyToken) {
   const std::vector<int32_t> g = greedy(*stub_, prompt, 16).ids;
   ASSERT_EQ(g.size(), 16u);
   TestSession session(*stub_);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
 
   // A wrong sibling first, then the chain g0..g5 with a wrong sibling beside each, and a wrong
   // subtree under one wrong sibling.
@@ -951,7 +951,7 @@ TEST_F(TreeRpcTest, VerifyAcceptsTheGreedyPathAndReturnsTheNextGreedyToken) {
   EXPECT_EQ(response.bonus_token(), g[6]);
 
   // Speculative decoding goes on from the committed leaf: the bonus token drafted first.
-  const int32_t leaf = response.node();
+  const int64_t leaf = response.node();
   v1::VerifyResponse next;
   ASSERT_TRUE(verify(*stub_,
                      verify_request(session.session_id(), leaf, {g[6], g[7], g[8], wrong(g[9])},
@@ -972,7 +972,7 @@ TEST_F(TreeRpcTest, VerifyStopsAtTheFirstRejection) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   const std::vector<int32_t> g = greedy(*stub_, prompt, 8).ids;
   TestSession session(*stub_);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
   v1::VerifyResponse response;
   ASSERT_TRUE(verify(*stub_,
                      verify_request(session.session_id(), root, {g[0], g[1], wrong(g[2]), g[3]},
@@ -987,7 +987,7 @@ TEST_F(TreeRpcTest, VerifyStopsAtTheFirstRejection) {
       (std::vector<int32_t>{0, 1}));
 
   // Nothing accepted: the bonus is the first greedy token and the node keeps its tokens.
-  const int32_t other = session.create(prompt).created_node();
+  const int64_t other = session.create(prompt).created_node();
   v1::VerifyResponse none;
   ASSERT_TRUE(
       verify(*stub_, verify_request(session.session_id(), other, {wrong(g[0])}, {-1}), &none).ok());
@@ -1004,11 +1004,11 @@ TEST_F(TreeRpcTest, VerifyUnderAnEmptyChildAndAnExtendedChild) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   const std::vector<int32_t> g = greedy(*stub_, prompt, 8).ids;
   TestSession session(*stub_);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
   const v1::SessionResponse branched = session.branch(root, 2);
   ASSERT_TRUE(branched.has_branched());
-  const int32_t empty = branched.branched().children(0);
-  const int32_t extended = branched.branched().children(1);
+  const int64_t empty = branched.branched().children(0);
+  const int64_t extended = branched.branched().children(1);
   v1::VerifyResponse under_empty;
   ASSERT_TRUE(
       verify(*stub_,
@@ -1039,12 +1039,12 @@ TEST_F(TreeRpcTest, VerifyUnderAnEmptyChildAndAnExtendedChild) {
 TEST_F(TreeRpcTest, VerifyBadInputs) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   TestSession session(*stub_);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
   const v1::SessionResponse branched = session.branch(root, 2);
   ASSERT_TRUE(branched.has_branched());
-  const int32_t pruned = branched.branched().children(1);
+  const int64_t pruned = branched.branched().children(1);
   ASSERT_TRUE(session.prune(pruned).has_pruned());
-  const int32_t leaf = branched.branched().children(0);
+  const int64_t leaf = branched.branched().children(0);
   const uint64_t id = session.session_id();
   struct Case {
     const char* name;
@@ -1195,9 +1195,9 @@ TEST_F(TreeRpcTest, SixteenConcurrentMixedJobsEqualEachAlone) {
       return out;
     }
     TestSession session(stub);
-    const int32_t root = session.create(prompts[j]).created_node();
+    const int64_t root = session.create(prompts[j]).created_node();
     const v1::SessionResponse branched = session.branch(root, 2);
-    const std::vector<int32_t> children(branched.branched().children().begin(),
+    const std::vector<int64_t> children(branched.branched().children().begin(),
                                         branched.branched().children().end());
     std::vector<int32_t> greedy_ids;
     for (const auto& [node, tokens] : session.decode_greedy(children, 8).nodes) {
@@ -1326,7 +1326,7 @@ TEST(TreeRpcLimits, OverLimitTreesAreRefused) {
     EXPECT_TRUE(run.events.empty());
   }
   TestSession session(*stub);
-  const int32_t root = session.create(prompt).created_node();
+  const int64_t root = session.create(prompt).created_node();
   // 1 + 8 nodes: over max_session_nodes.
   const v1::SessionResponse too_many = session.branch(root, 8);
   ASSERT_TRUE(too_many.has_error()) << too_many.DebugString();
@@ -1346,7 +1346,7 @@ TEST(TreeRpcLimits, OverLimitTreesAreRefused) {
         grpc::StatusCode::INVALID_ARGUMENT, "16");
   }
   // Within the limits the session works: prune the children, the root grows again.
-  for (const int32_t child : seven.branched().children()) {
+  for (const int64_t child : seven.branched().children()) {
     EXPECT_TRUE(session.prune(child).has_pruned());
   }
   const TestSession::Decoded decoded = session.decode_greedy({root}, 20);
@@ -1386,6 +1386,84 @@ TEST(TreeRpcLimits, SessionsOverMaxSessionsAreRefusedAtOnce) {
   EXPECT_FALSE(second.decode_greedy({second.create({1, 9}).created_node()}, 3).error);
   EXPECT_TRUE(second.finish().ok());
   EXPECT_TRUE(fourth.finish().ok());
+  EXPECT_EQ(server.wait_metric("deft_kv_pages_used", 0), 0);
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+}
+
+// ---- 64-bit node ids -----------------------------------------------------------------------
+
+// A server that has run for days hands out node ids past 2^31 and 2^32 (ids are never reused);
+// --first-node-id starts there at once. Every id must go out and come back whole: session
+// commands, Verify, and deft-cli printing ids and parsing them from a script. (RunTree's ids are
+// the job's own, from 0, so they stay small.)
+TEST(TreeRpcNodeIds, IdsPast32BitsRoundTripThroughSessionsVerifyAndDeftCli) {
+  // Cut to 32 bits, these ids would turn negative (and cut to 31, lose 2^32).
+  constexpr int64_t kFirst = (int64_t{1} << 32) + (int64_t{1} << 31) - 2;
+  const auto id = [&](int64_t offset) { return std::to_string(kFirst + offset); };
+  ServerProcess server({"--first-node-id", id(0)});
+  ASSERT_TRUE(server.running());
+  auto stub = server.stub();
+
+  // deft-cli first, on the fresh server, so the script knows its ids: the prompt's node is the
+  // first id, the branch children the next two.
+  const std::filesystem::path script = std::filesystem::temp_directory_path() /
+                                       ("deft-cli-ids-" + std::to_string(getpid()) + ".txt");
+  std::ofstream(script) << "create --ids 1,5,6,7\n"
+                        << "branch " << id(0) << " 2\n"
+                        << "decode " << id(1) << "," << id(2) << " 2 --ignore-eos\n"
+                        << "prune " << id(1) << "\n"
+                        << "verify " << id(2) << " --tokens 5,6 --parents -1,0\n"
+                        << "close\n";
+  const ProgramResult cli =
+      run_program({DEFT_CLI_BINARY, "--server", server.address(), "session", script.string()});
+  std::filesystem::remove(script);
+  EXPECT_EQ(cli.exit_code, 0) << cli.output;
+  for (const std::string& expected : std::vector<std::string>{
+           ": created node " + id(0) + "\n", "branched children " + id(1) + " " + id(2) + "\n",
+           "decoded node " + id(1) + " +", "decoded node " + id(2) + " +", "pruned node " + id(1),
+           "bonus ", "closed"}) {
+    EXPECT_NE(cli.output.find(expected), std::string::npos) << expected << "\n" << cli.output;
+  }
+
+  // The gRPC API: every node field carries the whole id, and the server takes it back.
+  TestSession session(*stub);
+  const v1::SessionResponse created = session.create({1, 5, 6, 7, 8});
+  ASSERT_TRUE(created.has_created_node()) << created.DebugString();
+  const int64_t root = created.created_node();
+  EXPECT_GT(root, kFirst + 2);
+  const v1::SessionResponse branched = session.branch(root, 2);
+  ASSERT_TRUE(branched.has_branched()) << branched.DebugString();
+  ASSERT_EQ(branched.branched().children_size(), 2);
+  const int64_t left = branched.branched().children(0);
+  const int64_t right = branched.branched().children(1);
+  EXPECT_GT(left, root);
+  EXPECT_EQ(right, left + 1);
+  const v1::SessionResponse extended = session.extend(left, {9, 10});
+  ASSERT_TRUE(extended.has_extended()) << extended.DebugString();
+  EXPECT_EQ(extended.extended().node(), left);
+  const TestSession::Decoded decoded = session.decode_greedy({left, right}, 3);
+  ASSERT_FALSE(decoded.error) << decoded.error->message();
+  EXPECT_EQ(decoded.nodes.at(left).ids.size(), 3u);
+  EXPECT_EQ(decoded.nodes.at(right).ids.size(), 3u);
+
+  // Verify under `right`; its committed leaf (`right` itself, or a fresh node when a token was
+  // accepted) decodes on.
+  v1::VerifyResponse verified;
+  const grpc::Status status =
+      verify(*stub, verify_request(session.session_id(), right, {5, 6}, {-1, 0}), &verified);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(verified.node() == right, verified.accepted().empty());
+  EXPECT_GE(verified.node(), right);
+  const TestSession::Decoded after = session.decode_greedy({verified.node()}, 2);
+  ASSERT_FALSE(after.error) << after.error->message();
+  EXPECT_EQ(after.nodes.count(verified.node()), 1u);
+
+  const v1::SessionResponse pruned = session.prune(left);
+  ASSERT_TRUE(pruned.has_pruned()) << pruned.DebugString();
+  EXPECT_EQ(pruned.pruned(), left);
+  EXPECT_EQ(error_code(session.extend(left, {5})), kNotFound);
+  EXPECT_TRUE(session.close().closed());
+  EXPECT_TRUE(session.finish().ok());
   EXPECT_EQ(server.wait_metric("deft_kv_pages_used", 0), 0);
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
 }
