@@ -282,7 +282,7 @@ class PlanBuilder {
       rank_.insert_or_assign(id, rank);
       dfs_nodes_.push_back(id);
       parent_rank_.push_back(parent_rank);
-      const std::vector<NodeId>& children = tree.node(id).children;
+      const NodeChildren& children = tree.node(id).children;
       for (auto child = children.rbegin(); child != children.rend(); ++child) {
         stack_.push_back({*child, rank});
       }

@@ -39,7 +39,7 @@ PromptPlacement Forest::place_prompt(std::span<const TokenId> prompt) {
     NodeId best = -1;
     int64_t best_match = 0;
     for (NodeId child : tree_.node(at).children) {
-      const std::vector<TokenId>& tokens = tree_.node(child).tokens;
+      const NodeTokens& tokens = tree_.node(child).tokens;
       int64_t match = 0;
       const int64_t most = std::min<int64_t>(static_cast<int64_t>(tokens.size()), limit - pos);
       while (match < most && tokens[match] == prompt[pos + match]) ++match;

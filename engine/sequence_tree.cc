@@ -104,8 +104,8 @@ absl::Status SequenceTree::prune(NodeId node) {
     return absl::OkStatus();
   }
   // Detach from the parent, then free the subtree (iteratively: trees can be deep).
-  std::vector<NodeId>& siblings = nodes_.find(nodes_.find(node)->second.parent)->second.children;
-  std::erase(siblings, node);
+  NodeChildren& siblings = nodes_.find(nodes_.find(node)->second.parent)->second.children;
+  siblings.erase(std::remove(siblings.begin(), siblings.end(), node), siblings.end());
   std::vector<NodeId> stack = {node};
   while (!stack.empty()) {
     const NodeId id = stack.back();
@@ -148,7 +148,7 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
   tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + at);
   tail.depth_begin += at;
   tail.parent = head_node.id;
-  std::vector<NodeId>& siblings = nodes_.find(head_node.parent)->second.children;
+  NodeChildren& siblings = nodes_.find(head_node.parent)->second.children;
   *std::find(siblings.begin(), siblings.end(), node) = head_node.id;
   if (kv_ != nullptr) {
     kv_->move_front_pages(kv_key(node), kv_key(head_node.id), at / kv_->page_tokens());
@@ -199,7 +199,7 @@ std::vector<NodeId> SequenceTree::dfs_order() const {
     const NodeId id = stack.back();
     stack.pop_back();
     order.push_back(id);
-    const std::vector<NodeId>& children = nodes_.find(id)->second.children;
+    const NodeChildren& children = nodes_.find(id)->second.children;
     stack.insert(stack.end(), children.rbegin(), children.rend());
   }
   return order;

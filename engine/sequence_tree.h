@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,11 +24,17 @@ namespace deft::engine {
 using NodeId = int64_t;
 using TokenId = int32_t;
 
+// A speculative step hangs a token tree of one-token nodes with a child or two each, and prunes
+// it after the step: these hold such a node's children and tokens in the node itself, so the
+// step's bookkeeping makes no heap allocation for them (and follows no pointer to them).
+using NodeChildren = absl::InlinedVector<NodeId, 2>;
+using NodeTokens = absl::InlinedVector<TokenId, 4>;
+
 struct TreeNode {
   NodeId id = -1;
   NodeId parent = -1;  // -1 for the root
-  std::vector<NodeId> children;
-  std::vector<TokenId> tokens;
+  NodeChildren children;
+  NodeTokens tokens;
   int64_t depth_begin = 0;  // depth (RoPE position) of tokens[0] = tokens on the path above
 };
 

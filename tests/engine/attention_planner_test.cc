@@ -307,7 +307,7 @@ TEST(AttentionPlanner, SeveralTreesInOneStepNumberRowsInOrder) {
 // run over the prompt, leaf 0's first 10 tokens and itself; the short runs stay in tasks.
 TEST(AttentionPlanner, LongRunsBecomePrefillRuns) {
   FewShot job(300, 3, 10);
-  const std::vector<NodeId> leaves = job.tree.node(job.tree.root()).children;
+  const NodeChildren leaves = job.tree.node(job.tree.root()).children;
   job.queries.clear();
   ASSERT_TRUE(job.tree.append(leaves[1], std::vector<TokenId>(1, 3)).ok());
   job.queries.push_back({leaves[1], 10});

@@ -109,7 +109,7 @@ TEST(SequenceTree, PrunedIdsAreNeverReusedAcrossManySteps) {
       parent = child;
     }
     ASSERT_EQ(tree.num_live_nodes(), 65);
-    for (NodeId child : std::vector<NodeId>(tree.node(tree.root()).children)) {
+    for (NodeId child : NodeChildren(tree.node(tree.root()).children)) {
       ASSERT_TRUE(tree.prune(child).ok());
     }
     ASSERT_FALSE(tree.contains(first));

@@ -160,7 +160,7 @@ TEST_P(LlamaCpuTest, TreeDecodingEqualsEachBranchAlone) {
     std::vector<TokenId> prefix;
     const std::vector<NodeId> path = *tree->path(leaves[i]);
     for (NodeId node : path) {
-      const std::vector<TokenId>& node_tokens = tree->node(node).tokens;
+      const engine::NodeTokens& node_tokens = tree->node(node).tokens;
       const size_t keep = node == leaves[i] ? node_tokens.size() - kSteps : node_tokens.size();
       prefix.insert(prefix.end(), node_tokens.begin(), node_tokens.begin() + keep);
     }
