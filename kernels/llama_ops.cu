@@ -52,6 +52,7 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 // A WeightPrefetch's contract (llama_ops.h); a violation is a caller bug.
 void check_prefetch(const char* what, const WeightPrefetch& p) {
@@ -63,7 +64,6 @@ void check_prefetch(const char* what, const WeightPrefetch& p) {
     std::abort();
   }
 }
-bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 // Launches `kernel` with programmatic stream serialization: it may be scheduled while the kernel
 // before it drains, and waits for it (wait_for_prerequisite_grid) before touching its outputs.

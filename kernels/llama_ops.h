@@ -20,8 +20,9 @@ void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int3
 
 // Weight bytes for a small kernel to pull into L2 for the GEMM after it (kernels/l2_prefetch.cuh):
 // the first `bytes_per_row` bytes of each of `rows` rows of `row_bytes` bytes from `base` (where a
-// decode GEMM's CTAs start reading), issued by extra CTAs of the launch (one per SM) while its
-// own run. base == nullptr: none. first_block is the launcher's (where the extra CTAs start).
+// decode GEMM's CTAs start reading), issued by extra CTAs of the launch (one per SM) while the
+// kernel's own CTAs run. base == nullptr: none. first_block is set by the launcher (where the
+// extra CTAs start).
 struct WeightPrefetch {
   const void* base = nullptr;
   int64_t rows = 0;
