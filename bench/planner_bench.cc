@@ -179,6 +179,16 @@ int main(int argc, char** argv) {
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  // Nothing timed (--benchmark_list_tests, a filter that matches nothing): leave the committed
+  // results file alone.
+  const bool any_samples = !bookkeeping_us.empty() || !bookkeeping_cold_us.empty() ||
+                           std::any_of(jobs.begin(), jobs.end(), [](const auto& job) {
+                             return !job->samples_us.empty();
+                           });
+  if (!any_samples) {
+    std::printf("nothing was timed; no results file written\n");
+    return 0;
+  }
 
   BenchResult result("planner", BenchResult::cpu_name() + " (one core)", "cpu", argc, argv);
   for (const auto& job : jobs) {
