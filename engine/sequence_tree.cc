@@ -29,6 +29,12 @@ bool SequenceTree::contains(NodeId node) const {
   return nodes_.contains(node);
 }
 
+absl::Status SequenceTree::ids_left(int64_t count) const {
+  if (count <= max_node_ids_ - next_id_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("tree ", tree_id_, ": its node ids (below ", max_node_ids_, ") are used up"));
+}
+
 const TreeNode& SequenceTree::node(NodeId id) const {
   const auto it = nodes_.find(id);
   if (it == nodes_.end()) {
@@ -66,10 +72,7 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
   if (k < 1) {
     return absl::InvalidArgumentError(absl::StrCat("branch factor must be >= 1, got ", k));
   }
-  if (k > max_node_ids_ - next_id_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tree ", tree_id_, ": its node ids (below ", max_node_ids_, ") are used up"));
-  }
+  if (absl::Status status = ids_left(k); !status.ok()) return status;
   std::vector<NodeId> children;
   children.reserve(k);
   TreeNode& parent = nodes_.find(node)->second;
@@ -128,10 +131,7 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
   if (node == root()) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split the root"));
   }
-  if (next_id_ >= max_node_ids_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tree ", tree_id_, ": its node ids (below ", max_node_ids_, ") are used up"));
-  }
+  if (absl::Status status = ids_left(1); !status.ok()) return status;
   TreeNode& tail = nodes_.find(node)->second;
   const int64_t size = static_cast<int64_t>(tail.tokens.size());
   if (at <= 0 || at > size || (kv_ != nullptr && at % kv_->page_tokens() != 0)) {

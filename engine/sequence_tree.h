@@ -103,6 +103,8 @@ class SequenceTree {
   bool check_invariants() const;
 
  private:
+  // OK while `count` more ids can be handed out, else RESOURCE_EXHAUSTED (branch, split).
+  absl::Status ids_left(int64_t count) const;
   uint32_t tree_id_;
   KvCacheManager* kv_;
   // The live nodes by id (node_hash_map: references stay valid while nodes are added). A pruned

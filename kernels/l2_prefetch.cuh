@@ -34,4 +34,9 @@ __device__ __forceinline__ bool prefetch_weight_rows(const WeightPrefetch& prefe
   return true;
 }
 
+// CTAs of the kernel's own part of the grid (the stride of a grid-stride loop over its work).
+__device__ __forceinline__ int64_t own_blocks(const WeightPrefetch& prefetch) {
+  return prefetch.base != nullptr ? prefetch.first_block : gridDim.x;
+}
+
 }  // namespace deft::kernels::detail

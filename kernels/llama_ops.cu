@@ -54,15 +54,23 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
-// A WeightPrefetch's contract (llama_ops.h); a violation is a caller bug.
-void check_prefetch(const char* what, const WeightPrefetch& p) {
-  if (p.base == nullptr) return;
-  if (p.rows < 0 || p.row_bytes <= 0 || p.bytes_per_row <= 0) {
+// A launch's grid with `prefetch`'s CTAs after its own `own_blocks`: the prefetch to pass to the
+// kernel (first_block set) and the grid's size. Aborts on a prefetch that breaks WeightPrefetch's
+// contract (llama_ops.h: a caller bug).
+struct PrefetchGrid {
+  WeightPrefetch prefetch;
+  int32_t blocks = 0;
+};
+PrefetchGrid with_prefetch_ctas(const char* what, WeightPrefetch prefetch, int32_t own_blocks) {
+  prefetch.first_block = own_blocks;
+  if (prefetch.base == nullptr) return {prefetch, own_blocks};
+  if (prefetch.rows < 0 || prefetch.row_bytes <= 0 || prefetch.bytes_per_row <= 0) {
     std::fprintf(stderr, "%s: bad weight prefetch (rows %lld, row bytes %lld, %d bytes a row)\n",
-                 what, static_cast<long long>(p.rows), static_cast<long long>(p.row_bytes),
-                 p.bytes_per_row);
+                 what, static_cast<long long>(prefetch.rows),
+                 static_cast<long long>(prefetch.row_bytes), prefetch.bytes_per_row);
     std::abort();
   }
+  return {prefetch, own_blocks + current_device_sm_count()};
 }
 
 // Launches `kernel` with programmatic stream serialization: it may be scheduled while the kernel
@@ -191,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
   detail::allow_dependent_launch();  // the GEMM after it, as above
   if (detail::prefetch_weight_rows(prefetch)) return;
   detail::wait_for_prerequisite_grid();
-  const int64_t blocks = prefetch.base != nullptr ? prefetch.first_block : gridDim.x;
+  const int64_t blocks = detail::own_blocks(prefetch);
   const int64_t total = int64_t{num_rows} * width;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total;
        i += blocks * kThreads) {
@@ -211,7 +219,7 @@ __global__ void __launch_bounds__(kThreads)
   detail::allow_dependent_launch();  // the GEMM after it, as above
   if (detail::prefetch_weight_rows(prefetch)) return;
   detail::wait_for_prerequisite_grid();
-  const int64_t blocks = prefetch.base != nullptr ? prefetch.first_block : gridDim.x;
+  const int64_t blocks = detail::own_blocks(prefetch);
   const int32_t vectors_per_row = width / 8;
   const int64_t total = int64_t{num_rows} * vectors_per_row;
   // gate_up is dead once read: a whole warp's 512-byte spans of gate and up (32 consecutive
@@ -419,43 +427,35 @@ void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int3
 void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_index, float* x,
                      const float* add_bias, const float* weight, void* out, cudaStream_t stream,
                      const WeightPrefetch& prefetch) {
-  check_prefetch("launch_rms_norm", prefetch);
   if (row_index != nullptr && add_bias != nullptr) {
     std::fprintf(stderr, "launch_rms_norm: add_bias with a row gather\n");
     std::abort();
   }
+  const PrefetchGrid grid = with_prefetch_ctas("launch_rms_norm", prefetch, dims.num_rows);
   if (dims.num_rows <= 0) return;
   const bool vector = dims.width % 4 == 0 && dims.width <= 4 * kNormVectors * kThreads &&
                       aligned16(x) && aligned16(weight) && aligned16(out) &&
                       (add_bias == nullptr || aligned16(add_bias));
-  WeightPrefetch with_ctas = prefetch;
-  with_ctas.first_block = dims.num_rows;
-  const int32_t blocks =
-      dims.num_rows + (prefetch.base != nullptr ? current_device_sm_count() : 0);
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_dependent(vector ? &rms_norm_vector_kernel<T> : &rms_norm_kernel<T>,
-                     dim3(static_cast<unsigned>(blocks)), kThreads, stream, dims, row_index,
-                     x, add_bias, weight, static_cast<T*>(out), with_ctas);
+                     dim3(static_cast<unsigned>(grid.blocks)), kThreads, stream, dims, row_index,
+                     x, add_bias, weight, static_cast<T*>(out), grid.prefetch);
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
 
 void launch_silu_mul(int32_t num_rows, int32_t width, DType dtype, const void* gate_up, void* out,
                      cudaStream_t stream, const WeightPrefetch& prefetch) {
-  check_prefetch("launch_silu_mul", prefetch);
-  if (num_rows <= 0) return;
   const bool vector = width % 8 == 0 && aligned16(gate_up) && aligned16(out);
+  const int64_t items = int64_t{num_rows} * (vector ? width / 8 : width);
+  const PrefetchGrid grid = with_prefetch_ctas("launch_silu_mul", prefetch, grid_for(items));
+  if (num_rows <= 0) return;
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const int64_t items = int64_t{num_rows} * (vector ? width / 8 : width);
-    WeightPrefetch with_ctas = prefetch;
-    with_ctas.first_block = grid_for(items);
-    const int32_t blocks =
-        with_ctas.first_block + (prefetch.base != nullptr ? current_device_sm_count() : 0);
     launch_dependent(vector ? &silu_mul_vector_kernel<T> : &silu_mul_kernel<T>,
-                     dim3(static_cast<unsigned>(blocks)), kThreads, stream, num_rows, width,
-                     static_cast<const T*>(gate_up), static_cast<T*>(out), with_ctas);
+                     dim3(static_cast<unsigned>(grid.blocks)), kThreads, stream, num_rows, width,
+                     static_cast<const T*>(gate_up), static_cast<T*>(out), grid.prefetch);
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
