@@ -40,7 +40,8 @@ constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every p
 // launch overlaps), else the largest; 8 when none fits.
 template <typename T, int kHeadDim>
 auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
-  using Kernel = void (*)(AttentionPlanView, const float*, const float*, T*, int32_t);
+  using Kernel =
+      void (*)(AttentionPlanView, const float*, const float*, T*, int32_t, WeightPrefetch);
   struct Choice {
     int32_t batch;
     Kernel kernel;
@@ -101,7 +102,7 @@ template <typename T, int kHeadDim>
 void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const AttentionDims& dims,
                   const void* q, const void* k_cache, const void* v_cache, float* partial_out,
                   float* partial_lse, void* out, cudaStream_t stream, bool stage2,
-                  int32_t stage2_batch) {
+                  int32_t stage2_batch, const WeightPrefetch& prefetch) {
   auto* stage1 = deft_attention_wgmma_passes(shape, dims) ? stage1_kernel<T, kHeadDim, true>()
                                                         : stage1_kernel<T, kHeadDim, false>();
   constexpr int kSmemBytes = detail::Stage1Smem<kHeadDim>::kBytes;
@@ -148,9 +149,13 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
     const dim3 grid2(static_cast<unsigned>(plan.num_queries),
                      static_cast<unsigned>((dims.num_q_heads + detail::kStage2Warps - 1) /
                                            detail::kStage2Warps));
+    // The prefetch's CTAs (past the queries in x) wait for stage 1 too.
+    const PrefetchGrid with_prefetch =
+        with_prefetch_ctas("launch_deft_attention", prefetch, static_cast<int32_t>(grid2.x),
+                           static_cast<int32_t>(grid2.y));
     // Programmatic dependent launch: stage 2's CTAs start (and read the plan) while stage 1's
     // last CTAs finish; they wait for stage 1's results in the kernel (griddepcontrol.wait).
-    config.gridDim = grid2;
+    config.gridDim = dim3(static_cast<unsigned>(with_prefetch.blocks), grid2.y);
     config.blockDim = dim3(detail::kStage2Threads);
     config.dynamicSmemBytes = 0;
     DEFT_CUDA_CHECK(cudaLaunchKernelEx(
@@ -158,7 +163,7 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
         stage2_kernel_for<T, kHeadDim>(int64_t{grid2.x} * grid2.y, shape.max_query_entries,
                                        stage2_batch),
         plan, static_cast<const float*>(partial_out), static_cast<const float*>(partial_lse),
-        static_cast<T*>(out), dims.num_q_heads));
+        static_cast<T*>(out), dims.num_q_heads, with_prefetch.prefetch));
     DEFT_CUDA_CHECK_LAUNCH();
   }
 }
@@ -348,14 +353,15 @@ int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype) {
     return dims.head_dim == 64 ? resident_ctas_typed<__nv_bfloat16, 64>()
                                : resident_ctas_typed<__nv_bfloat16, 128>();
   }
-  return dims.head_dim == 64 ? resident_ctas_typed<__half, 64>() : resident_ctas_typed<__half, 128>();
+  return dims.head_dim == 64 ? resident_ctas_typed<__half, 64>()
+                             : resident_ctas_typed<__half, 128>();
 }
 
 void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream, DeftStage2 stage2,
-                           int32_t stage2_batch) {
+                           int32_t stage2_batch, const WeightPrefetch& prefetch) {
   if (!deft_attention_supported(dims)) {
     fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
   }
@@ -376,7 +382,7 @@ void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape
     using T = decltype(type_tag);
     launch_typed<T, decltype(head_dim_tag)::value>(device_plan, shape, dims, q, k_cache, v_cache,
                                                    partial_out, partial_lse, out, stream,
-                                                   run_stage2, stage2_batch);
+                                                   run_stage2, stage2_batch, prefetch);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

@@ -34,6 +34,7 @@
 #include "kernels/cp_async.cuh"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/l2_discard.cuh"
+#include "kernels/l2_prefetch.cuh"
 #include "kernels/wgmma.cuh"
 
 namespace deft::kernels::detail {
@@ -834,12 +835,21 @@ __global__ void __launch_bounds__(kStage2Threads)
     deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
                                  const float* __restrict__ partial_out,
                                  const float* __restrict__ partial_lse, T* __restrict__ out,
-                                 int32_t num_q_heads) {
+                                 int32_t num_q_heads, const WeightPrefetch prefetch) {
   constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 consecutive floats per lane
   static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
   static_assert(kBatch > 0 && 32 % kBatch == 0, "batches tile a lane's 32 partials");
   // The next layer's stage 1 may be scheduled (it waits for us before touching our outputs).
   allow_dependent_launch();
+  if (prefetch.base != nullptr && static_cast<int32_t>(blockIdx.x) >= prefetch.first_block) {
+    // The O projection's weights, once stage 1 is done: during stage 1 the prefetch slowed its
+    // KV reads more than it sped up the GEMM (H100, 2026-11-24).
+    wait_for_prerequisite_grid();
+    prefetch_weight_lines(prefetch,
+                          int64_t{blockIdx.x - prefetch.first_block} * gridDim.y + blockIdx.y,
+                          int64_t{gridDim.x - prefetch.first_block} * gridDim.y);
+    return;
+  }
   const int query = blockIdx.x;
   const int begin = plan.query_entry_begin[query];
   const int count = plan.query_entry_begin[query + 1] - begin;

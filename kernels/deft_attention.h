@@ -17,6 +17,7 @@
 #include "kernels/attention_params.h"
 #include "kernels/device_buffer.h"
 #include "kernels/dtype.h"
+#include "kernels/weight_prefetch.h"
 
 namespace deft::kernels {
 
@@ -134,12 +135,15 @@ enum class DeftStage2 { kIfMerging, kAlways, kNever };
 // or 8; a larger batch holds more registers, so fewer of its CTAs fit on the GPU at once); 0
 // picks, among the batches whose grid fits on the GPU at once, the smallest that holds the
 // plan's largest query in one trip, else the largest (else 8). Tests force each.
+// prefetch: the weights of the GEMM after the attention (the O projection), pulled into L2 by
+// extra CTAs of stage 2 once stage 1 is done (none when stage 2 does not run).
 // Aborts on unsupported dims (a caller bug: check deft_attention_supported at load time).
 void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,
                            const AttentionDims& dims, DType dtype, const void* q,
                            const void* k_cache, const void* v_cache, float* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream,
-                           DeftStage2 stage2 = DeftStage2::kIfMerging, int32_t stage2_batch = 0);
+                           DeftStage2 stage2 = DeftStage2::kIfMerging, int32_t stage2_batch = 0,
+                           const WeightPrefetch& prefetch = {});
 
 inline void launch_deft_attention(const DevicePlan& plan, const AttentionDims& dims, DType dtype,
                                   const void* q, const void* k_cache, const void* v_cache,

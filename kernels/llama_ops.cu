@@ -54,25 +54,6 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
-// A launch's grid with `prefetch`'s CTAs after its own `own_blocks`: the prefetch to pass to the
-// kernel (first_block set) and the grid's size. Aborts on a prefetch that breaks WeightPrefetch's
-// contract (llama_ops.h: a caller bug).
-struct PrefetchGrid {
-  WeightPrefetch prefetch;
-  int32_t blocks = 0;
-};
-PrefetchGrid with_prefetch_ctas(const char* what, WeightPrefetch prefetch, int32_t own_blocks) {
-  prefetch.first_block = own_blocks;
-  if (prefetch.base == nullptr) return {prefetch, own_blocks};
-  if (prefetch.rows < 0 || prefetch.row_bytes <= 0 || prefetch.bytes_per_row <= 0) {
-    std::fprintf(stderr, "%s: bad weight prefetch (rows %lld, row bytes %lld, %d bytes a row)\n",
-                 what, static_cast<long long>(prefetch.rows),
-                 static_cast<long long>(prefetch.row_bytes), prefetch.bytes_per_row);
-    std::abort();
-  }
-  return {prefetch, own_blocks + current_device_sm_count()};
-}
-
 // Launches `kernel` with programmatic stream serialization: it may be scheduled while the kernel
 // before it drains, and waits for it (wait_for_prerequisite_grid) before touching its outputs.
 template <typename... Params, typename... Args>

@@ -11,25 +11,13 @@
 
 #include "kernels/dtype.h"
 #include "kernels/llama_ops_cpu.h"
+#include "kernels/weight_prefetch.h"
 
 namespace deft::kernels {
 
 // table: [vocab][width] dtype; out: [num_tokens][width] fp32 (the residual stream).
 void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int32_t* tokens,
                       const void* table, float* out, cudaStream_t stream);
-
-// Weight bytes for a small kernel to pull into L2 for the GEMM after it (kernels/l2_prefetch.cuh):
-// the first `bytes_per_row` bytes of each of `rows` rows of `row_bytes` bytes from `base` (where a
-// decode GEMM's CTAs start reading), issued by extra CTAs of the launch (one per SM) while the
-// kernel's own CTAs run. base == nullptr: none. first_block is set by the launcher (where the
-// extra CTAs start).
-struct WeightPrefetch {
-  const void* base = nullptr;
-  int64_t rows = 0;
-  int64_t row_bytes = 0;
-  int32_t bytes_per_row = 0;
-  int32_t first_block = 0;
-};
 
 // x: fp32 residual (bias folded in place when add_bias is set); out: [num_rows][width] dtype.
 void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_index, float* x,

@@ -460,7 +460,8 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
       kernels::launch_deft_attention(device_plan.view(), device_plan.shape(), dims, dtype,
                                      q.data(), layer.k_cache.data(), layer.v_cache.data(),
                                      partials.partial_out(), partials.partial_lse(), attn.data(),
-                                     stream, launch.stage2);
+                                     stream, launch.stage2, /*stage2_batch=*/0,
+                                     prefetch(layer.o_proj, hidden, q_size));
       // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
       // graph step: those have no prefill runs).
       kernels::launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims,

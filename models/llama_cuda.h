@@ -60,10 +60,11 @@ struct LlamaCudaOptions {
   // session 15); false: cuBLAS(Lt) for every GEMM.
   bool skinny_lm_head = true;
   // Decode steps (<= kernels::kSkinnyGemmMaxRows rows): the RMSNorms and SiLU·mul before the
-  // QKV, gate/up and down GEMMs pull about this many bytes of that GEMM's weights into L2 while
-  // they run, the first bytes of every weight row (kernels::WeightPrefetch), so the GEMM's
-  // weight stream starts before it does; 0: none. 4 MiB: the H100's speculative step 30-65 µs
-  // faster, few-shot 25-35 µs (bench/results/e2e_step-h100-notes.md, session 19).
+  // QKV, gate/up and down GEMMs, and DeFT attention's stage 2 before the O projection, pull
+  // about this many bytes of that GEMM's weights into L2 while they run, the first bytes of
+  // every weight row (kernels::WeightPrefetch), so the GEMM's weight stream starts before it
+  // does; 0: none. 4 MiB: the H100's speculative step 30-65 µs faster, few-shot 25-35 µs
+  // (bench/results/e2e_step-h100-notes.md, session 19; the O projection's, session 20).
   int64_t weight_prefetch_bytes = int64_t{4} << 20;
 };
 

@@ -376,9 +376,10 @@ std::vector<double> reference_attention(const Tree& tree, const AttentionDims& d
 // comparison with the dense reference. `use_graph` captures the launches in a CUDA graph.
 // `key_growth` > 0 scales the key of the token at flat position f by 1 + f * key_growth, so that
 // a query's maximum score keeps climbing along the tree.
+// `prefetch`: stage 2's extra CTAs pull those weights into L2 (they must change nothing else).
 Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config& config,
                            std::mt19937& rng, bool use_graph = false, float key_growth = 0.0f,
-                           int32_t stage2_batch = 0) {
+                           int32_t stage2_batch = 0, const WeightPrefetch& prefetch = {}) {
   const AttentionDims dims = dims_of(config);
   const DType dtype = config.dtype;
   const size_t q_count = tree.queries.size() * dims.num_q_heads * dims.head_dim;
@@ -422,8 +423,9 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     DEFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    launch_deft_attention(device_plan, dims, dtype, q_dev.data(), k_dev.data(), v_dev.data(),
-                          buffers, out_dev.data(), stream, stage2_batch);
+    launch_deft_attention(device_plan.view(), device_plan.shape(), dims, dtype, q_dev.data(),
+                          k_dev.data(), v_dev.data(), buffers.partial_out(), buffers.partial_lse(),
+                          out_dev.data(), stream, DeftStage2::kIfMerging, stage2_batch, prefetch);
     DEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     DEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     // Output poisoned before each replay: the second one must write every row again.
@@ -435,8 +437,9 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
     DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
     DEFT_CUDA_CHECK(cudaGraphDestroy(graph));
   } else {
-    launch_deft_attention(device_plan, dims, dtype, q_dev.data(), k_dev.data(), v_dev.data(),
-                          buffers, out_dev.data(), stream, stage2_batch);
+    launch_deft_attention(device_plan.view(), device_plan.shape(), dims, dtype, q_dev.data(),
+                          k_dev.data(), v_dev.data(), buffers.partial_out(), buffers.partial_lse(),
+                          out_dev.data(), stream, DeftStage2::kIfMerging, stage2_batch, prefetch);
   }
   DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   DEFT_CUDA_CHECK(cudaGetLastError());
@@ -458,11 +461,11 @@ class DeftAttentionGpuTest : public testing::TestWithParam<Config> {
 
   void check(const Tree& tree, Kind kind, int chunk_tokens, const char* what,
              bool use_graph = false, size_t unmasked_cap = 256, float key_growth = 0.0f,
-             int32_t stage2_batch = 0) {
+             int32_t stage2_batch = 0, const WeightPrefetch& prefetch = {}) {
     SCOPED_TRACE(testing::Message() << what << " seed=" << seed_);
     const HostPlan plan = build_plan(tree, kind, chunk_tokens, unmasked_cap);
-    const Comparison c =
-        run_and_compare(tree, plan, GetParam(), rng_, use_graph, key_growth, stage2_batch);
+    const Comparison c = run_and_compare(tree, plan, GetParam(), rng_, use_graph, key_growth,
+                                         stage2_batch, prefetch);
     EXPECT_EQ(c.nan_count, 0);
     EXPECT_LE(c.relative_error, tolerance(GetParam().dtype));
     std::printf("  %-34s tasks %5zu entries %5zu  rel err %.2e\n", what, plan.task_kv_begin.size(),
@@ -558,6 +561,24 @@ TEST_P(DeftAttentionGpuTest, ManyPartials) {
     const std::string what =
         "flatten B=32, 6 queries over a 2000-token prompt, stage-2 batch " + std::to_string(batch);
     check(shared, Kind::kFlatten, 32, what.c_str(), false, 256, 0.0f, batch);
+  }
+}
+
+// Stage 2 with a weight prefetch (the O projection's, in a decode step): its extra CTAs wait for
+// stage 1 and only touch L2, so every output row is still written and right, eagerly and in a
+// graph, for prefetches of one line a row up to more lines than the grid has threads.
+TEST_P(DeftAttentionGpuTest, Stage2WeightPrefetch) {
+  constexpr int64_t kRows = 1000, kRowBytes = 4096;
+  DeviceBuffer weights(kRows * kRowBytes);
+  const Tree shared = finished(few_shot_tree(1000, 6, 40));
+  for (int32_t bytes_per_row : {128, 1000, 4096}) {
+    const WeightPrefetch prefetch{.base = weights.data(),
+                                  .rows = kRows,
+                                  .row_bytes = kRowBytes,
+                                  .bytes_per_row = bytes_per_row};
+    const std::string what = "flatten B=64, prefetch " + std::to_string(bytes_per_row) + " B a row";
+    check(shared, Kind::kFlatten, 64, what.c_str(), false, 256, 0.0f, 0, prefetch);
+    check(shared, Kind::kFlatten, 64, (what + ", graph").c_str(), true, 256, 0.0f, 0, prefetch);
   }
 }
 
