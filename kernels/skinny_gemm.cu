@@ -365,14 +365,15 @@ struct Workspace {
   uint32_t* flags = nullptr;
 };
 
+std::mutex workspaces_mutex;
+std::vector<Workspace> workspaces;  // guarded by workspaces_mutex
+
 // Created on the stream's first use, which must not be inside a graph capture of `stream`.
 Workspace workspace(cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::vector<Workspace> sets;
   int device = 0;
   DEFT_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  for (const Workspace& w : sets) {
+  std::lock_guard<std::mutex> lock(workspaces_mutex);
+  for (const Workspace& w : workspaces) {
     if (w.device == device && w.stream == stream) return w;
   }
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -388,7 +389,7 @@ Workspace workspace(cudaStream_t stream) {
   DEFT_CUDA_CHECK(cudaMalloc(&w.flags, ctas * sizeof(uint32_t)));
   DEFT_CUDA_CHECK(cudaMemset(w.flags, 0, ctas * sizeof(uint32_t)));
   DEFT_CUDA_CHECK(cudaDeviceSynchronize());
-  sets.push_back(w);
+  workspaces.push_back(w);
   return w;
 }
 
@@ -488,7 +489,23 @@ void skinny_gemm_reserve(cudaStream_t stream) {
   if (skinny_gemm_available()) workspace(stream);
 }
 
-bool skinny_gemm_wide(const SkinnyGemmDims& dims) { return tiles_of(dims) >= current_device_sm_count(); }
+void skinny_gemm_release(cudaStream_t stream) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return;
+  std::lock_guard<std::mutex> lock(workspaces_mutex);
+  for (auto it = workspaces.begin(); it != workspaces.end(); ++it) {
+    if (it->device == device && it->stream == stream) {
+      DEFT_CUDA_CHECK(cudaFree(it->pieces));  // synchronises with the device's work
+      DEFT_CUDA_CHECK(cudaFree(it->flags));
+      workspaces.erase(it);
+      return;
+    }
+  }
+}
+
+bool skinny_gemm_wide(const SkinnyGemmDims& dims) {
+  return tiles_of(dims) >= current_device_sm_count();
+}
 
 int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k) {
   return grid_for(tiles_of(dims), k_blocks_of(dims), split_k).ctas;

@@ -48,8 +48,13 @@ bool skinny_gemm_wide(const SkinnyGemmDims& dims);
 // The grid launch_skinny_gemm uses for `dims` and `split_k`.
 int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k);
 
-// Allocates `stream`'s workspace (once per stream and device; it is never freed: a few MB);
-// launches captured into a CUDA graph need it first.
+// Allocates `stream`'s workspace (once per stream and device: a few MB); launches captured into
+// a CUDA graph need it first.
 void skinny_gemm_reserve(cudaStream_t stream);
+
+// Frees `stream`'s workspace on the current device, if it has one (before the stream is
+// destroyed: a new stream may get the same handle). No launch of it may still be pending or be
+// replayed later from a graph.
+void skinny_gemm_release(cudaStream_t stream);
 
 }  // namespace deft::kernels

@@ -293,7 +293,10 @@ struct LlamaCudaRunner::State {
     graphs.clear();
     for (cudaEvent_t event : events) cudaEventDestroy(event);
     gemms.reset();
-    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (stream != nullptr) {
+      kernels::skinny_gemm_release(stream);
+      cudaStreamDestroy(stream);
+    }
   }
   State(const State&) = delete;
   State& operator=(const State&) = delete;

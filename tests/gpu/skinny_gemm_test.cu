@@ -267,6 +267,34 @@ INSTANTIATE_TEST_SUITE_P(DTypes, SkinnyGemmOddTest, testing::Values(DType::kBf16
                            return std::string(dtype_name(info.param));
                          });
 
+// A stream's workspace is freed with skinny_gemm_release and made again by the next launch on
+// that stream (a runner releases its stream's before destroying it): results stay right.
+TEST(SkinnyGemm, WorkspaceReleasedAndMadeAgain) {
+  DEFT_SKIP_WITHOUT_GPU();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const SkinnyGemmDims d{.rows = 8, .in = 4096, .out = 40000};  // stream-K: uses the workspace
+  const Problem p = make_problem(d, DType::kBf16, rng, 64);
+  cudaStream_t stream = nullptr;
+  DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t count = static_cast<size_t>(d.rows) * d.out;
+  DeviceBuffer first(count * 4), second(count * 4);
+  skinny_gemm_reserve(stream);
+  launch_skinny_gemm(d, p.dtype, p.x.data(), p.w.data(), first.data(), true, false, stream);
+  DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  skinny_gemm_release(stream);
+  skinny_gemm_release(stream);  // none left: nothing to do
+  launch_skinny_gemm(d, p.dtype, p.x.data(), p.w.data(), second.data(), true, false, stream);
+  DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  skinny_gemm_release(stream);
+  DEFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  const std::vector<float> a = to_host<float>(first, count);
+  const std::vector<float> b = to_host<float>(second, count);
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), count * 4), 0) << "seed " << seed;
+  const Outcome o = run_checked(p, true, false, 0, {});
+  EXPECT_EQ(std::memcmp(a.data(), o.y.data(), count * 4), 0) << "seed " << seed;
+}
+
 TEST(SkinnyGemm, Supported) {
   EXPECT_FALSE(skinny_gemm_supported({.rows = 4, .in = 12, .out = 8}, nullptr, nullptr));
   EXPECT_FALSE(skinny_gemm_supported({.rows = 129, .in = 16, .out = 8}, nullptr, nullptr));
