@@ -19,13 +19,14 @@
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
-//                  [--gemm tuned|cublas|skinny|skinny_wide|skinny_head[,...]]
+//                  [--gemm default|tuned|cublas|skinny|skinny_wide|skinny_head[,...]]
 //                  [--gemm-search heuristic|wide] [--chunk-tokens B] [--case NAME]
 //                  [--method deft_flatten|sequence]
-//   --gemm: skinny_head (the runner's default: cuBLASLt algorithms tuned at load,
-//   models/gemm_tuner.h, and kernels/skinny_gemm.h for the LM head), tuned (cuBLASLt for every
-//   GEMM), cublas (cuBLAS's default algorithm), skinny (the skinny GEMM for every GEMM of a
-//   <= 64-row step), skinny_wide (only for its wide shapes, kernels::skinny_gemm_wide); a
+//   --gemm: default (the runner's: cuBLASLt algorithms tuned at load, models/gemm_tuner.h, and
+//   kernels/skinny_gemm.h for the LM head and, in steps of more than 32 rows, gate/up),
+//   skinny_head (the skinny GEMM for the LM head only), tuned (cuBLASLt for every GEMM), cublas
+//   (cuBLAS's default algorithm), skinny (the skinny GEMM for every GEMM of a <= 64-row step),
+//   skinny_wide (only for its wide shapes, kernels::skinny_gemm_wide); a
 //   comma-separated list runs every case and method once per mode in the same process (same
 //   weights), rows of modes after the first named "<method>_gemm_<mode>";
 //   --gemm-search wide: the tuner also tries every other cuBLASLt algorithm id.
@@ -309,7 +310,7 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   std::string workloads = DEFT_WORKLOADS_DIR, out;
   int fewshot_steps = 100, spec_steps = 50, chunk_tokens = 0;
-  std::string gemm_arg = "skinny_head", only_case, only_method;
+  std::string gemm_arg = "default", only_case, only_method;
   bool wide_search = false;
   int prefetch_kib = -1;  // --prefetch KIB (set_weight_prefetch); -1: the runner's default
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -347,10 +348,11 @@ int main(int argc, char** argv) {
   }
   const std::vector<std::string> gemm_modes = absl::StrSplit(gemm_arg, ',');
   for (const std::string& mode : gemm_modes) {
-    if (mode != "tuned" && mode != "cublas" && mode != "skinny" && mode != "skinny_wide" &&
-        mode != "skinny_head") {
+    if (mode != "default" && mode != "tuned" && mode != "cublas" && mode != "skinny" &&
+        mode != "skinny_wide" && mode != "skinny_head") {
       std::fprintf(stderr,
-                   "--gemm: unknown mode '%s' (tuned, cublas, skinny, skinny_wide, skinny_head)\n",
+                   "--gemm: unknown mode '%s' (default, tuned, cublas, skinny, skinny_wide, "
+                   "skinny_head)\n",
                    mode.c_str());
       return 1;
     }
@@ -401,7 +403,8 @@ int main(int argc, char** argv) {
   for (const std::string& gemm : gemm_modes) {
     (*runner)->set_gemm_tuning(gemm != "cublas");
     using SkinnyGemmUse = models::LlamaCudaRunner::SkinnyGemmUse;
-    (*runner)->set_skinny_gemm(gemm == "skinny"        ? SkinnyGemmUse::kAll
+    (*runner)->set_skinny_gemm(gemm == "default"       ? SkinnyGemmUse::kLmHeadAndWide
+                               : gemm == "skinny"      ? SkinnyGemmUse::kAll
                                : gemm == "skinny_wide" ? SkinnyGemmUse::kWide
                                : gemm == "skinny_head" ? SkinnyGemmUse::kLmHead
                                                        : SkinnyGemmUse::kOff);
@@ -515,7 +518,10 @@ int main(int argc, char** argv) {
           row.extra = {
               {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
               {"weight_prefetch_bytes", (*runner)->weight_prefetch()},
-              {"gemm", gemm == "skinny"        ? "skinny GEMM (<= 64 rows), tuned cuBLASLt "
+              {"gemm", gemm == "default"       ? "skinny GEMM for the LM head (<= 64 rows) "
+                                                     "and gate/up (33-64 rows), tuned cuBLASLt "
+                                                     "otherwise"
+                     : gemm == "skinny"        ? "skinny GEMM (<= 64 rows), tuned cuBLASLt "
                                                      "otherwise"
                      : gemm == "skinny_head" ? "skinny GEMM for the LM head (<= 64 rows), tuned "
                                                "cuBLASLt otherwise"

@@ -304,16 +304,21 @@ struct LlamaCudaRunner::State {
   // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
   // On the cuBLASLt algorithm tuned for the shape's row bucket (tune_gemms), else cuBLAS's
   // default. With skinny_gemm set, steps of up to kSkinnyGemmMaxRows rows (decode) stream the
-  // weights (all, the wide shapes', or the LM head's: the default, LlamaCudaOptions::
-  // skinny_lm_head) through kernels/skinny_gemm.h. For the layers' GEMMs it is off: on the H100
-  // the e2e step was slower with it (bench/results/skinny_gemm-h100-notes.md).
+  // weights (all, the wide shapes', the LM head's, or the LM head's and in steps of more than
+  // kSkinnyWideAboveRows rows the wide shapes': the default, LlamaCudaOptions::skinny_lm_head)
+  // through kernels/skinny_gemm.h. For the other layer GEMMs it is off: on the H100 the e2e
+  // step was slower with it (bench/results/skinny_gemm-h100-notes.md).
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
             bool y_fp32, bool accumulate, bool lm_head = false) const {
     const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
+    const bool with_head = skinny_gemm == SkinnyGemmUse::kLmHead ||
+                           skinny_gemm == SkinnyGemmUse::kLmHeadAndWide;
     const bool skinny_shape =
         skinny_gemm == SkinnyGemmUse::kAll ||
         (skinny_gemm == SkinnyGemmUse::kWide && kernels::skinny_gemm_wide(dims)) ||
-        (skinny_gemm == SkinnyGemmUse::kLmHead && lm_head);
+        (with_head && lm_head) ||
+        (skinny_gemm == SkinnyGemmUse::kLmHeadAndWide && rows > kSkinnyWideAboveRows &&
+         kernels::skinny_gemm_wide(dims));
     if (skinny_shape && rows <= kernels::kSkinnyGemmMaxRows &&
         kernels::skinny_gemm_supported(dims, x, w) && kernels::skinny_gemm_available()) {
       kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
@@ -728,7 +733,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.prefetch_bytes = options.weight_prefetch_bytes;
   s.max_graphs = options.max_cuda_graphs;
   if (options.skinny_lm_head && kernels::skinny_gemm_available()) {
-    s.skinny_gemm = SkinnyGemmUse::kLmHead;
+    s.skinny_gemm = SkinnyGemmUse::kLmHeadAndWide;
     kernels::skinny_gemm_reserve(s.stream);  // before any graph capture
   }
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
@@ -778,13 +783,15 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   spdlog::info(
       "llama_cuda: loaded {} ({}, {} layers, hidden {}, vocab {}, {}) on a GPU with {:.0f} MiB: "
       "{:.1f} MiB weights, {:.1f} MiB activations for {} rows, {:.1f} MiB KV for {} slots "
-      "({:.1f} KiB per token), attention: {}, decode LM head: {}, weight prefetch before "
-      "decode GEMMs: {:.1f} MiB",
+      "({:.1f} KiB per token), attention: {}, decode GEMMs on the skinny GEMM: {}, weight "
+      "prefetch before decode GEMMs: {:.1f} MiB",
       info_.name, info_.family, info_.num_layers, c.hidden_size, info_.vocab_size,
       kernels::dtype_name(s.dtype), total_bytes / kMiB, s.weight_bytes / kMiB,
       s.activation_bytes / kMiB, s.max_rows, s.kv_bytes / kMiB, slots, slot_bytes / 1024.0,
       s.deft_kernels ? "DeFT kernels" : "generic kernel (head_dim not built for DeFT)",
-      s.skinny_gemm == SkinnyGemmUse::kLmHead ? "skinny GEMM" : "cuBLAS",
+      s.skinny_gemm == SkinnyGemmUse::kLmHeadAndWide
+          ? absl::StrCat("LM head, and gate/up above ", kSkinnyWideAboveRows, " rows")
+          : std::string("none"),
       static_cast<double>(s.prefetch_bytes) / kMiB);
   return absl::OkStatus();
 }

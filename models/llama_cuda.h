@@ -56,8 +56,10 @@ struct LlamaCudaOptions {
   bool wide_gemm_search = false;
   // Decode steps' LM head (<= 64 logit rows) on the skinny GEMM (kernels/skinny_gemm.h) where
   // the GPU runs it (sm_90a), cuBLAS otherwise: few-shot steps 20-60 µs faster than with
-  // cuBLASLt on the H100, speculative ones 11 µs slower to 53 µs faster (bench/results/e2e_step-h100-notes.md,
-  // session 15); false: cuBLAS(Lt) for every GEMM.
+  // cuBLASLt on the H100, speculative ones 11 µs slower to 53 µs faster
+  // (bench/results/e2e_step-h100-notes.md, session 15); and gate/up too in steps of more than
+  // 32 rows (LlamaCudaRunner::SkinnyGemmUse::kLmHeadAndWide, session 20). false: cuBLAS(Lt)
+  // for every GEMM.
   bool skinny_lm_head = true;
   // Decode steps (<= kernels::kSkinnyGemmMaxRows rows): the RMSNorms and SiLU·mul before the
   // QKV, gate/up and down GEMMs, and DeFT attention's stage 2 before the O projection, pull
@@ -138,8 +140,14 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   void set_gemm_tuning(bool on);
   // Which GEMMs of decode steps (<= kernels::kSkinnyGemmMaxRows rows) run on the skinny GEMM
   // (kernels/skinny_gemm.h, sm_90a) instead of cuBLAS: none, the wide ones
-  // (kernels::skinny_gemm_wide), the LM head only, or all. Benchmarks compare.
-  enum class SkinnyGemmUse { kOff, kWide, kLmHead, kAll };
+  // (kernels::skinny_gemm_wide), the LM head only, the LM head and the wide ones in steps of
+  // more than kSkinnyWideAboveRows rows (the default, LlamaCudaOptions::skinny_lm_head), or all.
+  // Benchmarks compare.
+  enum class SkinnyGemmUse { kOff, kWide, kLmHead, kLmHeadAndWide, kAll };
+  // kLmHeadAndWide's threshold: on the H100 (session 20) gate/up on the skinny GEMM made the
+  // 64-row speculative step ~20 µs faster and the few-shot step (20 rows, run as 32) ~90 µs
+  // slower (bench/results/e2e_step-h100-notes.md).
+  static constexpr int32_t kSkinnyWideAboveRows = 32;
   void set_skinny_gemm(SkinnyGemmUse use);
   // LlamaCudaOptions::weight_prefetch_bytes for the next steps. Benchmarks compare.
   void set_weight_prefetch(int64_t bytes_per_gemm);

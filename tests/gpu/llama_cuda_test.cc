@@ -478,13 +478,63 @@ TEST(LlamaCuda, PrefillRunsMatchTaskPlans) {
 
 // ---- Random weights, memory planned from free memory ------------------------------------------
 
-TEST(LlamaCuda, RandomLlama3ShapedModelRuns) {
-  DEFT_SKIP_WITHOUT_GPU();
-  absl::StatusOr<ModelConfig> config = parse_model_config(R"({
+absl::StatusOr<ModelConfig> llama3_shaped_config() {
+  return parse_model_config(R"({
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
     "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": false})");
+}
+
+// The runner's default runs gate/up on the skinny GEMM in decode steps of more than 32 rows
+// (SkinnyGemmUse::kLmHeadAndWide): the logits of a 40-branch step are cuBLAS's (kOff) to
+// rounding, on a Llama-3-8B-shaped model (2 layers); the greedy agreement is printed (random
+// weights give near-ties).
+TEST(LlamaCuda, SkinnyGateUpMatchesCublas) {
+  DEFT_SKIP_WITHOUT_GPU();
+  absl::StatusOr<ModelConfig> config = llama3_shaped_config();
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> runner =
+      LlamaCudaRunner::create_random(*config, {.kv_memory_fraction = 0.5, .max_batch_rows = 256});
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  std::vector<TokenId> prompt(100);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>((i * 7919) % 128000);
+  std::vector<TokenId> firsts(40);
+  for (size_t i = 0; i < firsts.size(); ++i) firsts[i] = static_cast<TokenId>(1000 + 37 * i);
+  using SkinnyGemmUse = LlamaCudaRunner::SkinnyGemmUse;
+  std::vector<std::vector<std::vector<float>>> logits[2];
+  const SkinnyGemmUse modes[2] = {SkinnyGemmUse::kOff, SkinnyGemmUse::kLmHeadAndWide};
+  for (int m = 0; m < 2; ++m) {
+    (*runner)->set_skinny_gemm(modes[m]);
+    engine::KvCacheManager kv({.page_tokens = 16, .num_pages = 64});
+    decode_tree(**runner, kv, 1, prompt, firsts, 1, &logits[m]);
+  }
+  double diff = 0.0, norm = 0.0;
+  for (size_t b = 0; b < firsts.size(); ++b) {
+    for (size_t s = 0; s < logits[0][b].size(); ++s) {
+      for (size_t v = 0; v < logits[0][b][s].size(); ++v) {
+        const double d = double{logits[1][b][s][v]} - logits[0][b][s][v];
+        diff += d * d;
+        norm += double{logits[0][b][s][v]} * logits[0][b][s][v];
+      }
+    }
+  }
+  const double relative = std::sqrt(diff / norm);
+  EXPECT_LT(relative, 1e-2);
+  int same = 0, total = 0;
+  for (size_t b = 0; b < firsts.size(); ++b) {
+    const TokenId a = argmax(logits[0][b][0]), c = argmax(logits[1][b][0]);
+    same += a == c;
+    ++total;
+  }
+  std::printf(
+      "[cuda random] skinny gate/up vs cuBLAS, 40 rows: logits rel err %.2e, tokens %d / %d\n",
+      relative, same, total);
+}
+
+TEST(LlamaCuda, RandomLlama3ShapedModelRuns) {
+  DEFT_SKIP_WITHOUT_GPU();
+  absl::StatusOr<ModelConfig> config = llama3_shaped_config();
   ASSERT_TRUE(config.ok()) << config.status();
   absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> runner =
       LlamaCudaRunner::create_random(*config, {.kv_memory_fraction = 0.5, .max_batch_rows = 1024});
