@@ -843,7 +843,7 @@ __global__ void __launch_bounds__(kStage2Threads)
   allow_dependent_launch();
   if (prefetch.base != nullptr && static_cast<int32_t>(blockIdx.x) >= prefetch.first_block) {
     // The O projection's weights, once stage 1 is done: during stage 1 the prefetch slowed its
-    // KV reads more than it sped up the GEMM (H100, 2026-11-24).
+    // KV reads more than it sped up the GEMM (H100, 2026-11-24, session 18).
     wait_for_prerequisite_grid();
     prefetch_weight_lines(prefetch,
                           int64_t{blockIdx.x - prefetch.first_block} * gridDim.y + blockIdx.y,
