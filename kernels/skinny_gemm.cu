@@ -83,6 +83,10 @@ struct Params {
   int64_t items;     // tiles * k_blocks
   int32_t cluster;   // > 1: the grid is tiles x cluster, a tile's CTAs one cluster (see top)
   bool y_fp32, accumulate;
+  // > 0 (SwiGLU, launch_skinny_gemm_swiglu): w is [2 * swiglu_width][in], gate rows then up
+  // rows; tile t holds gate rows [64 t, 64 t + 64) and the same up rows, and y[rows][swiglu_width]
+  // gets silu(gate) * up (out == swiglu_width).
+  int32_t swiglu_width;
 };
 
 // First item of CTA c's range.
@@ -184,10 +188,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const auto issue_w = [&](int i) {
         const int64_t item = begin + i;
         const int s = i % L::kStages;
+        const int k = static_cast<int>(item % p.k_blocks) * kBlockK;
+        const int tile = static_cast<int>(item / p.k_blocks);
         detail::mbarrier_arrive_expect_bytes(&full[s], L::kStageBytes);
-        detail::bulk_copy_tile_2d(
-            smem + s * L::kStageBytes, &w_map, static_cast<int>(item % p.k_blocks) * kBlockK,
-            static_cast<int>(item / p.k_blocks) * kTileRows, &full[s], stream_policy);
+        if (p.swiglu_width > 0) {
+          // Two boxes of 64 rows (w_map's box): the tile's gate rows, then its up rows.
+          detail::bulk_copy_tile_2d(smem + s * L::kStageBytes, &w_map, k, tile * kMmaRows,
+                                    &full[s], stream_policy);
+          detail::bulk_copy_tile_2d(smem + s * L::kStageBytes + kMmaRows * detail::kSwizzleRowBytes,
+                                    &w_map, k, p.swiglu_width + tile * kMmaRows, &full[s],
+                                    stream_policy);
+        } else {
+          detail::bulk_copy_tile_2d(smem + s * L::kStageBytes, &w_map, k, tile * kTileRows,
+                                    &full[s], stream_policy);
+        }
       };
       const auto issue_x = [&](int i) {
         const int s = i % L::kStages;
@@ -318,15 +332,31 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           for (int c = cta + 1; c <= last; ++c) p.flags[c] = 0;  // for the next launch
         }
       }
-#pragma unroll
-      for (int mb = 0; mb < kTileRows / kMmaRows; ++mb) {
+      if (p.swiglu_width > 0) {
+        // The gate (wgmma 0) and up (wgmma 1) values of one output sit in the same registers.
 #pragma unroll
         for (int c8 = 0; c8 < kN / 8; ++c8) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int m = c8 * 8 + 2 * t4 + (e & 1);
-            const int n = tile_row0 + mb * kMmaRows + warp * 16 + g + 8 * (e >> 1);
-            if (m < p.rows && n < p.out) write_y<T>(p, int64_t{m} * p.out + n, d[mb][c8][e]);
+            const int n = tile_index * kMmaRows + warp * 16 + g + 8 * (e >> 1);
+            const float gate = d[0][c8][e];
+            if (m < p.rows && n < p.out) {
+              write_y<T>(p, int64_t{m} * p.out + n, gate / (1.0f + __expf(-gate)) * d[1][c8][e]);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int mb = 0; mb < kTileRows / kMmaRows; ++mb) {
+#pragma unroll
+          for (int c8 = 0; c8 < kN / 8; ++c8) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int m = c8 * 8 + 2 * t4 + (e & 1);
+              const int n = tile_row0 + mb * kMmaRows + warp * 16 + g + 8 * (e >> 1);
+              if (m < p.rows && n < p.out) write_y<T>(p, int64_t{m} * p.out + n, d[mb][c8][e]);
+            }
           }
         }
       }
@@ -433,7 +463,9 @@ void launch_pass(const Params& p, const void* x, const void* w, DType dtype, int
                  cudaStream_t stream) {
   // p.cluster > 1: the tile's CTAs form one cluster.
   prepare<T, kN>();
-  const CUtensorMap w_map = swizzled_tile_map(w, p.out, p.in, dtype, kTileRows);
+  const CUtensorMap w_map =
+      p.swiglu_width > 0 ? swizzled_tile_map(w, int64_t{2} * p.swiglu_width, p.in, dtype, kMmaRows)
+                         : swizzled_tile_map(w, p.out, p.in, dtype, kTileRows);
   const CUtensorMap x_map = swizzled_tile_map(x, p.rows, p.in, dtype, kN);
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -511,6 +543,41 @@ int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k) {
   return grid_for(tiles_of(dims), k_blocks_of(dims), split_k).ctas;
 }
 
+namespace {
+
+// Both launchers: passes of up to kSkinnyGemmMaxRows rows over `tiles` tiles of w.
+void launch_passes(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w, void* y,
+                   bool y_fp32, bool accumulate, cudaStream_t stream, int tiles, const Grid& grid,
+                   int32_t swiglu_width) {
+  const Workspace work = workspace(stream);
+  const int k_blocks = k_blocks_of(dims);
+  const int32_t out = swiglu_width > 0 ? swiglu_width : dims.out;
+  const size_t y_bytes = y_fp32 ? 4 : 2;
+  for (int32_t begin = 0; begin < dims.rows; begin += kSkinnyGemmMaxRows) {
+    Params p{};
+    const void* x_pass = static_cast<const char*>(x) + static_cast<size_t>(begin) * dims.in * 2;
+    p.y = static_cast<char*>(y) + static_cast<size_t>(begin) * out * y_bytes;
+    p.workspace = work.pieces;
+    p.flags = work.flags;
+    p.rows = std::min(kSkinnyGemmMaxRows, dims.rows - begin);
+    p.in = dims.in;
+    p.out = out;
+    p.k_blocks = k_blocks;
+    p.items = int64_t{tiles} * k_blocks;
+    p.cluster = grid.cluster;
+    p.y_fp32 = y_fp32;
+    p.accumulate = accumulate;
+    p.swiglu_width = swiglu_width;
+    if (dtype == DType::kBf16) {
+      launch_rows<__nv_bfloat16>(p, x_pass, w, dtype, grid.ctas, stream);
+    } else {
+      launch_rows<__half>(p, x_pass, w, dtype, grid.ctas, stream);
+    }
+  }
+}
+
+}  // namespace
+
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
                         void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
                         int32_t split_k) {
@@ -521,30 +588,29 @@ void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, 
                  dims.rows, dims.in, dims.out);
     std::abort();
   }
-  const Workspace work = workspace(stream);
-  const int tiles = tiles_of(dims), k_blocks = k_blocks_of(dims);
-  const Grid grid = grid_for(tiles, k_blocks, split_k);
-  const size_t y_bytes = y_fp32 ? 4 : 2;
-  for (int32_t begin = 0; begin < dims.rows; begin += kSkinnyGemmMaxRows) {
-    Params p{};
-    const void* x_pass = static_cast<const char*>(x) + static_cast<size_t>(begin) * dims.in * 2;
-    p.y = static_cast<char*>(y) + static_cast<size_t>(begin) * dims.out * y_bytes;
-    p.workspace = work.pieces;
-    p.flags = work.flags;
-    p.rows = std::min(kSkinnyGemmMaxRows, dims.rows - begin);
-    p.in = dims.in;
-    p.out = dims.out;
-    p.k_blocks = k_blocks;
-    p.items = int64_t{tiles} * k_blocks;
-    p.cluster = grid.cluster;
-    p.y_fp32 = y_fp32;
-    p.accumulate = accumulate;
-    if (dtype == DType::kBf16) {
-      launch_rows<__nv_bfloat16>(p, x_pass, w, dtype, grid.ctas, stream);
-    } else {
-      launch_rows<__half>(p, x_pass, w, dtype, grid.ctas, stream);
-    }
+  const int tiles = tiles_of(dims);
+  launch_passes(dims, dtype, x, w, y, y_fp32, accumulate, stream, tiles,
+                grid_for(tiles, k_blocks_of(dims), split_k), /*swiglu_width=*/0);
+}
+
+void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype,
+                               const void* x, const void* w, void* out, cudaStream_t stream) {
+  const SkinnyGemmDims dims{.rows = rows, .in = in, .out = 2 * width};
+  if (width <= 0 || !skinny_gemm_supported(dims, x, w) || !skinny_gemm_available()) {
+    std::fprintf(stderr,
+                 "launch_skinny_gemm_swiglu: unsupported product rows %d in %d width %d (or no "
+                 "sm_90a device)\n",
+                 rows, in, width);
+    std::abort();
   }
+  // Tiles of 64 gate and 64 up rows; every tile's sum complete in one CTA (no K split over a
+  // cluster: the pair of an output would sit in different CTAs' shares).
+  const int tiles = (width + kMmaRows - 1) / kMmaRows;
+  const int k_blocks = k_blocks_of(dims);
+  Grid grid = grid_for(tiles, k_blocks, 0);
+  if (grid.cluster > 1) grid = grid_for(tiles, k_blocks, 1);
+  launch_passes(dims, dtype, x, w, out, /*y_fp32=*/false, /*accumulate=*/false, stream, tiles,
+                grid, width);
 }
 
 }  // namespace deft::kernels

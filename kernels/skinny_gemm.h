@@ -40,6 +40,14 @@ void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, 
                         void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
                         int32_t split_k = 0);
 
+// SwiGLU fused into the product (a Llama MLP's gate/up and SiLU·mul in one launch):
+// out[rows][width] = silu(g) * u, where g and u are x · w^T's columns [0, width) and
+// [width, 2 * width) in fp32, rounded once to `dtype` (the unfused path rounds g and u first).
+// w: [2 * width][in] dtype, gate rows then up rows. Same support as launch_skinny_gemm for
+// {rows, in, 2 * width}; each 64-row tile of gate rows is read with the same 64 up rows.
+void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype,
+                               const void* x, const void* w, void* out, cudaStream_t stream);
+
 // Whether w has enough 128-row tiles for one per SM, so that the grid gives each CTA whole
 // tiles and no partial sums travel between CTAs (on the H100: the Llama-3-8B gate/up and LM head
 // shapes, where the kernel beats cuBLAS; bench/results/skinny_gemm-h100-notes.md).

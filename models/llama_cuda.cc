@@ -308,19 +308,23 @@ struct LlamaCudaRunner::State {
   // kSkinnyWideAboveRows rows the wide shapes': the default, LlamaCudaOptions::skinny_lm_head)
   // through kernels/skinny_gemm.h. For the other layer GEMMs it is off: on the H100 the e2e
   // step was slower with it (bench/results/skinny_gemm-h100-notes.md).
-  void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
-            bool y_fp32, bool accumulate, bool lm_head = false) const {
-    const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
+  bool on_skinny(const kernels::SkinnyGemmDims& dims, const void* x, const void* w,
+                 bool lm_head) const {
     const bool with_head = skinny_gemm == SkinnyGemmUse::kLmHead ||
                            skinny_gemm == SkinnyGemmUse::kLmHeadAndWide;
     const bool skinny_shape =
         skinny_gemm == SkinnyGemmUse::kAll ||
         (skinny_gemm == SkinnyGemmUse::kWide && kernels::skinny_gemm_wide(dims)) ||
         (with_head && lm_head) ||
-        (skinny_gemm == SkinnyGemmUse::kLmHeadAndWide && rows > kSkinnyWideAboveRows &&
+        (skinny_gemm == SkinnyGemmUse::kLmHeadAndWide && dims.rows > kSkinnyWideAboveRows &&
          kernels::skinny_gemm_wide(dims));
-    if (skinny_shape && rows <= kernels::kSkinnyGemmMaxRows &&
-        kernels::skinny_gemm_supported(dims, x, w) && kernels::skinny_gemm_available()) {
+    return skinny_shape && dims.rows <= kernels::kSkinnyGemmMaxRows &&
+           kernels::skinny_gemm_supported(dims, x, w) && kernels::skinny_gemm_available();
+  }
+  void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
+            bool y_fp32, bool accumulate, bool lm_head = false) const {
+    const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
+    if (on_skinny(dims, x, w, lm_head)) {
       kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
       return;
     }
@@ -488,12 +492,20 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                              layer.post_norm.as<float>(), normed.data(), stream,
                              prefetch(layer.gate_up, 2 * int64_t{intermediate}, hidden));
     mark(kOther);
-    gemm(normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, gate_up.data(),
-         false, false);
-    mark(kGemm);
-    kernels::launch_silu_mul(rows, intermediate, dtype, gate_up.data(), act.data(), stream,
-                             prefetch(layer.down, hidden, intermediate));
-    mark(kOther);
+    if (on_skinny({.rows = rows, .in = hidden, .out = 2 * intermediate}, normed.data(),
+                  layer.gate_up.data(), false)) {
+      // gate/up on the skinny GEMM: SiLU·mul in its epilogue, no gate/up round trip.
+      kernels::launch_skinny_gemm_swiglu(rows, hidden, intermediate, dtype, normed.data(),
+                                         layer.gate_up.data(), act.data(), stream);
+      mark(kGemm);
+    } else {
+      gemm(normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, gate_up.data(),
+           false, false);
+      mark(kGemm);
+      kernels::launch_silu_mul(rows, intermediate, dtype, gate_up.data(), act.data(), stream,
+                               prefetch(layer.down, hidden, intermediate));
+      mark(kOther);
+    }
     gemm(act.data(), layer.down.data(), rows, intermediate, hidden, x, true, true);
     mark(kGemm);
   }

@@ -267,6 +267,62 @@ INSTANTIATE_TEST_SUITE_P(DTypes, SkinnyGemmOddTest, testing::Values(DType::kBf16
                            return std::string(dtype_name(info.param));
                          });
 
+// SwiGLU fused into the product (launch_skinny_gemm_swiglu) against float64 on sampled output
+// columns: silu(g) * u of the gate and up rows of each column, rounded once. The Llama-3-8B
+// gate/up shape at 20, 40 and 64 rows, a width that ends inside a tile with few tiles (one CTA
+// a tile instead of a K split), and 100 rows (two passes); outputs poisoned first.
+TEST_P(SkinnyGemmOddTest, SwiGlu) {
+  DEFT_SKIP_WITHOUT_GPU();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const DType dtype = GetParam();
+  struct Case {
+    int32_t rows, in, width;
+  };
+  for (const Case& c : {Case{20, 4096, 14336}, Case{40, 4096, 14336}, Case{64, 4096, 14336},
+                        Case{3, 136, 200}, Case{100, 264, 1000}}) {
+    const Problem p =
+        make_problem({.rows = c.rows, .in = c.in, .out = 2 * c.width}, dtype, rng, 0);
+    const size_t count = static_cast<size_t>(c.rows) * c.width;
+    DeviceBuffer out(count * 2);
+    const std::vector<uint16_t> poison(count, nan_bits(dtype));
+    DEFT_CUDA_CHECK(cudaMemcpy(out.data(), poison.data(), count * 2, cudaMemcpyHostToDevice));
+    launch_skinny_gemm_swiglu(c.rows, c.in, c.width, dtype, p.x.data(), p.w.data(), out.data(),
+                              nullptr);
+    DEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> got = read_y(out, count, false, dtype);
+    int64_t unwritten = 0;
+    for (float v : got) unwritten += std::isnan(v) ? 1 : 0;
+    // Sampled columns: the first and last of the first tiles and of the row, then random ones.
+    std::vector<int32_t> columns = {0, 1, 63, 64, c.width - 1};
+    while (columns.size() < 48) columns.push_back(static_cast<int32_t>(rng() % c.width));
+    std::vector<float> ours;
+    std::vector<double> ref;
+    std::vector<uint16_t> gate_bits(c.in), up_bits(c.in);
+    for (int32_t n : columns) {
+      DEFT_CUDA_CHECK(cudaMemcpy(gate_bits.data(), p.w.as<uint16_t>() + size_t{1} * n * c.in,
+                                 c.in * 2, cudaMemcpyDeviceToHost));
+      DEFT_CUDA_CHECK(cudaMemcpy(up_bits.data(),
+                                 p.w.as<uint16_t>() + (size_t{1} * c.width + n) * c.in, c.in * 2,
+                                 cudaMemcpyDeviceToHost));
+      for (int32_t m = 0; m < c.rows; ++m) {
+        double g = 0.0, u = 0.0;
+        for (int32_t k = 0; k < c.in; ++k) {
+          const double xv = p.x_values[size_t{1} * m * c.in + k];
+          g += xv * from_bits(gate_bits[k], dtype);
+          u += xv * from_bits(up_bits[k], dtype);
+        }
+        ref.push_back(g / (1.0 + std::exp(-g)) * u);
+        ours.push_back(got[size_t{1} * m * c.width + n]);
+      }
+    }
+    const std::string what = "rows " + std::to_string(c.rows) + " in " + std::to_string(c.in) +
+                             " width " + std::to_string(c.width) + " seed " + std::to_string(seed);
+    EXPECT_EQ(unwritten, 0) << what;
+    EXPECT_LT(compare(ours, ref).relative_error, tolerance(dtype)) << what;
+  }
+}
+
 // A stream's workspace is freed with skinny_gemm_release and made again by the next launch on
 // that stream (a runner releases its stream's before destroying it): results stay right.
 TEST(SkinnyGemm, WorkspaceReleasedAndMadeAgain) {
