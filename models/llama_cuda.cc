@@ -37,6 +37,13 @@ constexpr double kMiB = 1048576.0;
 // Logit rows per LM-head GEMM: bounds the fp32 logits buffer (rows x vocab) whatever the step.
 constexpr int32_t kLogitRowsPerChunk = 256;
 
+// Where a step's sampling params start in State::step_inputs: after its four int32 arrays
+// (launch_rows x 3 + launch_logit_rows), 16-byte aligned.
+size_t step_params_offset(int32_t launch_rows, int32_t launch_logit_rows) {
+  const size_t ints = sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows);
+  return (ints + 15) / 16 * 16;
+}
+
 // ---- CUDA graphs ---------------------------------------------------------------------------
 // A decode step is ~130 launches of mostly small kernels (32 layers x RMSNorm, QKV GEMM,
 // bias + RoPE + KV write, attention stage 1/2, O GEMM, RMSNorm, gate/up GEMM, SiLU·mul, down
@@ -146,12 +153,14 @@ struct LlamaCudaRunner::State {
   DeviceBuffer gate_up;    // [rows][2 intermediate]
   DeviceBuffer act;        // [rows][intermediate]
   DeviceBuffer logits;     // fp32 [kLogitRowsPerChunk][vocab]
-  DeviceBuffer step_ints;  // tokens | positions | slots | logit rows
-  PinnedHostBuffer step_ints_host;
+  // A step's inputs, one copy: tokens | positions | slots | logit rows (int32, each of the
+  // launch's padded size), then from step_params_offset() the logit rows' sampling params.
+  DeviceBuffer step_inputs;
+  PinnedHostBuffer step_inputs_host;
   // forward_sampled: per logit row params in, SampledRow (+ top lists) out; the weights
   // workspace is allocated on the first step that samples (kLogitRowsPerChunk rows).
-  DeviceBuffer sampling_params, sampled, sampled_top, sampling_workspace;
-  PinnedHostBuffer sampling_params_host, sampled_host, sampled_top_host;
+  DeviceBuffer sampled, sampled_top, sampling_workspace;
+  PinnedHostBuffer sampled_host, sampled_top_host;
   kernels::DevicePlan plan;
   kernels::DeftAttentionBuffers partials;
   kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes
@@ -225,6 +234,7 @@ struct LlamaCudaRunner::State {
   struct StepLaunch {
     int32_t rows = 0;        // launch sizes (a graph bucket's, or the step's own)
     int32_t logit_rows = 0;
+    const kernels::RowSamplingParams* sampling_params = nullptr;  // device, in step_inputs
     const kernels::DevicePlan* plan = nullptr;
     kernels::DeftStage2 stage2 = kernels::DeftStage2::kIfMerging;
     bool sample = false;
@@ -430,7 +440,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
   const int32_t intermediate = c.intermediate_size;
   const int32_t vocab = c.vocab_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const int32_t* d_tokens = step_ints.as<int32_t>();
+  const int32_t* d_tokens = step_inputs.as<int32_t>();
   const int32_t* d_positions = d_tokens + rows;
   const int32_t* d_slots = d_tokens + 2 * rows;
   const int32_t* d_logit_rows = d_tokens + 3 * rows;
@@ -529,7 +539,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
     if (launch.sample) {
       kernels::launch_sample_rows(
           {.num_rows = count, .vocab_size = vocab, .row_stride = vocab}, logits.as<float>(),
-          sampling_params.as<kernels::RowSamplingParams>() + begin,
+          launch.sampling_params + begin,
           sampling_workspace.as<float>(), sampled.as<kernels::SampledRow>() + begin,
           sampled_top.as<kernels::SampledTop>() +
               static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
@@ -723,10 +733,11 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.gate_up.reset(rows * 2 * c.intermediate_size * e);
   s.act.reset(rows * c.intermediate_size * e);
   s.logits.reset(static_cast<size_t>(kLogitRowsPerChunk) * c.vocab_size * sizeof(float));
-  s.step_ints.reset(rows * 4 * sizeof(int32_t));
-  s.step_ints_host.reset(rows * 4 * sizeof(int32_t));
-  s.sampling_params.reset(rows * sizeof(kernels::RowSamplingParams));
-  s.sampling_params_host.reset(rows * sizeof(kernels::RowSamplingParams));
+  const size_t step_input_bytes = step_params_offset(static_cast<int32_t>(rows),
+                                                    static_cast<int32_t>(rows)) +
+                                 rows * sizeof(kernels::RowSamplingParams);
+  s.step_inputs.reset(step_input_bytes);
+  s.step_inputs_host.reset(step_input_bytes);
   s.sampled.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_host.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_top.reset(rows * kernels::kSamplingMaxTopLogprobs * sizeof(kernels::SampledTop));
@@ -750,7 +761,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   }
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
                        s.attn.bytes() + s.gate_up.bytes() + s.act.bytes() + s.logits.bytes() +
-                       s.step_ints.bytes() + s.sampling_params.bytes() + s.sampled.bytes() +
+                       s.step_inputs.bytes() + s.sampled.bytes() +
                        s.sampled_top.bytes() + s.cublas_workspace.bytes() +
                        (s.deft_kernels ? 2 * rows * (c.q_size() + c.num_attention_heads) * 4 : 0);
 
@@ -927,12 +938,17 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                                                    " floats, expected ", logit_rows, " rows x ",
                                                    vocab));
   }
-  // The kernels trust the plan; a slot outside the pool would read out of bounds.
+  // The kernels trust the plan; a slot outside the pool would read out of bounds. (A min / max
+  // pass the compiler vectorises: a speculative step reads ~6000 slots.)
+  int32_t min_slot = 0, max_slot = 0;
   for (int32_t slot : plan.kv_slots) {
-    if (slot < 0 || slot >= info_.num_kv_slots) {
-      return absl::InvalidArgumentError(absl::StrCat("llama_cuda: the plan reads KV slot ", slot,
-                                                     ", outside [0, ", info_.num_kv_slots, ")"));
-    }
+    min_slot = std::min(min_slot, slot);
+    max_slot = std::max(max_slot, slot);
+  }
+  if (min_slot < 0 || max_slot >= info_.num_kv_slots) {
+    const int32_t slot = min_slot < 0 ? min_slot : max_slot;
+    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: the plan reads KV slot ", slot,
+                                                   ", outside [0, ", info_.num_kv_slots, ")"));
   }
   for (const kernels::PrefillRun& run : plan.prefill_runs) {
     if (run.num_rows <= 0 || run.row_begin < 0 || run.row_begin + run.num_rows > rows ||
@@ -971,9 +987,11 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     launch_rows = key.rows;
     launch_logit_rows = key.logit_rows;
   }
+  const size_t params_offset = step_params_offset(launch_rows, launch_logit_rows);
   if (sample) {
     bool any_draw = false;
-    auto* params = s.sampling_params_host.as<kernels::RowSamplingParams>();
+    auto* params = reinterpret_cast<kernels::RowSamplingParams*>(
+        s.step_inputs_host.as<unsigned char>() + params_offset);
     for (int32_t i = 0; i < logit_rows; ++i) {
       const engine::SamplingParams& p = *sampling[i].params;
       params[i] = {.temperature = p.temperature,
@@ -997,11 +1015,10 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     }
   }
 
-  // Step inputs: one pinned staging buffer, one copy. The previous step synchronised at its
-  // end, so the staging buffer is free. Layout: tokens | positions | slots | logit rows, each
-  // of the launch's (padded) size.
+  // Step inputs: one pinned staging buffer, one copy (with the sampling params). The previous
+  // step synchronised at its end, so the staging buffer is free. Layout: State::step_inputs.
   s.mark_start();
-  int32_t* host = s.step_ints_host.as<int32_t>();
+  int32_t* host = s.step_inputs_host.as<int32_t>();
   std::copy(batch.tokens.begin(), batch.tokens.end(), host);
   std::fill(host + rows, host + launch_rows, 0);
   std::copy(plan.query_position.begin(), plan.query_position.end(), host + launch_rows);
@@ -1010,17 +1027,15 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   std::fill(host + 2 * launch_rows + rows, host + 3 * launch_rows, s.sink_slot);
   std::copy(batch.logit_rows.begin(), batch.logit_rows.end(), host + 3 * launch_rows);
   std::fill(host + 3 * launch_rows + logit_rows, host + 3 * launch_rows + launch_logit_rows, 0);
-  DEFT_CUDA_CHECK(cudaMemcpyAsync(
-      s.step_ints.data(), host,
-      sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows),
-      cudaMemcpyHostToDevice, s.stream));
-  if (sample && launch_logit_rows > 0) {
-    DEFT_CUDA_CHECK(cudaMemcpyAsync(s.sampling_params.data(), s.sampling_params_host.data(),
-                                    sizeof(kernels::RowSamplingParams) * launch_logit_rows,
-                                    cudaMemcpyHostToDevice, s.stream));
-  }
+  const size_t input_bytes =
+      sample ? params_offset + sizeof(kernels::RowSamplingParams) * launch_logit_rows
+             : sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows);
+  DEFT_CUDA_CHECK(cudaMemcpyAsync(s.step_inputs.data(), host, input_bytes,
+                                  cudaMemcpyHostToDevice, s.stream));
   State::StepLaunch launch{.rows = launch_rows,
                            .logit_rows = launch_logit_rows,
+                           .sampling_params = reinterpret_cast<const kernels::RowSamplingParams*>(
+                               s.step_inputs.as<unsigned char>() + params_offset),
                            .plan = &s.plan,
                            .stage2 = kernels::DeftStage2::kIfMerging,
                            .sample = sample};
