@@ -1235,8 +1235,12 @@ TEST_F(TreeRpcTest, SixteenConcurrentMixedJobsEqualEachAlone) {
     SCOPED_TRACE(j);
     EXPECT_EQ(alone[j].ids, together[j].ids);
     ASSERT_EQ(alone[j].scores.size(), together[j].scores.size());
+    // Relative, as for the scored leaves above: on the CUDA backend (bf16) a batch of other
+    // rows runs other GEMM algorithms (tuned per row bucket), which moved a -11.54 score by
+    // 1.06e-3 on the H100 (2026-11-24).
     for (size_t i = 0; i < alone[j].scores.size(); ++i) {
-      EXPECT_NEAR(alone[j].scores[i], together[j].scores[i], 1e-3);
+      EXPECT_NEAR(alone[j].scores[i], together[j].scores[i],
+                  1e-3 * std::max(1.0, std::abs(alone[j].scores[i])));
     }
   }
 }
