@@ -25,6 +25,9 @@
 //   theirs, so they cannot cycle.
 // Sums are in a fixed order, so results are deterministic. Outputs are written from registers;
 // fp32 accumulation into y is one reduction per element (y has one writer), with no round trip.
+// SwiGLU (Params::swiglu_width): a tile is 64 gate rows and the same 64 up rows of w (two 64-row
+// boxes a stage), so each output's gate and up sums land in the same accumulator slots of the
+// tile's two wgmmas and the epilogue writes silu(gate) * up; never split over a cluster.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
