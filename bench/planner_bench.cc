@@ -3,12 +3,16 @@
 // Medusa tree) and the largest step of each reasoning workload. Target: < 50 us per step.
 // Also the tree bookkeeping of a speculative-decoding step (method "bookkeeping": hang the
 // 64-token Medusa tree under a 6000-token prefix, then commit the trace's accepted tokens and
-// prune the rest; 20000 steps in a row, as a long session runs them).
+// prune the rest; 20000 steps in a row, as a long session runs them), cold, and with the step's
+// planning ("step_cold").
 // Writes bench/results/planner-cpu-<date>.json.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <iterator>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "bench/bench_result.h"
 #include "engine/attention_planner.h"
@@ -142,24 +146,44 @@ int main(int argc, char** argv) {
   // Tree bookkeeping of speculative steps, one after another on one tree: back to back (warm
   // caches), and with the caches swept before each step ("cold": in a decode loop the host
   // waits ~7 ms for the GPU between two steps' bookkeeping, and the device's host measured it
-  // 3-7x slower than the back-to-back figure).
-  std::vector<double> bookkeeping_us, bookkeeping_cold_us;
+  // 3-7x slower than the back-to-back figure). "step_cold" also plans each step (DeFT-Flatten,
+  // adaptive B, the H100's stage-1 wave for Llama-3-8B: 396 CTAs, 8 KV heads, group 4): the host
+  // work of e2e_step_bench's speculative step before the GPU's.
+  struct SpecVariant {
+    const char* method;
+    bool cold, plan;
+    int iterations;
+    const char* what;
+  };
+  static const SpecVariant kSpecVariants[] = {
+      {"bookkeeping", false, false, 20000,
+       "SpecDecReplay::build_token_tree + commit per step, 20000 steps on one tree"},
+      {"bookkeeping_cold", true, false, 1000,
+       "SpecDecReplay::build_token_tree + commit per step, 1000 steps on one tree, 64 MiB swept "
+       "(untimed) before each"},
+      {"step_cold", true, true, 1000,
+       "build_token_tree + DeFT-Flatten plan (adaptive B, wave 396 / 8 / 4) + commit per step, "
+       "1000 steps on one tree, 64 MiB swept (untimed) before each"}};
+  std::vector<std::vector<double>> spec_samples(std::size(kSpecVariants));
   if (auto trace = engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
       trace.ok()) {
-    for (const bool cold : {false, true}) {
-      std::vector<double>& samples = cold ? bookkeeping_cold_us : bookkeeping_us;
+    for (size_t v = 0; v < std::size(kSpecVariants); ++v) {
+      const SpecVariant variant = kSpecVariants[v];
+      std::vector<double>& samples = spec_samples[v];
       benchmark::RegisterBenchmark(
-          cold ? "specdec_p6000_t64/bookkeeping_cold" : "specdec_p6000_t64/bookkeeping",
-          [trace = *trace, cold, &samples](benchmark::State& state) {
+          (std::string("specdec_p6000_t64/") + variant.method).c_str(),
+          [trace = *trace, variant, &samples](benchmark::State& state) {
             KvCacheManager kv({.num_pages = 1 << 16});
             SequenceTree tree(0, &kv);
             engine::SpecDecReplay replay(trace, tree, 6000);
             const std::vector<int32_t>& accept = trace.accept_lengths.at(0);
             std::vector<QueryToken> queries;
-            std::vector<char> sweep(cold ? size_t{64} << 20 : 0);
+            AttentionPlanner planner({.wave = {.ctas = 396, .kv_heads = 8, .group_size = 4}});
+            AttentionPlan plan;
+            std::vector<char> sweep(variant.cold ? size_t{64} << 20 : 0);
             size_t step = 0;
             for (auto _ : state) {
-              if (cold) {
+              if (variant.cold) {
                 state.PauseTiming();
                 for (size_t i = 0; i < sweep.size(); i += 64) sweep[i] = static_cast<char>(i + step);
                 benchmark::ClobberMemory();
@@ -167,6 +191,11 @@ int main(int argc, char** argv) {
               }
               const auto start = std::chrono::steady_clock::now();
               replay.build_token_tree(queries);
+              if (variant.plan) {
+                const std::vector<TreeQueries> input = {{&tree, queries}};
+                if (!planner.plan(input, plan).ok()) state.SkipWithError("planning failed");
+                benchmark::DoNotOptimize(plan.kv_slots.data());
+              }
               replay.commit(std::max(1, accept[step++ % accept.size()]));
               const auto stop = std::chrono::steady_clock::now();
               if (!replay.status().ok()) state.SkipWithError(replay.status().ToString().c_str());
@@ -174,14 +203,15 @@ int main(int argc, char** argv) {
             }
           })
           ->Unit(benchmark::kMicrosecond)
-          ->Iterations(cold ? 1000 : 20000);
+          ->Iterations(variant.iterations);
     }
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   // Nothing timed (--benchmark_list_tests, a filter that matches nothing): leave the committed
   // results file alone.
-  const bool any_samples = !bookkeeping_us.empty() || !bookkeeping_cold_us.empty() ||
+  const bool any_samples = std::any_of(spec_samples.begin(), spec_samples.end(),
+                                       [](const auto& samples) { return !samples.empty(); }) ||
                            std::any_of(jobs.begin(), jobs.end(), [](const auto& job) {
                              return !job->samples_us.empty();
                            });
@@ -211,22 +241,18 @@ int main(int argc, char** argv) {
                  {"target_us", 50}};
     result.add(row);
   }
-  for (const bool cold : {false, true}) {
-    const std::vector<double>& samples = cold ? bookkeeping_cold_us : bookkeeping_us;
+  for (size_t v = 0; v < std::size(kSpecVariants); ++v) {
+    const std::vector<double>& samples = spec_samples[v];
     if (samples.empty()) continue;
     Samples stats = summarize(samples);
     ResultRow row;
     row.case_name = "specdec_p6000_t64";
-    row.method = cold ? "bookkeeping_cold" : "bookkeeping";
+    row.method = kSpecVariants[v].method;
     row.median_us = stats.median;
     row.p10_us = stats.p10;
     row.p90_us = stats.p90;
     row.repetitions = static_cast<int64_t>(samples.size());
-    row.extra = {{"what", cold ? "SpecDecReplay::build_token_tree + commit per step, 1000 steps "
-                                 "on one tree, 64 MiB swept (untimed) before each"
-                               : "SpecDecReplay::build_token_tree + commit per step, 20000 "
-                                 "steps on one tree"},
-                 {"tree_tokens", 64}};
+    row.extra = {{"what", kSpecVariants[v].what}, {"tree_tokens", 64}};
     result.add(row);
   }
   std::printf("wrote %s\n", result.write().c_str());
