@@ -271,7 +271,9 @@ class PlanBuilder {
                              int32_t row_base) {
     // Depth-first ranks of the live nodes (every live node hangs below the root), and each
     // rank's parent rank.
-    rank_.clear();
+    // Range erase keeps the table's storage; clear() frees it above 127 slots, so a tree of more
+    // live nodes (a 256-token speculative tree) would rehash and allocate every plan.
+    rank_.erase(rank_.begin(), rank_.end());
     dfs_nodes_.clear();
     parent_rank_.clear();
     stack_.assign(1, {tree.root(), -1});
