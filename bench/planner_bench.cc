@@ -5,13 +5,15 @@
 // 64-token Medusa tree under a 6000-token prefix, then commit the trace's accepted tokens and
 // prune the rest; 20000 steps in a row, as a long session runs them), cold, and with the step's
 // planning ("step_cold").
-// Writes bench/results/planner-cpu-<date>.json.
+// Writes bench/results/planner-cpu-<date>.json, or into DIR with --out DIR (other flags are Google
+// Benchmark's, e.g. --benchmark_filter).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/bench_result.h"
@@ -93,6 +95,21 @@ Snapshot largest_reasoning_step(const std::string& name, const engine::Reasoning
 int main(int argc, char** argv) {
   using namespace deft;
   using namespace deft::bench;
+  // --out DIR (taken out of argv before Google Benchmark reads its own flags).
+  std::string out_dir;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--out") {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "--out needs a directory\n");
+        return 1;
+      }
+      out_dir = argv[++i];
+      continue;
+    }
+    argv[kept++] = argv[i];
+  }
+  argc = kept;
   benchmark::Initialize(&argc, argv);
   std::vector<Snapshot> snapshots;
   snapshots.push_back(fewshot(4000, 50, 400));
@@ -255,6 +272,6 @@ int main(int argc, char** argv) {
     row.extra = {{"what", kSpecVariants[v].what}, {"tree_tokens", 64}};
     result.add(row);
   }
-  std::printf("wrote %s\n", result.write().c_str());
+  std::printf("wrote %s\n", result.write(out_dir).c_str());
   return 0;
 }
