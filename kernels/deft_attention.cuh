@@ -841,15 +841,10 @@ __global__ void __launch_bounds__(kStage2Threads)
   static_assert(kBatch > 0 && 32 % kBatch == 0, "batches tile a lane's 32 partials");
   // The next layer's stage 1 may be scheduled (it waits for us before touching our outputs).
   allow_dependent_launch();
-  if (prefetch.base != nullptr && static_cast<int32_t>(blockIdx.x) >= prefetch.first_block) {
-    // The O projection's weights, once stage 1 is done: during stage 1 the prefetch slowed its
-    // KV reads more than it sped up the GEMM (H100, 2026-11-24, session 18).
-    wait_for_prerequisite_grid();
-    prefetch_weight_lines(prefetch,
-                          int64_t{blockIdx.x - prefetch.first_block} * gridDim.y + blockIdx.y,
-                          int64_t{gridDim.x - prefetch.first_block} * gridDim.y);
-    return;
-  }
+  // The O projection's weights, once stage 1 is done (prefetch_weight_rows waits for it): during
+  // stage 1 the prefetch slowed its KV reads more than it sped up the GEMM (H100, 2026-11-24,
+  // session 18).
+  if (prefetch_weight_rows(prefetch)) return;
   const int query = blockIdx.x;
   const int begin = plan.query_entry_begin[query];
   const int count = plan.query_entry_begin[query + 1] - begin;
