@@ -181,18 +181,19 @@ DevicePlan::~DevicePlan() {
   cudaEventDestroy(upload_done_);
 }
 
-void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream) {
-  upload_sections(host_plan, nullptr, stream);
+void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream,
+                        std::span<const unsigned char> extra) {
+  upload_sections(host_plan, nullptr, stream, extra);
 }
 
 void DevicePlan::upload_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, std::span<const unsigned char> extra) {
   if (!capacity.holds(host_plan)) fail("upload_padded: the capacity does not hold the plan", 0);
-  upload_sections(host_plan, &capacity, stream);
+  upload_sections(host_plan, &capacity, stream, extra);
 }
 
 void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, std::span<const unsigned char> extra) {
   // Element counts of the sections: the plan's, or the capacity's when padding.
   AttentionPlanView sizes = host_plan;
   if (capacity != nullptr) {
@@ -235,7 +236,7 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
       i32(host_plan.num_entries),
       static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun),
       i32(host_plan.num_tasks)};
-  size_t total = 0;
+  size_t total = align_up(extra.size());  // extra first: extra() is the buffer's start
   for (Section& section : sections) {
     section.offset = total;
     total += align_up(section.bytes);
@@ -248,6 +249,7 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
   device_.reserve(total);
 
   auto* staging = staging_.as<unsigned char>();
+  if (!extra.empty()) std::memcpy(staging, extra.data(), extra.size());
   for (size_t i = 0; i < std::size(sections); ++i) {
     if (used[i] > 0 && sections[i].source != nullptr) {
       std::memcpy(staging + sections[i].offset, sections[i].source, used[i]);

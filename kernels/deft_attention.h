@@ -45,7 +45,9 @@ struct PlanShape {
 PlanShape plan_shape(const AttentionPlanView& host_plan);
 
 // A plan copied to the GPU: all arrays packed into ONE device buffer, uploaded with one async
-// copy from a pinned staging buffer. One upload per step serves every layer.
+// copy from a pinned staging buffer. One upload per step serves every layer. The step's other
+// inputs (`extra`: token ids, positions, ...) may ride along in the same copy: one host call a
+// step instead of two.
 class DevicePlan {
  public:
   DevicePlan();
@@ -56,17 +58,22 @@ class DevicePlan {
   // Copies `host_plan` (host pointers) to the device on `stream`. Buffers grow as needed and
   // are reused. Waits (host side) only for this object's previous upload to have left the
   // staging buffer, never for kernels.
-  void upload(const AttentionPlanView& host_plan, cudaStream_t stream);
+  // `extra` lands at extra() (16-byte aligned) before the plan's arrays.
+  void upload(const AttentionPlanView& host_plan, cudaStream_t stream,
+              std::span<const unsigned char> extra = {});
   // As upload(), laid out for `capacity` (which must hold the plan): tasks past num_tasks are
   // empty (no KV, no entries), queries past num_queries have no entries, and the view's counts
   // are the capacity's. Every plan uploaded with the same capacity gives the same view (same
   // pointers, same counts) once the buffer has that size, so launches captured in a CUDA graph
-  // on one plan replay on the next (a padded query's output row is left as it was).
+  // on one plan replay on the next (a padded query's output row is left as it was); so does
+  // extra() for the same extra size.
   void upload_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
-                     cudaStream_t stream);
+                     cudaStream_t stream, std::span<const unsigned char> extra = {});
 
   // Device pointers, valid once the copy on `stream` has run.
   const AttentionPlanView& view() const { return device_view_; }
+  // Where the last upload's `extra` bytes are on the device.
+  const unsigned char* extra() const { return device_.as<unsigned char>(); }
   // The plan's largest task and query (host copies): size the launch (PlanShape).
   const PlanShape& shape() const { return shape_; }
   // Host copy of the plan's prefill runs: sizes launch_prefill_attention's grid.
@@ -82,7 +89,7 @@ class DevicePlan {
   std::vector<PrefillRun> host_prefill_runs_;
 
   void upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
-                       cudaStream_t stream);
+                       cudaStream_t stream, std::span<const unsigned char> extra);
 };
 
 // Scratch for stage 1's partial results: [num_entries][num_q_heads][head_dim] + LSE, fp32.

@@ -37,7 +37,7 @@ constexpr double kMiB = 1048576.0;
 // Logit rows per LM-head GEMM: bounds the fp32 logits buffer (rows x vocab) whatever the step.
 constexpr int32_t kLogitRowsPerChunk = 256;
 
-// Where a step's sampling params start in State::step_inputs: after its four int32 arrays
+// Where a step's sampling params start in State::step_inputs_host: after its four int32 arrays
 // (launch_rows x 3 + launch_logit_rows), 16-byte aligned.
 size_t step_params_offset(int32_t launch_rows, int32_t launch_logit_rows) {
   const size_t ints = sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows);
@@ -61,8 +61,8 @@ size_t step_params_offset(int32_t launch_rows, int32_t launch_logit_rows) {
 //     (DevicePlan::upload_padded) into the graph's own buffer, sized by power-of-two capacities
 //     that grow (and re-capture) when a step of the bucket needs more;
 //   - everything from the embedding through the LM head and the sampling kernel is captured;
-//     the uploads of the step's inputs and plan and the downloads of logits / tokens stay
-//     outside (plain async copies around the launch).
+//     the upload of the step's inputs with its plan (one copy) and the downloads of logits /
+//     tokens stay outside (plain async copies around the launch).
 // The first step of a bucket runs the padded launches uncaptured (kernel loading, cuBLAS
 // heuristics, attribute setup happen outside any capture), the second captures and replays.
 // Padding changes the GEMMs' row counts, so a graph step's logits equal the eager step's within
@@ -153,10 +153,10 @@ struct LlamaCudaRunner::State {
   DeviceBuffer gate_up;    // [rows][2 intermediate]
   DeviceBuffer act;        // [rows][intermediate]
   DeviceBuffer logits;     // fp32 [kLogitRowsPerChunk][vocab]
-  // A step's inputs, one copy: tokens | positions | slots | logit rows (int32, each of the
-  // launch's padded size), then from step_params_offset() the logit rows' sampling params.
-  DeviceBuffer step_inputs;
-  PinnedHostBuffer step_inputs_host;
+  // A step's inputs, uploaded with its plan (DevicePlan::upload's extra, at the plan's
+  // extra()): tokens | positions | slots | logit rows (int32, each of the launch's padded
+  // size), then from step_params_offset() the logit rows' sampling params.
+  std::vector<unsigned char> step_inputs_host;
   // forward_sampled: per logit row params in, SampledRow (+ top lists) out; the weights
   // workspace is allocated on the first step that samples (kLogitRowsPerChunk rows).
   DeviceBuffer sampled, sampled_top, sampling_workspace;
@@ -234,7 +234,8 @@ struct LlamaCudaRunner::State {
   struct StepLaunch {
     int32_t rows = 0;        // launch sizes (a graph bucket's, or the step's own)
     int32_t logit_rows = 0;
-    const kernels::RowSamplingParams* sampling_params = nullptr;  // device, in step_inputs
+    const unsigned char* inputs = nullptr;  // device: the step's inputs (step_inputs_host)
+    const kernels::RowSamplingParams* sampling_params = nullptr;  // device, in inputs
     const kernels::DevicePlan* plan = nullptr;
     kernels::DeftStage2 stage2 = kernels::DeftStage2::kIfMerging;
     bool sample = false;
@@ -440,7 +441,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
   const int32_t intermediate = c.intermediate_size;
   const int32_t vocab = c.vocab_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const int32_t* d_tokens = step_inputs.as<int32_t>();
+  const int32_t* d_tokens = reinterpret_cast<const int32_t*>(launch.inputs);
   const int32_t* d_positions = d_tokens + rows;
   const int32_t* d_slots = d_tokens + 2 * rows;
   const int32_t* d_logit_rows = d_tokens + 3 * rows;
@@ -733,11 +734,9 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.gate_up.reset(rows * 2 * c.intermediate_size * e);
   s.act.reset(rows * c.intermediate_size * e);
   s.logits.reset(static_cast<size_t>(kLogitRowsPerChunk) * c.vocab_size * sizeof(float));
-  const size_t step_input_bytes = step_params_offset(static_cast<int32_t>(rows),
-                                                    static_cast<int32_t>(rows)) +
-                                 rows * sizeof(kernels::RowSamplingParams);
-  s.step_inputs.reset(step_input_bytes);
-  s.step_inputs_host.reset(step_input_bytes);
+  s.step_inputs_host.resize(step_params_offset(static_cast<int32_t>(rows),
+                                               static_cast<int32_t>(rows)) +
+                            rows * sizeof(kernels::RowSamplingParams));
   s.sampled.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_host.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_top.reset(rows * kernels::kSamplingMaxTopLogprobs * sizeof(kernels::SampledTop));
@@ -761,7 +760,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   }
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
                        s.attn.bytes() + s.gate_up.bytes() + s.act.bytes() + s.logits.bytes() +
-                       s.step_inputs.bytes() + s.sampled.bytes() +
+                       s.sampled.bytes() +
                        s.sampled_top.bytes() + s.cublas_workspace.bytes() +
                        (s.deft_kernels ? 2 * rows * (c.q_size() + c.num_attention_heads) * 4 : 0);
 
@@ -991,7 +990,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   if (sample) {
     bool any_draw = false;
     auto* params = reinterpret_cast<kernels::RowSamplingParams*>(
-        s.step_inputs_host.as<unsigned char>() + params_offset);
+        s.step_inputs_host.data() + params_offset);
     for (int32_t i = 0; i < logit_rows; ++i) {
       const engine::SamplingParams& p = *sampling[i].params;
       params[i] = {.temperature = p.temperature,
@@ -1015,10 +1014,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     }
   }
 
-  // Step inputs: one pinned staging buffer, one copy (with the sampling params). The previous
-  // step synchronised at its end, so the staging buffer is free. Layout: State::step_inputs.
+  // Step inputs (layout: State::step_inputs_host), uploaded with the plan in one copy.
   s.mark_start();
-  int32_t* host = s.step_inputs_host.as<int32_t>();
+  int32_t* host = reinterpret_cast<int32_t*>(s.step_inputs_host.data());
   std::copy(batch.tokens.begin(), batch.tokens.end(), host);
   std::fill(host + rows, host + launch_rows, 0);
   std::copy(plan.query_position.begin(), plan.query_position.end(), host + launch_rows);
@@ -1030,12 +1028,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   const size_t input_bytes =
       sample ? params_offset + sizeof(kernels::RowSamplingParams) * launch_logit_rows
              : sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows);
-  DEFT_CUDA_CHECK(cudaMemcpyAsync(s.step_inputs.data(), host, input_bytes,
-                                  cudaMemcpyHostToDevice, s.stream));
+  const std::span<const unsigned char> inputs(s.step_inputs_host.data(), input_bytes);
   State::StepLaunch launch{.rows = launch_rows,
                            .logit_rows = launch_logit_rows,
-                           .sampling_params = reinterpret_cast<const kernels::RowSamplingParams*>(
-                               s.step_inputs.as<unsigned char>() + params_offset),
                            .plan = &s.plan,
                            .stage2 = kernels::DeftStage2::kIfMerging,
                            .sample = sample};
@@ -1056,7 +1051,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                       std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words))};
       graph->drop();
     }
-    graph->plan.upload_padded(view, capacity, s.stream);
+    graph->plan.upload_padded(view, capacity, s.stream, inputs);
     // Partials for a power-of-two entry count, so they are reallocated (and graphs recaptured)
     // rarely.
     if (s.deft_kernels) s.partials.reserve(pow2_bucket(view.num_entries), s.dims);
@@ -1067,10 +1062,13 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     launch.plan = &graph->plan;
     launch.stage2 = graph->key.stage2 ? kernels::DeftStage2::kAlways : kernels::DeftStage2::kNever;
   } else {
-    s.plan.upload(plan.view(), s.stream);
+    s.plan.upload(plan.view(), s.stream, inputs);
     if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
     launch.logits_out = sample ? std::span<float>() : logits;
   }
+  launch.inputs = launch.plan->extra();
+  launch.sampling_params =
+      reinterpret_cast<const kernels::RowSamplingParams*>(launch.inputs + params_offset);
   s.mark(State::kCopy);
 
   if (graph == nullptr) {

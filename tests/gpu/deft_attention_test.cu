@@ -418,7 +418,11 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
   cudaStream_t stream;
   DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   DevicePlan device_plan;
-  device_plan.upload(plan.view(), stream);
+  // The plan rides behind other step inputs (DevicePlan::upload's extra), of an odd size here:
+  // the kernels must see the same plan, and the extra bytes arrive unchanged.
+  std::vector<unsigned char> extra(1 + rng() % 300);
+  for (unsigned char& byte : extra) byte = static_cast<unsigned char>(rng());
+  device_plan.upload(plan.view(), stream, extra);
   if (use_graph) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -444,6 +448,10 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
   DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   DEFT_CUDA_CHECK(cudaGetLastError());
   DEFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::vector<unsigned char> extra_back(extra.size());
+  DEFT_CUDA_CHECK(cudaMemcpy(extra_back.data(), device_plan.extra(), extra.size(),
+                             cudaMemcpyDeviceToHost));
+  EXPECT_EQ(extra_back, extra) << "the plan's extra bytes";
 
   const std::vector<uint16_t> out_bits = to_host<uint16_t>(out_dev, q_count);
   std::vector<float> out(q_count);
