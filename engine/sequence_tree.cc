@@ -16,7 +16,7 @@ SequenceTree::SequenceTree(uint32_t tree_id, KvCacheManager* kv, NodeId max_node
       max_node_ids_(std::max<NodeId>(max_node_ids, 1)) {
   TreeNode root;
   root.id = 0;
-  nodes_.emplace(0, std::move(root));
+  add_node(std::move(root));
   num_live_nodes_ = 1;
 }
 
@@ -27,6 +27,26 @@ SequenceTree::~SequenceTree() {
 
 bool SequenceTree::contains(NodeId node) const {
   return nodes_.contains(node);
+}
+
+TreeNode& SequenceTree::add_node(TreeNode node) {
+  TreeNode* storage = nullptr;
+  if (free_nodes_.empty()) {
+    storage = &node_pool_.emplace_back();
+  } else {
+    storage = free_nodes_.back();
+    free_nodes_.pop_back();
+  }
+  *storage = std::move(node);
+  nodes_.emplace(storage->id, storage);
+  return *storage;
+}
+
+void SequenceTree::remove_node(NodeMap::iterator it) {
+  TreeNode* storage = it->second;
+  *storage = TreeNode{};  // frees a long node's token buffer now, not when the slot is reused
+  free_nodes_.push_back(storage);
+  nodes_.erase(it);
 }
 
 absl::Status SequenceTree::ids_left(int64_t count) const {
@@ -42,14 +62,14 @@ const TreeNode& SequenceTree::node(NodeId id) const {
                  static_cast<long long>(id));
     std::abort();
   }
-  return it->second;
+  return *it->second;
 }
 
 absl::Status SequenceTree::append(NodeId node, std::span<const TokenId> tokens) {
   if (!contains(node)) {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
-  TreeNode& n = nodes_.find(node)->second;
+  TreeNode& n = *nodes_.find(node)->second;
   if (!n.children.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "tree ", tree_id_, ": node ", node, " has ", n.children.size(),
@@ -75,7 +95,7 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
   if (absl::Status status = ids_left(k); !status.ok()) return status;
   std::vector<NodeId> children;
   children.reserve(k);
-  TreeNode& parent = nodes_.find(node)->second;
+  TreeNode& parent = *nodes_.find(node)->second;
   const int64_t child_depth = parent.depth_begin + static_cast<int64_t>(parent.tokens.size());
   for (int32_t i = 0; i < k; ++i) {
     TreeNode child;
@@ -83,7 +103,7 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
     child.parent = node;
     child.depth_begin = child_depth;
     children.push_back(child.id);
-    nodes_.emplace(child.id, std::move(child));
+    add_node(std::move(child));
   }
   parent.children.insert(parent.children.end(), children.begin(), children.end());
   num_live_nodes_ += k;
@@ -95,7 +115,7 @@ absl::Status SequenceTree::prune(NodeId node) {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
   if (node == root()) {
-    TreeNode& root_node = nodes_.find(node)->second;
+    TreeNode& root_node = *nodes_.find(node)->second;
     if (!root_node.children.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tree ", tree_id_, ": cannot prune the root while it has ", root_node.children.size(),
@@ -107,18 +127,18 @@ absl::Status SequenceTree::prune(NodeId node) {
     return absl::OkStatus();
   }
   // Detach from the parent, then free the subtree (iteratively: trees can be deep).
-  NodeChildren& siblings = nodes_.find(nodes_.find(node)->second.parent)->second.children;
+  NodeChildren& siblings = nodes_.find(nodes_.find(node)->second->parent)->second->children;
   siblings.erase(std::remove(siblings.begin(), siblings.end(), node), siblings.end());
   std::vector<NodeId> stack = {node};
   while (!stack.empty()) {
     const NodeId id = stack.back();
     stack.pop_back();
     const auto it = nodes_.find(id);
-    const TreeNode& n = it->second;
+    const TreeNode& n = *it->second;
     stack.insert(stack.end(), n.children.begin(), n.children.end());
     total_tokens_ -= static_cast<int64_t>(n.tokens.size());
     if (kv_ != nullptr) kv_->release(kv_key(id));
-    nodes_.erase(it);
+    remove_node(it);
     --num_live_nodes_;
   }
   return absl::OkStatus();
@@ -132,7 +152,7 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split the root"));
   }
   if (absl::Status status = ids_left(1); !status.ok()) return status;
-  TreeNode& tail = nodes_.find(node)->second;
+  TreeNode& tail = *nodes_.find(node)->second;
   const int64_t size = static_cast<int64_t>(tail.tokens.size());
   if (at <= 0 || at > size || (kv_ != nullptr && at % kv_->page_tokens() != 0)) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split node ",
@@ -143,12 +163,12 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
   head.parent = tail.parent;
   head.children = {node};
   head.depth_begin = tail.depth_begin;
-  TreeNode& head_node = nodes_.emplace(head.id, std::move(head)).first->second;
+  TreeNode& head_node = add_node(std::move(head));
   head_node.tokens.assign(tail.tokens.begin(), tail.tokens.begin() + at);
   tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + at);
   tail.depth_begin += at;
   tail.parent = head_node.id;
-  NodeChildren& siblings = nodes_.find(head_node.parent)->second.children;
+  NodeChildren& siblings = nodes_.find(head_node.parent)->second->children;
   *std::find(siblings.begin(), siblings.end(), node) = head_node.id;
   if (kv_ != nullptr) {
     kv_->move_front_pages(kv_key(node), kv_key(head_node.id), at / kv_->page_tokens());
@@ -161,7 +181,7 @@ absl::Status SequenceTree::truncate(NodeId node, int64_t length) {
   if (!contains(node)) {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
-  TreeNode& n = nodes_.find(node)->second;
+  TreeNode& n = *nodes_.find(node)->second;
   if (!n.children.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("tree ", tree_id_, ": node ", node, " has live children; cannot truncate"));
@@ -182,7 +202,7 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::path(NodeId node) const {
     return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
   }
   std::vector<NodeId> result;
-  for (NodeId id = node; id != -1; id = nodes_.find(id)->second.parent) result.push_back(id);
+  for (NodeId id = node; id != -1; id = nodes_.find(id)->second->parent) result.push_back(id);
   std::reverse(result.begin(), result.end());
   return result;
 }
@@ -199,7 +219,7 @@ std::vector<NodeId> SequenceTree::dfs_order() const {
     const NodeId id = stack.back();
     stack.pop_back();
     order.push_back(id);
-    const NodeChildren& children = nodes_.find(id)->second.children;
+    const NodeChildren& children = nodes_.find(id)->second->children;
     stack.insert(stack.end(), children.rbegin(), children.rend());
   }
   return order;
@@ -208,7 +228,7 @@ std::vector<NodeId> SequenceTree::dfs_order() const {
 std::vector<NodeId> SequenceTree::live_leaves() const {
   std::vector<NodeId> leaves;
   for (NodeId id : dfs_order()) {
-    if (nodes_.find(id)->second.children.empty()) leaves.push_back(id);
+    if (nodes_.find(id)->second->children.empty()) leaves.push_back(id);
   }
   return leaves;
 }
@@ -216,7 +236,8 @@ std::vector<NodeId> SequenceTree::live_leaves() const {
 bool SequenceTree::check_invariants() const {
   int32_t live = 0;
   int64_t tokens = 0;
-  for (const auto& [id, n] : nodes_) {
+  for (const auto& [id, node_ptr] : nodes_) {
+    const TreeNode& n = *node_ptr;
     if (n.id != id || id < 0 || id >= next_id_) return false;
     ++live;
     tokens += static_cast<int64_t>(n.tokens.size());
@@ -224,14 +245,14 @@ bool SequenceTree::check_invariants() const {
       if (n.parent != -1 || n.depth_begin != 0) return false;
     } else {
       if (!contains(n.parent)) return false;
-      const TreeNode& parent = nodes_.find(n.parent)->second;
+      const TreeNode& parent = *nodes_.find(n.parent)->second;
       if (std::count(parent.children.begin(), parent.children.end(), n.id) != 1) return false;
       if (n.depth_begin != parent.depth_begin + static_cast<int64_t>(parent.tokens.size())) {
         return false;
       }
     }
     for (NodeId child : n.children) {
-      if (!contains(child) || nodes_.find(child)->second.parent != n.id) return false;
+      if (!contains(child) || nodes_.find(child)->second->parent != n.id) return false;
     }
     if (kv_ != nullptr) {
       const int64_t pages = static_cast<int64_t>(kv_->pages(kv_key(n.id)).size());
@@ -241,6 +262,7 @@ bool SequenceTree::check_invariants() const {
     }
   }
   return live == num_live_nodes_ && tokens == total_tokens_ &&
+         node_pool_.size() == nodes_.size() + free_nodes_.size() &&
          static_cast<int32_t>(dfs_order().size()) == live;
 }
 
