@@ -38,11 +38,10 @@ __device__ __forceinline__ void prefetch_weight_lines(const WeightPrefetch& pref
 
 // True for a CTA of the prefetch part of the grid (blockIdx.x >= first_block, every blockIdx.y of
 // those columns): it waits for the kernel before and issues its share of `prefetch`'s lines, and
-// does nothing else. The wait
-// matters behind a kernel that lets its dependents start at once (the skinny GEMM): prefetched
-// during that kernel's own weight stream, the lines took DRAM time from it and were evicted by it
-// before the GEMM after this kernel read them. Behind a cuBLAS GEMM (which lets them start only
-// when it ends) it returns at once.
+// does nothing else. The wait matters behind a kernel that lets its dependents start at once (the
+// skinny GEMM): prefetched during that kernel's own weight stream, the lines took DRAM time from
+// it and were evicted by it before the GEMM after this kernel read them. Behind a cuBLAS GEMM
+// (which lets them start only when it ends) it returns at once.
 __device__ __forceinline__ bool prefetch_weight_rows(const WeightPrefetch& prefetch) {
   const int32_t block = static_cast<int32_t>(blockIdx.x);
   if (prefetch.base == nullptr || block < prefetch.first_block) return false;
