@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 
 namespace deft::bench {
@@ -87,7 +88,18 @@ std::string BenchResult::write(const std::string& dir) const {
   }
   const std::string folder = dir.empty() ? std::string(DEFT_SOURCE_DIR) + "/bench/results" : dir;
   const std::string path = folder + "/" + benchmark_ + "-" + hardware_tag_ + "-" + today("%Y%m%d") + ".json";
-  std::ofstream(path) << json.dump(2) << "\n";
+  // A missing folder is made; a file that cannot be written ends the run with the reason (it
+  // used to print "wrote" all the same).
+  std::error_code error;
+  std::filesystem::create_directories(folder, error);
+  std::ofstream file(path);
+  file << json.dump(2) << "\n";
+  file.close();
+  if (error || !file) {
+    std::fprintf(stderr, "cannot write %s%s%s\n", path.c_str(), error ? ": " : "",
+                 error ? error.message().c_str() : "");
+    std::exit(1);
+  }
   return path;
 }
 

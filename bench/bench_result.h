@@ -31,7 +31,8 @@ class BenchResult {
   BenchResult(std::string benchmark, std::string hardware, std::string hardware_tag, int argc,
               char** argv);
   void add(ResultRow row) { rows_.push_back(std::move(row)); }
-  // Writes the file into <source>/bench/results/ (or `dir`); returns its path.
+  // Writes the file into <source>/bench/results/ (or `dir`, made if missing) and returns its
+  // path; exits the program with the reason if the file cannot be written.
   std::string write(const std::string& dir = "") const;
 
   static std::string cpu_name();  // "model name" of /proc/cpuinfo
