@@ -17,6 +17,9 @@
 // eagerly either way, so both rows carry the same phase split.
 // Floor per step = (weight bytes read + tree KV bytes) / 3.0e12 B/s (max with FLOPs / 7e14),
 // where weight bytes read excludes the embedding table (a step gathers a few rows of it).
+// Before the model loads, the run measures what the device reads (bench/device_read_bandwidth.h);
+// each row also gives its ratio to the floor at that bandwidth (extra.ratio_to_measured_floor), as
+// the machine drawn moves the step by a few percent.
 //
 //   e2e_step_bench [--workloads DIR] [--out DIR] [--fewshot-steps N] [--spec-steps N]
 //                  [--gemm default|tuned|cublas|skinny|skinny_wide|skinny_head[,...]]
@@ -48,6 +51,7 @@
 
 #include "absl/strings/str_split.h"
 #include "bench/bench_result.h"
+#include "bench/device_read_bandwidth.h"
 #include "bench/llama3_8b_config.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
@@ -94,6 +98,7 @@ struct StepRecord {
   double forward_wall_us = 0;
   models::StepTimes gpu;   // ms, from the runner's events
   double floor_us = 0;
+  double floor_bytes = 0, flops = 0;  // what floor_us is made of
   int64_t kv_bytes = 0;    // what the plan reads (all layers)
   int64_t tree_kv_bytes = 0;
   int64_t tree_tokens = 0;
@@ -192,10 +197,11 @@ class Bench {
     for (const QueryToken& q : queries) visible += tree.depth(q.node, q.token_index) + 1;
     const double flops = 2.0 * (weight_read_bytes_ / 2.0) * rows +
                          4.0 * config_.q_size() * double(visible) * config_.num_hidden_layers;
-    rec.floor_us = std::max((double(weight_read_bytes_) + double(rec.tree_kv_bytes)) /
-                                BenchResult::kHbmBytesPerS,
-                            flops / BenchResult::kFlopsPerS) *
-                   1e6;
+    rec.floor_bytes = double(weight_read_bytes_) + double(rec.tree_kv_bytes);
+    rec.flops = flops;
+    rec.floor_us =
+        std::max(rec.floor_bytes / BenchResult::kHbmBytesPerS, flops / BenchResult::kFlopsPerS) *
+        1e6;
     return rec;
   }
 
@@ -364,6 +370,12 @@ int main(int argc, char** argv) {
       engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
   must(trace.status(), "trace");
 
+  // Before the model and its KV pool take the memory.
+  const double read_bytes_per_s = measure_device_read_bytes_per_s();
+  std::printf("device read bandwidth: %.3f TB/s (2 GiB read once, median of 20; the floor "
+              "assumes %.1f)\n",
+              read_bytes_per_s / 1e12, BenchResult::kHbmBytesPerS / 1e12);
+
   const models::ModelConfig config = llama3_8b_config();
   const Clock::time_point t_load = Clock::now();
   absl::StatusOr<std::unique_ptr<models::LlamaCudaRunner>> runner =
@@ -414,9 +426,10 @@ int main(int argc, char** argv) {
     bench.fewshot(PlanKind::kDeftFlatten, models::StepTiming::kOff, 4000, 20, 5);
     bench.specdec(PlanKind::kSequence, models::StepTiming::kOff, *trace, 6000, 5);
 
-    std::printf("%-24s %-19s %9s %9s %6s | %8s %8s %8s %8s %8s | %7s %7s %7s %6s | %8s\n", "case",
-                "method", "total_us", "floor_us", "ratio", "gpu_us", "attn_us", "gemm_us",
-                "other_us", "copy_us", "plan_us", "book_us", "samp_us", "host%", "tok/s");
+    std::printf("%-24s %-19s %9s %9s %6s | %8s %8s %8s %8s %8s | %7s %7s %7s %6s | %8s %7s\n",
+                "case", "method", "total_us", "floor_us", "ratio", "gpu_us", "attn_us", "gemm_us",
+                "other_us", "copy_us", "plan_us", "book_us", "samp_us", "host%", "tok/s",
+                "r_meas");
     for (const Case& c : cases) {
       if (!only_case.empty() && c.name != only_case) continue;
       std::vector<std::vector<TokenId>> reference_argmax;  // the sequence baseline's, per step
@@ -469,6 +482,10 @@ int main(int argc, char** argv) {
             return s.forward_wall_us - s.gpu.total_ms * 1e3;
           });
           const Samples floor = stat(st, [](const StepRecord& s) { return s.floor_us; });
+          const Samples measured_floor = stat(st, [&](const StepRecord& s) {
+            return std::max(s.floor_bytes / read_bytes_per_s, s.flops / BenchResult::kFlopsPerS) *
+                   1e6;
+          });
           const Samples tree_kv =
               stat(st, [](const StepRecord& s) { return double(s.tree_kv_bytes); });
           const Samples kv = stat(st, [](const StepRecord& s) { return double(s.kv_bytes); });
@@ -493,10 +510,11 @@ int main(int argc, char** argv) {
           const double tokens_per_s = tokens / (time_us * 1e-6);
           std::printf(
               "%-24s %-19s %9.0f %9.0f %6.2f | %8.0f %8.0f %8.0f %8.0f %8.0f | %7.0f %7.0f %7.0f "
-              "%5.1f%% | %8.0f%s\n",
+              "%5.1f%% | %8.0f %7.3f%s\n",
               c.name.c_str(), method.c_str(), t.median, floor.median, t.median / floor.median,
               gpu.median, p_attn.median, p_gemm.median, p_other.median, p_copy.median, plan.median,
               book.median, samp.median, 100.0 * host.median / t.median, tokens_per_s,
+              t.median / measured_floor.median,
               total.finite && phases.finite ? "" : "  NON-FINITE LOGITS (row not written)");
           std::vector<std::vector<TokenId>> am;
           for (const StepRecord& s : st) am.push_back(s.argmax);
@@ -517,6 +535,9 @@ int main(int argc, char** argv) {
           row.floor_us = floor.median;
           row.extra = {
               {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
+              {"device_read_bytes_per_s", read_bytes_per_s},
+              {"floor_us_at_device_read", measured_floor.median},
+              {"ratio_to_measured_floor", t.median / measured_floor.median},
               {"weight_prefetch_bytes", (*runner)->weight_prefetch()},
               {"gemm", gemm == "default"       ? "skinny GEMM for the LM head (<= 64 rows) "
                                                      "and gate/up (33-64 rows), tuned cuBLASLt "

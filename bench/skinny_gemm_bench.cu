@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench/bench_result.h"
+#include "bench/device_read_bandwidth.h"
 #include "bench/graph_timing.h"
 #include "bench/relative_error.h"
 #include "kernels/cuda_check.h"
@@ -59,17 +60,6 @@ constexpr Shape kShapes[] = {{"qkv", 6144, 4096},
                              {"lm_head", 128256, 4096}};
 constexpr size_t kRotateMb = 200;  // > 4x the H100's 50 MB L2
 constexpr int kLaunchesPerGraph = 20;
-
-// Reads n 16-byte words and keeps the compiler from dropping the loads.
-__global__ void read_kernel(const uint4* __restrict__ data, int64_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 v = __ldcs(data + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) *sink = acc;
-}
 
 std::vector<double> time_graph(cudaStream_t stream, int reps,
                                const std::function<void(int)>& launch) {
@@ -220,10 +210,8 @@ int main(int argc, char** argv) {
       if (rows == 1) {
         DeviceBuffer sink(4);
         const auto read_launch = [&](int i) {
-          read_kernel<<<prop.multiProcessorCount * 4, 512, 0, stream>>>(
-              static_cast<const uint4*>(weights[i % copies].data()),
-              static_cast<int64_t>(w_bytes / 16), static_cast<uint32_t*>(sink.data()));
-          DEFT_CUDA_CHECK_LAUNCH();
+          launch_device_read(weights[i % copies].data(), w_bytes,
+                             static_cast<uint32_t*>(sink.data()), stream);
         };
         add_row("read", summarize(time_graph(stream, reps, read_launch)), 0, -1);
       }

@@ -1,0 +1,64 @@
+#include "bench/device_read_bandwidth.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cuda_check.h"
+#include "kernels/device_buffer.h"
+
+namespace deft::bench {
+namespace {
+
+__global__ void read_kernel(const uint4* __restrict__ data, int64_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint4 v = __ldcs(data + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) *sink = acc;
+}
+
+}  // namespace
+
+void launch_device_read(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
+  static const int sms = [] {
+    int device = 0, count = 0;
+    DEFT_CUDA_CHECK(cudaGetDevice(&device));
+    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+  }();
+  read_kernel<<<sms * 4, 512, 0, stream>>>(static_cast<const uint4*>(data),
+                                           static_cast<int64_t>(bytes / 16), sink);
+  DEFT_CUDA_CHECK_LAUNCH();
+}
+
+double measure_device_read_bytes_per_s(size_t bytes, int reps) {
+  bytes -= bytes % 16;
+  kernels::DeviceBuffer buffer(bytes), sink(4);
+  DEFT_CUDA_CHECK(cudaMemset(buffer.data(), 0x5a, bytes));
+  cudaStream_t stream = nullptr;
+  DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t start = nullptr, stop = nullptr;
+  DEFT_CUDA_CHECK(cudaEventCreate(&start));
+  DEFT_CUDA_CHECK(cudaEventCreate(&stop));
+  auto* sink_word = static_cast<uint32_t*>(sink.data());
+  for (int i = 0; i < 3; ++i) launch_device_read(buffer.data(), bytes, sink_word, stream);
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    DEFT_CUDA_CHECK(cudaEventRecord(start, stream));
+    launch_device_read(buffer.data(), bytes, sink_word, stream);
+    DEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
+    DEFT_CUDA_CHECK(cudaEventSynchronize(stop));
+    float elapsed = 0;
+    DEFT_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    ms.push_back(elapsed);
+  }
+  DEFT_CUDA_CHECK(cudaEventDestroy(start));
+  DEFT_CUDA_CHECK(cudaEventDestroy(stop));
+  DEFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::sort(ms.begin(), ms.end());
+  return static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3);
+}
+
+}  // namespace deft::bench
