@@ -2,6 +2,7 @@
 // bench/results/<benchmark>-<hardware>-<yyyymmdd>.json, made by the program itself.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -38,6 +39,11 @@ class BenchResult {
   static std::string cpu_name();  // "model name" of /proc/cpuinfo
   static constexpr double kHbmBytesPerS = 3.0e12;
   static constexpr double kFlopsPerS = 7.0e14;
+  // The floor of work that reads `bytes` and does `flops`: max(bytes / bandwidth, flops /
+  // kFlopsPerS), in µs; the bandwidth is kHbmBytesPerS unless a measured one is given.
+  static double floor_us(double bytes, double flops, double bytes_per_s = kHbmBytesPerS) {
+    return std::max(bytes / bytes_per_s, flops / kFlopsPerS) * 1e6;
+  }
 
  private:
   std::string benchmark_, hardware_, hardware_tag_, command_;

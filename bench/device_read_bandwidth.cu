@@ -1,8 +1,10 @@
 #include "bench/device_read_bandwidth.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <vector>
 
+#include "bench/bench_result.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
 
@@ -59,6 +61,14 @@ double measure_device_read_bytes_per_s(size_t bytes, int reps) {
   DEFT_CUDA_CHECK(cudaStreamDestroy(stream));
   std::sort(ms.begin(), ms.end());
   return static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3);
+}
+
+double measure_and_print_device_read_bandwidth() {
+  const double bytes_per_s = measure_device_read_bytes_per_s();
+  std::printf("device read bandwidth: %.3f TB/s (2 GiB read once, median of 20; the floor "
+              "assumes %.1f)\n",
+              bytes_per_s / 1e12, BenchResult::kHbmBytesPerS / 1e12);
+  return bytes_per_s;
 }
 
 }  // namespace deft::bench

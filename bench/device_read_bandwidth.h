@@ -21,4 +21,8 @@ void launch_device_read(const void* data, size_t bytes, uint32_t* sink, cudaStre
 // median of `reps` timed reads after 3 untimed ones.
 double measure_device_read_bytes_per_s(size_t bytes = size_t{2} << 30, int reps = 20);
 
+// measure_device_read_bytes_per_s() with its defaults, printed in one line beside the floor's
+// fixed bandwidth (what the benches run first).
+double measure_and_print_device_read_bandwidth();
+
 }  // namespace deft::bench

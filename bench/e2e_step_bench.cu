@@ -97,8 +97,7 @@ struct StepRecord {
   double bookkeeping_us = 0, plan_us = 0, sample_us = 0;
   double forward_wall_us = 0;
   models::StepTimes gpu;   // ms, from the runner's events
-  double floor_us = 0;
-  double floor_bytes = 0, flops = 0;  // what floor_us is made of
+  double floor_bytes = 0, flops = 0;  // the step's floor (BenchResult::floor_us)
   int64_t kv_bytes = 0;    // what the plan reads (all layers)
   int64_t tree_kv_bytes = 0;
   int64_t tree_tokens = 0;
@@ -199,9 +198,6 @@ class Bench {
                          4.0 * config_.q_size() * double(visible) * config_.num_hidden_layers;
     rec.floor_bytes = double(weight_read_bytes_) + double(rec.tree_kv_bytes);
     rec.flops = flops;
-    rec.floor_us =
-        std::max(rec.floor_bytes / BenchResult::kHbmBytesPerS, flops / BenchResult::kFlopsPerS) *
-        1e6;
     return rec;
   }
 
@@ -371,10 +367,7 @@ int main(int argc, char** argv) {
   must(trace.status(), "trace");
 
   // Before the model and its KV pool take the memory.
-  const double read_bytes_per_s = measure_device_read_bytes_per_s();
-  std::printf("device read bandwidth: %.3f TB/s (2 GiB read once, median of 20; the floor "
-              "assumes %.1f)\n",
-              read_bytes_per_s / 1e12, BenchResult::kHbmBytesPerS / 1e12);
+  const double read_bytes_per_s = measure_and_print_device_read_bandwidth();
 
   const models::ModelConfig config = llama3_8b_config();
   const Clock::time_point t_load = Clock::now();
@@ -481,10 +474,11 @@ int main(int argc, char** argv) {
           const Samples gap = stat(st, [](const StepRecord& s) {
             return s.forward_wall_us - s.gpu.total_ms * 1e3;
           });
-          const Samples floor = stat(st, [](const StepRecord& s) { return s.floor_us; });
+          const Samples floor = stat(st, [](const StepRecord& s) {
+            return BenchResult::floor_us(s.floor_bytes, s.flops);
+          });
           const Samples measured_floor = stat(st, [&](const StepRecord& s) {
-            return std::max(s.floor_bytes / read_bytes_per_s, s.flops / BenchResult::kFlopsPerS) *
-                   1e6;
+            return BenchResult::floor_us(s.floor_bytes, s.flops, read_bytes_per_s);
           });
           const Samples tree_kv =
               stat(st, [](const StepRecord& s) { return double(s.tree_kv_bytes); });

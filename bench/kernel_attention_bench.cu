@@ -244,10 +244,7 @@ int main(int argc, char** argv) {
   DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   // What this device reads (the floors keep 3.0 TB/s; rows add their ratio to this one's floor).
-  const double read_bytes_per_s = measure_device_read_bytes_per_s();
-  std::printf("device read bandwidth: %.3f TB/s (2 GiB read once, median of 20; the floor "
-              "assumes %.1f)\n",
-              read_bytes_per_s / 1e12, BenchResult::kHbmBytesPerS / 1e12);
+  const double read_bytes_per_s = measure_and_print_device_read_bandwidth();
   std::printf("%-32s %-18s %9s %9s %7s %9s %8s\n", "case", "method", "median_us", "floor_us",
               "ratio", "GB/s", "rel_err");
   for (const Snapshot& s : snapshots) {
@@ -279,10 +276,8 @@ int main(int argc, char** argv) {
     for (const QueryToken& q : s.queries) visible_pairs += s.tree->depth(q.node, q.token_index) + 1;
     const double tree_kv_bytes = double(tree_tokens) * kv_row * kElemBytes * 2;
     const double flops = 4.0 * kHeadDim * kNumQHeads * double(visible_pairs);
-    const double floor_us =
-        std::max(tree_kv_bytes / BenchResult::kHbmBytesPerS, flops / BenchResult::kFlopsPerS) * 1e6;
-    const double measured_floor_us =
-        std::max(tree_kv_bytes / read_bytes_per_s, flops / BenchResult::kFlopsPerS) * 1e6;
+    const double floor_us = BenchResult::floor_us(tree_kv_bytes, flops);
+    const double measured_floor_us = BenchResult::floor_us(tree_kv_bytes, flops, read_bytes_per_s);
 
     // Float64 dense reference on up to 12 sampled queries (copy 0's values).
     std::vector<int32_t> sampled;
