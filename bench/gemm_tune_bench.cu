@@ -5,8 +5,9 @@
 // shapes, same run, each with the runner's
 // output: QKV and gate/up write bf16, O and down accumulate into an fp32 residual (beta = 1),
 // the LM head writes fp32. Rows: M = 1, 20, 64, 128 and the graph buckets 32 and 256 (a
-// 20-row decode step runs its GEMMs at 32 rows inside a CUDA graph). Floor = weight bytes /
-// 3.0 TB/s. Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated
+// 20-row decode step runs its GEMMs at 32 rows inside a CUDA graph). Floor = max(weight bytes /
+// 3.0 TB/s, 2 M N K / 7e14 FLOP/s) (BenchResult::floor_us: the FLOPs decide at 256 rows, the
+// bytes below). Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated
 // over at least two copies and over 200 MB (> 4x the L2), median after warm-up (the tuner's own
 // timings, eager passes of launches, are kept in the rows too). The tuned output is checked
 // against the default's (norm-relative difference < 1e-4 fp32, < 4e-3 bf16) before a row is
@@ -120,8 +121,8 @@ int main(int argc, char** argv) {
                                      stream);
       weight_ptrs.push_back(weights.back().data());
     }
-    const double floor_us = w_bytes / BenchResult::kHbmBytesPerS * 1e6;
     for (const int32_t rows : kRows) {
+      const double floor_us = BenchResult::floor_us(w_bytes, 2.0 * rows * shape.in * shape.out);
       const models::GemmShape gemm_shape{.rows = rows,
                                          .in = shape.in,
                                          .out = shape.out,

@@ -216,13 +216,9 @@ int main(int argc, char** argv) {
     const double attention_flops =
         4.0 * config.num_attention_heads * config.head_dim * pairs * layers;
     const int64_t kv_bytes = int64_t{spec.prefix + spec.run} * kv_token_bytes_per_layer * layers;
-    const double attention_floor_us =
-        std::max(kv_bytes / BenchResult::kHbmBytesPerS, attention_flops / BenchResult::kFlopsPerS) *
-        1e6;
+    const double attention_floor_us = BenchResult::floor_us(kv_bytes, attention_flops);
     const double step_flops = 2.0 * body_params * spec.run + 2.0 * lm_head_params + attention_flops;
-    const double step_floor_us = std::max((weight_read_bytes + kv_bytes) / BenchResult::kHbmBytesPerS,
-                                          step_flops / BenchResult::kFlopsPerS) *
-                                 1e6;
+    const double step_floor_us = BenchResult::floor_us(weight_read_bytes + kv_bytes, step_flops);
     for (const auto& [method, m] : {std::pair<std::string, const Measured*>{"deft_flatten", &old_path},
                                     std::pair<std::string, const Measured*>{"prefill_tiled", &new_path}}) {
       const Samples attention = summarize(m->attention_us);

@@ -1,8 +1,8 @@
 // The decode-step GEMMs of a Llama-3-8B-shaped model (bf16, fp32 accumulation): the skinny GEMM
 // (kernels/skinny_gemm.h) against cuBLAS (cublasGemmEx, the runner's call) on the same shapes in
 // the same run, y = x · w^T with fp32 output (the runner's O / down calls accumulate into the fp32
-// residual, QKV / gate-up write bf16; the weight stream is the same). Floor = weight bytes / 3.0
-// TB/s. Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated over at
+// residual, QKV / gate-up write bf16; the weight stream is the same). Floor = max(weight bytes /
+// 3.0 TB/s, 2 M N K / 7e14 FLOP/s) (BenchResult::floor_us; the bytes decide up to 128 rows). Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated over at
 // least two copies and over 200 MB (> 4x the L2; --rotate-mb), median after warm-up. (Shapes over
 // 200 MB had a single copy until session 14; two copies or 8 GB measured the same,
 // bench/results/skinny_gemm-h100-notes.md.) Each skinny row is checked against cuBLAS's output
@@ -119,9 +119,9 @@ int main(int argc, char** argv) {
                                      std::sqrt(3.0f / shape.in), 0.0f, dtype, weights.back().data(),
                                      stream);
     }
-    const double floor_us = w_bytes / BenchResult::kHbmBytesPerS * 1e6;
     for (int32_t rows : {1, 7, 20, 64, 128}) {
       if (only_rows > 0 && rows != only_rows) continue;
+      const double floor_us = BenchResult::floor_us(w_bytes, 2.0 * rows * shape.in * shape.out);
       DeviceBuffer x(size_t{2} * rows * shape.in);  // written by the RMSNorm below
       const size_t y_count = static_cast<size_t>(rows) * shape.out;
       const size_t y_bytes = y_count * (bf16_out ? 2 : 4);
