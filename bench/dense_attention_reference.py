@@ -12,7 +12,8 @@ as its two dense halves: the 20 queries over the 4000-token prompt and each quer
 
 Each backend of torch.nn.functional.scaled_dot_product_attention that takes the shape (cuDNN,
 flash, memory-efficient; GQA through enable_gqa, and for cuDNN and flash also with K and V
-repeated to all 32 heads beforehand, rows *_kv_repeated) is checked against the math backend in fp32
+repeated to all 32 heads beforehand, rows *_kv_repeated; the memory-efficient backend always with
+them repeated, as it has no GQA kernel for these shapes) is checked against the math backend in fp32
 (a row that misses 1e-2 relative L2 error is not written), then timed as CUDA-graph replays of
 20 calls over KV copies rotated past the L2 (> 200 MB), median of the replays. Floor as in
 ../shared/BENCH_RESULTS.md: max(KV bytes / 3.0e12, 4 * 128 * 32 * t * kv_tokens / 7.0e14).
