@@ -12,6 +12,7 @@
 #include "kernels/deft_attention.cuh"
 #include "kernels/deft_attention.h"
 #include "kernels/device_info.h"
+#include "kernels/per_device.h"
 
 namespace deft::kernels {
 
@@ -35,7 +36,7 @@ constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every p
 
 // Stage 2's kernel for a batch of O rows per round trip (see the kernel): `batch` if given
 // (32, 16 or 8); else, among the batches whose grid of `ctas` CTAs is resident all at once
-// (occupancy measured once per kernel), the smallest that takes a query's `max_partials` in one
+// (occupancy measured once per kernel and device), the smallest that takes a query's `max_partials` in one
 // trip (fewer registers: more of its CTAs fit beside stage 1's last ones, which a programmatic
 // launch overlaps), else the largest; 8 when none fits.
 template <typename T, int kHeadDim>
@@ -47,7 +48,8 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
     Kernel kernel;
     int64_t resident;  // CTAs resident at once on the device
   };
-  static const std::array<Choice, 3> choices = [] {
+  static PerDevice<std::array<Choice, 3>> per_device;
+  const std::array<Choice, 3> choices = per_device.get([] {
     const int32_t sms = current_device_sm_count();
     std::array<Choice, 3> c = {
         Choice{32, &detail::deft_attention_stage2_kernel<T, kHeadDim, 32>, 0},
@@ -60,7 +62,7 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
       choice.resident = int64_t{per_sm} * sms;
     }
     return c;
-  }();
+  });
   if (batch > 0) {
     for (const Choice& choice : choices) {
       if (choice.batch == batch) return choice.kernel;
@@ -76,16 +78,16 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
 }
 
 // Stage 1's kernel with its dynamic shared-memory limit raised (not a stream operation: done once
-// per instantiation, before any capture the caller may start later).
+// per instantiation and device, before any capture the caller may start later).
 template <typename T, int kHeadDim, bool kWgmmaPasses>
 auto stage1_kernel() {
   auto* stage1 = &detail::deft_attention_stage1_kernel<T, kHeadDim, kWgmmaPasses>;
-  static const bool smem_configured = [&] {
+  static PerDevice<bool> smem_configured;
+  smem_configured.get([&] {
     DEFT_CUDA_CHECK(cudaFuncSetAttribute(stage1, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          detail::Stage1Smem<kHeadDim>::kBytes));
     return true;
-  }();
-  (void)smem_configured;
+  });
   return stage1;
 }
 

@@ -5,7 +5,10 @@
 
 namespace deft::kernels {
 
-// Number of SMs of the current device (cudaGetDevice), read once per device.
+// The current device (cudaGetDevice).
+int current_device();
+
+// Number of SMs of the current device, read once per device.
 int32_t current_device_sm_count();
 
 }  // namespace deft::kernels

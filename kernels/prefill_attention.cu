@@ -6,6 +6,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/device_info.h"
+#include "kernels/per_device.h"
 #include "kernels/prefill_attention.cuh"
 #include "kernels/prefill_attention.h"
 
@@ -31,12 +32,12 @@ void launch_typed(const detail::PrefillParams& params, const PrefillLaunchShape&
                   int32_t num_kv_heads, cudaStream_t stream) {
   auto* kernel = &detail::prefill_attention_kernel<T, kHeadDim>;
   constexpr int kSmemBytes = detail::PrefillSmem<kHeadDim>::kBytes;
-  static const bool smem_configured = [&] {
+  static PerDevice<bool> smem_configured;  // a function attribute is per device
+  smem_configured.get([&] {
     DEFT_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
-  }();
-  (void)smem_configured;
+  });
   const dim3 grid(static_cast<unsigned>(shape.q_tiles), static_cast<unsigned>(num_kv_heads),
                   static_cast<unsigned>(shape.kv_splits));
   kernel<<<grid, detail::kPrefillThreads, kSmemBytes, stream>>>(params);

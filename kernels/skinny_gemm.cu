@@ -43,6 +43,7 @@
 #include "kernels/dependent_launch.cuh"
 #include "kernels/device_info.h"
 #include "kernels/float_convert.cuh"
+#include "kernels/per_device.h"
 #include "kernels/skinny_gemm.h"
 #include "kernels/tensor_map.h"
 #include "kernels/wgmma.cuh"
@@ -379,13 +380,14 @@ auto kernel_of() {
   return skinny_gemm_kernel<T, kN>;
 }
 
-// Raises the kernel's dynamic shared-memory limit (once per instantiation).
+// Raises the kernel's dynamic shared-memory limit (once per instantiation and device).
 template <typename T, int kN>
 void prepare() {
-  static std::once_flag once;
-  std::call_once(once, [] {
+  static PerDevice<bool> prepared;
+  prepared.get([] {
     DEFT_CUDA_CHECK(cudaFuncSetAttribute(
         kernel_of<T, kN>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<kN>::kBytes));
+    return true;
   });
 }
 
@@ -507,17 +509,20 @@ bool skinny_gemm_supported(const SkinnyGemmDims& dims, const void* x, const void
 }
 
 bool skinny_gemm_available() {
-  static const bool available = [] {
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  static PerDevice<bool> available;  // a process may drive GPUs of different architectures
+  return available.get([] {
     cudaFuncAttributes attributes{};
     if (cudaFuncGetAttributes(&attributes, kernel_of<__nv_bfloat16, 32>()) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
     return attributes.binaryVersion == 90;  // the sm_90a machine code is in the binary
-  }();
-  return available;
+  });
 }
 
 void skinny_gemm_reserve(cudaStream_t stream) {

@@ -17,6 +17,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
+#include "kernels/device_scope.h"
 #include "kernels/llama_ops.h"
 #include "kernels/prefill_attention.h"
 #include "kernels/sampling.h"
@@ -134,6 +135,7 @@ struct LlamaCudaRunner::State {
     DeviceBuffer k_cache, v_cache;       // [num_kv_slots][kv_heads][head_dim]
   };
 
+  int device = 0;  // LlamaCudaOptions::device: made current by every entry point (DeviceScope)
   kernels::DType dtype = kernels::DType::kBf16;
   cudaStream_t stream = nullptr;
   std::unique_ptr<GemmTuner> gemms;  // every weight GEMM (made once the workspace exists)
@@ -556,7 +558,11 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
 }
 
 LlamaCudaRunner::LlamaCudaRunner() = default;
-LlamaCudaRunner::~LlamaCudaRunner() = default;
+LlamaCudaRunner::~LlamaCudaRunner() {
+  if (state_ == nullptr) return;
+  const kernels::DeviceScope on_device(state_->device);
+  state_.reset();
+}
 
 namespace {
 
@@ -590,7 +596,6 @@ absl::Status check_options(const LlamaCudaOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("llama_cuda: device ", options.device, " outside [0, ", count, ")"));
   }
-  DEFT_CUDA_CHECK(cudaSetDevice(options.device));
   return absl::OkStatus();
 }
 
@@ -613,6 +618,7 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create(
     const ModelConfig& config, const SafetensorsSet& checkpoint, const LlamaCudaOptions& options,
     std::string name) {
   if (absl::Status status = check_options(options); !status.ok()) return status;
+  const kernels::DeviceScope on_device(options.device);
   absl::StatusOr<LlamaWeights> weights = bind_llama_weights(config, checkpoint);
   if (!weights.ok()) return weights.status();
 
@@ -621,6 +627,7 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create(
   runner->info_.name = std::move(name);
   runner->state_ = std::make_unique<State>();
   State& s = *runner->state_;
+  s.device = options.device;
   s.dtype = model_dtype(config);
   s.embed = upload_16bit({&weights->embed_tokens}, s.dtype);
   s.norm = upload_fp32(weights->norm);
@@ -652,6 +659,7 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create(
 absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create_random(
     const ModelConfig& config, const LlamaCudaOptions& options, uint64_t seed, std::string name) {
   if (absl::Status status = check_options(options); !status.ok()) return status;
+  const kernels::DeviceScope on_device(options.device);
   if (config.hidden_size <= 0 || config.intermediate_size <= 0 || config.num_hidden_layers <= 0 ||
       config.num_attention_heads <= 0 || config.num_key_value_heads <= 0 || config.head_dim <= 0 ||
       config.vocab_size <= 0) {
@@ -664,6 +672,7 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create_random(
   runner->info_.name = std::move(name);
   runner->state_ = std::make_unique<State>();
   State& s = *runner->state_;
+  s.device = options.device;
   s.dtype = model_dtype(config);
   uint64_t tensor_index = 0;
   // A matrix [rows][cols] with std 1/sqrt(cols) (uniform: half-width sqrt(3/cols)).
@@ -824,11 +833,13 @@ size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
 void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
 void LlamaCudaRunner::set_gemm_tuning(bool on) {
+  const kernels::DeviceScope on_device(state_->device);
   // Captured step graphs hold the other GEMM kernels.
   if (state_->gemms->enabled() != on) state_->drop_graphs();
   state_->gemms->set_enabled(on);
 }
 void LlamaCudaRunner::set_skinny_gemm(SkinnyGemmUse use) {
+  const kernels::DeviceScope on_device(state_->device);
   // Captured step graphs hold the other GEMM kernels.
   if (state_->skinny_gemm != use) state_->drop_graphs();
   state_->skinny_gemm = use;
@@ -843,6 +854,7 @@ void LlamaCudaRunner::set_weight_prefetch(int64_t bytes_per_gemm) {
     std::abort();
   }
   // Captured step graphs hold the kernels' arguments.
+  const kernels::DeviceScope on_device(state_->device);
   if (state_->prefetch_bytes != bytes_per_gemm) state_->drop_graphs();
   state_->prefetch_bytes = bytes_per_gemm;
 }
@@ -856,6 +868,7 @@ double LlamaCudaRunner::last_attention_seconds() const {
 }
 const StepTimes& LlamaCudaRunner::last_step_times() const { return state_->times; }
 void LlamaCudaRunner::set_cuda_graphs(bool on) {
+  const kernels::DeviceScope on_device(state_->device);
   state_->use_graphs = on;
   if (!on) state_->drop_graphs();
 }
@@ -864,6 +877,7 @@ const CudaGraphStats& LlamaCudaRunner::cuda_graph_stats() const { return state_-
 engine::AttentionWave LlamaCudaRunner::attention_wave() const {
   const State& s = *state_;
   if (!s.deft_kernels) return {};
+  const kernels::DeviceScope on_device(s.device);
   return {.ctas = kernels::deft_attention_resident_ctas(s.dims, s.dtype),
           .kv_heads = s.dims.num_kv_heads,
           .group_size = s.dims.group_size()};
@@ -886,6 +900,7 @@ absl::Status LlamaCudaRunner::forward_sampled(const engine::StepBatch& batch,
 absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span<float> logits,
                                        std::span<const engine::RowSampling> sampling,
                                        std::span<engine::SampledToken> sampled) {
+  const kernels::DeviceScope on_device(state_->device);
   const bool sample = !sampling.empty();
   if (batch.plan == nullptr) return absl::InvalidArgumentError("llama_cuda: step without a plan");
   const engine::AttentionPlan& plan = *batch.plan;

@@ -42,6 +42,8 @@ struct LlamaCudaOptions {
   // Query rows one step may carry (activations are sized for it; prefill runs longer than
   // this must be split by the caller).
   int32_t max_batch_rows = 4096;
+  // The GPU. Every call of the runner makes it current for its duration and gives the calling
+  // thread's current device back, so runners on several GPUs can be driven from one thread.
   int device = 0;
   // Decode steps replay CUDA graphs (false: every step launches its ~130 kernels one by one).
   bool cuda_graphs = true;

@@ -401,6 +401,48 @@ TEST(LlamaCuda, DeftKernelPathMatchesCpuRunner) {
   }
 }
 
+// A runner on the last GPU, driven from a thread whose current device is the first (and a runner
+// on the first beside it): both match the CPU runner, and each call gives the thread's current
+// device back. Needs two GPUs.
+TEST(LlamaCuda, RunnersOnTwoDevicesFromOneThread) {
+  DEFT_SKIP_WITHOUT_GPU();
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) GTEST_SKIP() << "needs two CUDA devices, found " << count;
+  const testing::TinyLlama model = testing::make_tiny_llama({.hidden = 256,
+                                                             .heads = 8,
+                                                             .kv_heads = 2,
+                                                             .head_dim = 128,
+                                                             .intermediate = 512,
+                                                             .layers = 2,
+                                                             .vocab = 300,
+                                                             .seed = 7});
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> last = LlamaCudaRunner::create(
+      model.config, model.checkpoint,
+      {.num_kv_slots = 1024, .max_batch_rows = 256, .device = count - 1}, "tiny, last GPU");
+  ASSERT_TRUE(last.ok()) << last.status();
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0) << "creating a runner changed the thread's current device";
+  absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> first = LlamaCudaRunner::create(
+      model.config, model.checkpoint, {.num_kv_slots = 1024, .max_batch_rows = 256},
+      "tiny, first GPU");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE((*last)->uses_deft_kernels());
+  EXPECT_GT((*last)->attention_wave().ctas, 0);
+  absl::StatusOr<std::unique_ptr<LlamaCpuRunner>> cpu =
+      LlamaCpuRunner::create(model.config, model.checkpoint, 1024, "tiny");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  compare_with_cpu(**last, **cpu, "tiny head_dim 128 on the last GPU, thread on GPU 0");
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0) << "a step changed the thread's current device";
+  compare_with_cpu(**first, **cpu, "tiny head_dim 128 on GPU 0 beside it");
+  last->reset();  // freed on its own device
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0);
+}
+
 // ---- Prefill runs (PlannerOptions::min_prefill_run) --------------------------------------------
 
 // A 150-token prompt, then in one step a 90-token extension of one branch (a run under a prefix)
