@@ -36,9 +36,9 @@ constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every p
 
 // Stage 2's kernel for a batch of O rows per round trip (see the kernel): `batch` if given
 // (32, 16 or 8); else, among the batches whose grid of `ctas` CTAs is resident all at once
-// (occupancy measured once per kernel and device), the smallest that takes a query's `max_partials` in one
-// trip (fewer registers: more of its CTAs fit beside stage 1's last ones, which a programmatic
-// launch overlaps), else the largest; 8 when none fits.
+// (occupancy measured once per kernel and device), the smallest that takes a query's `max_partials`
+// in one trip (fewer registers: more of its CTAs fit beside stage 1's last ones, which a
+// programmatic launch overlaps), else the largest; 8 when none fits.
 template <typename T, int kHeadDim>
 auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
   using Kernel =

@@ -1,8 +1,7 @@
-#include "kernels/device_info.h"
-
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/per_device.h"
 
 namespace deft::kernels {
