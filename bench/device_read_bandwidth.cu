@@ -1,12 +1,12 @@
 #include "bench/device_read_bandwidth.h"
 
-#include <algorithm>
 #include <cstdio>
-#include <vector>
 
 #include "bench/bench_result.h"
+#include "bench/graph_timing.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
+#include "kernels/device_info.h"
 
 namespace deft::bench {
 namespace {
@@ -24,14 +24,8 @@ __global__ void read_kernel(const uint4* __restrict__ data, int64_t n, uint32_t*
 }  // namespace
 
 void launch_device_read(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
-  static const int sms = [] {
-    int device = 0, count = 0;
-    DEFT_CUDA_CHECK(cudaGetDevice(&device));
-    DEFT_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    return count;
-  }();
-  read_kernel<<<sms * 4, 512, 0, stream>>>(static_cast<const uint4*>(data),
-                                           static_cast<int64_t>(bytes / 16), sink);
+  read_kernel<<<kernels::current_device_sm_count() * 4, 512, 0, stream>>>(
+      static_cast<const uint4*>(data), static_cast<int64_t>(bytes / 16), sink);
   DEFT_CUDA_CHECK_LAUNCH();
 }
 
@@ -41,26 +35,13 @@ double measure_device_read_bytes_per_s(size_t bytes, int reps) {
   DEFT_CUDA_CHECK(cudaMemset(buffer.data(), 0x5a, bytes));
   cudaStream_t stream = nullptr;
   DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t start = nullptr, stop = nullptr;
-  DEFT_CUDA_CHECK(cudaEventCreate(&start));
-  DEFT_CUDA_CHECK(cudaEventCreate(&stop));
-  auto* sink_word = static_cast<uint32_t*>(sink.data());
-  for (int i = 0; i < 3; ++i) launch_device_read(buffer.data(), bytes, sink_word, stream);
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    DEFT_CUDA_CHECK(cudaEventRecord(start, stream));
-    launch_device_read(buffer.data(), bytes, sink_word, stream);
-    DEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
-    DEFT_CUDA_CHECK(cudaEventSynchronize(stop));
-    float elapsed = 0;
-    DEFT_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-    ms.push_back(elapsed);
-  }
-  DEFT_CUDA_CHECK(cudaEventDestroy(start));
-  DEFT_CUDA_CHECK(cudaEventDestroy(stop));
+  const auto read = [&](int) {
+    launch_device_read(buffer.data(), bytes, static_cast<uint32_t*>(sink.data()), stream);
+  };
+  const Samples us = summarize(
+      time_graph_replays(stream, /*launches_per_graph=*/1, /*warmup=*/3, reps, read));
   DEFT_CUDA_CHECK(cudaStreamDestroy(stream));
-  std::sort(ms.begin(), ms.end());
-  return static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3);
+  return static_cast<double>(bytes) / (us.median * 1e-6);
 }
 
 double measure_and_print_device_read_bandwidth() {

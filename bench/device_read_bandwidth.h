@@ -18,7 +18,7 @@ namespace deft::bench {
 void launch_device_read(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream);
 
 // Bytes per second of launch_device_read over a fresh buffer of `bytes` (filled, not zeros),
-// median of `reps` timed reads after 3 untimed ones.
+// median of `reps` timed reads after 3 untimed ones (bench/graph_timing.h, one read a replay).
 double measure_device_read_bytes_per_s(size_t bytes = size_t{2} << 30, int reps = 20);
 
 // measure_device_read_bytes_per_s() with its defaults, printed in one line beside the floor's

@@ -2,7 +2,8 @@
 // (kernels/skinny_gemm.h) against cuBLAS (cublasGemmEx, the runner's call) on the same shapes in
 // the same run, y = x · w^T with fp32 output (the runner's O / down calls accumulate into the fp32
 // residual, QKV / gate-up write bf16; the weight stream is the same). Floor = max(weight bytes /
-// 3.0 TB/s, 2 M N K / 7e14 FLOP/s) (BenchResult::floor_us; the bytes decide up to 128 rows). Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated over at
+// 3.0 TB/s, 2 M N K / 7e14 FLOP/s) (BenchResult::floor_us; the bytes decide up to 128 rows).
+// Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated over at
 // least two copies and over 200 MB (> 4x the L2; --rotate-mb), median after warm-up. (Shapes over
 // 200 MB had a single copy until session 14; two copies or 8 GB measured the same,
 // bench/results/skinny_gemm-h100-notes.md.) Each skinny row is checked against cuBLAS's output

@@ -248,14 +248,7 @@ TEST(LlamaCudaGraphs, RandomTreesDeftKernelsMatchEager) {
   DEFT_SKIP_WITHOUT_GPU();
   for (int head_dim : {64, 128}) {
     const testing::TinyLlama model =
-        testing::make_tiny_llama({.hidden = 256,
-                                  .heads = 8,
-                                  .kv_heads = 2,
-                                  .head_dim = head_dim,
-                                  .intermediate = 512,
-                                  .layers = 2,
-                                  .vocab = 300,
-                                  .seed = static_cast<uint64_t>(head_dim)});
+        testing::make_tiny_deft_llama(head_dim, static_cast<uint64_t>(head_dim));
     engine::KvCacheManager kv({.page_tokens = 8, .num_pages = 1024});
     // The graph runner keeps 2 graphs at most: buckets are evicted and captured again.
     for (int32_t max_graphs : {32, 2}) {
@@ -285,14 +278,7 @@ TEST(LlamaCudaGraphs, RandomTreesDeftKernelsMatchEager) {
 // temperature sampling too (the same uniform; the logits differ by bf16 noise at most).
 TEST(LlamaCudaGraphs, ForwardSampledMatchesEager) {
   DEFT_SKIP_WITHOUT_GPU();
-  const testing::TinyLlama model = testing::make_tiny_llama({.hidden = 256,
-                                                             .heads = 8,
-                                                             .kv_heads = 2,
-                                                             .head_dim = 128,
-                                                             .intermediate = 512,
-                                                             .layers = 2,
-                                                             .vocab = 300,
-                                                             .seed = 5});
+  const testing::TinyLlama model = testing::make_tiny_deft_llama(128, 5);
   engine::KvCacheManager kv({.page_tokens = 8, .num_pages = 256});
   std::unique_ptr<LlamaCudaRunner> graph = tiny_runner(model, kv.num_slots(), true);
   std::unique_ptr<LlamaCudaRunner> eager = tiny_runner(model, kv.num_slots(), false);
@@ -369,14 +355,7 @@ TEST(LlamaCudaGraphs, ForwardSampledMatchesEager) {
 // kTotal times graph steps; kPhases runs eagerly; set_cuda_graphs(false) stops replays.
 TEST(LlamaCudaGraphs, TimingModesAndSwitch) {
   DEFT_SKIP_WITHOUT_GPU();
-  const testing::TinyLlama model = testing::make_tiny_llama({.hidden = 256,
-                                                             .heads = 8,
-                                                             .kv_heads = 2,
-                                                             .head_dim = 64,
-                                                             .intermediate = 512,
-                                                             .layers = 2,
-                                                             .vocab = 300,
-                                                             .seed = 9});
+  const testing::TinyLlama model = testing::make_tiny_deft_llama(64, 9);
   engine::KvCacheManager kv({.page_tokens = 8, .num_pages = 64});
   std::unique_ptr<LlamaCudaRunner> runner = tiny_runner(model, kv.num_slots(), true);
   ASSERT_NE(runner, nullptr);

@@ -366,18 +366,6 @@ void compare_with_cpu(engine::ModelRunner& cuda, engine::ModelRunner& cpu, const
       name, worst, kBf16LogitBound, kGreedySteps, identical.c_str());
 }
 
-// A two-layer model the DeFT kernels run (head_dim 64 or 128, GQA 4), random weights from `seed`.
-testing::TinyLlama tiny_deft_model(int head_dim, uint64_t seed) {
-  return testing::make_tiny_llama({.hidden = 256,
-                                   .heads = 8,
-                                   .kv_heads = 2,
-                                   .head_dim = head_dim,
-                                   .intermediate = 512,
-                                   .layers = 2,
-                                   .vocab = 300,
-                                   .seed = seed});
-}
-
 TEST(LlamaCuda, MatchesCpuRunnerOnDefaultModel) {
   DEFT_SKIP_WITHOUT_GPU();
   const std::string dir = source_path("models/default");
@@ -391,7 +379,8 @@ TEST(LlamaCuda, MatchesCpuRunnerOnDefaultModel) {
 TEST(LlamaCuda, DeftKernelPathMatchesCpuRunner) {
   DEFT_SKIP_WITHOUT_GPU();
   for (int head_dim : {64, 128}) {
-    const testing::TinyLlama model = tiny_deft_model(head_dim, static_cast<uint64_t>(head_dim));
+    const testing::TinyLlama model =
+        testing::make_tiny_deft_llama(head_dim, static_cast<uint64_t>(head_dim));
     absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> cuda = LlamaCudaRunner::create(
         model.config, model.checkpoint, {.num_kv_slots = 1024, .max_batch_rows = 256}, "tiny");
     ASSERT_TRUE(cuda.ok()) << cuda.status();
@@ -413,7 +402,7 @@ TEST(LlamaCuda, RunnersOnTwoDevicesFromOneThread) {
   int count = 0;
   ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
   if (count < 2) GTEST_SKIP() << "needs two CUDA devices, found " << count;
-  const testing::TinyLlama model = tiny_deft_model(128, 7);
+  const testing::TinyLlama model = testing::make_tiny_deft_llama(128, 7);
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> last = LlamaCudaRunner::create(
       model.config, model.checkpoint,
@@ -495,7 +484,8 @@ void compare_prefill_runs(LlamaCudaRunner& runner, const char* name) {
 TEST(LlamaCuda, PrefillRunsMatchTaskPlans) {
   DEFT_SKIP_WITHOUT_GPU();
   for (int head_dim : {64, 128}) {
-    const testing::TinyLlama model = tiny_deft_model(head_dim, static_cast<uint64_t>(head_dim + 1));
+    const testing::TinyLlama model =
+        testing::make_tiny_deft_llama(head_dim, static_cast<uint64_t>(head_dim + 1));
     absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> cuda = LlamaCudaRunner::create(
         model.config, model.checkpoint, {.num_kv_slots = 1024, .max_batch_rows = 256}, "tiny");
     ASSERT_TRUE(cuda.ok()) << cuda.status();

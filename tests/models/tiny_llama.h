@@ -95,6 +95,19 @@ inline TinyLlama make_tiny_llama(const TinyLlamaSpec& spec) {
   return model;
 }
 
+// A two-layer model the GPU's DeFT kernels run (hidden 256, 8 query heads over 2 KV heads of
+// head_dim 64 or 128, vocab 300), random weights from `seed`: the CUDA runner's tests.
+inline TinyLlama make_tiny_deft_llama(int32_t head_dim, uint64_t seed) {
+  return make_tiny_llama({.hidden = 256,
+                          .heads = 8,
+                          .kv_heads = 2,
+                          .head_dim = head_dim,
+                          .intermediate = 512,
+                          .layers = 2,
+                          .vocab = 300,
+                          .seed = seed});
+}
+
 // max |a - b| / max |b|.
 inline double relative_error(std::span<const float> a, std::span<const float> b) {
   double diff = 0.0, scale = 0.0;
