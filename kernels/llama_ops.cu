@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
                     float* __restrict__ x, const float* __restrict__ add_bias,
                     const float* __restrict__ weight, T* __restrict__ out,
-                    const WeightPrefetch prefetch) {
+                    const WeightPrefetch prefetch, const L2Discard discard) {
   // The GEMM after it may start streaming its weights (it waits for our output itself).
   detail::allow_dependent_launch();
   if (detail::prefetch_weight_rows(prefetch)) return;
@@ -112,6 +112,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int32_t c = threadIdx.x; c < dims.width; c += kThreads) {
     dst[c] = from_float<T>(weight[c] * (in[c] * inv_rms));
   }
+  detail::discard_l2_ranges(discard, int64_t{i} * kThreads + threadIdx.x,
+                            int64_t{dims.num_rows} * kThreads);
 }
 
 // Rows of up to this many float4s per thread stay in registers (8192 wide at 256 threads).
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
     rms_norm_vector_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,
                            float* __restrict__ x, const float* __restrict__ add_bias,
                            const float* __restrict__ weight, T* __restrict__ out,
-                           const WeightPrefetch prefetch) {
+                           const WeightPrefetch prefetch, const L2Discard discard) {
   // The GEMM after it may start streaming its weights (it waits for our output itself).
   detail::allow_dependent_launch();
   if (detail::prefetch_weight_rows(prefetch)) return;
@@ -170,6 +172,8 @@ __global__ void __launch_bounds__(kThreads)
     store4(dst + 4 * c, w[k].x * (v[k].x * inv_rms), w[k].y * (v[k].y * inv_rms),
            w[k].z * (v[k].z * inv_rms), w[k].w * (v[k].w * inv_rms));
   }
+  detail::discard_l2_ranges(discard, int64_t{i} * kThreads + threadIdx.x,
+                            int64_t{dims.num_rows} * kThreads);
 }
 
 // out = silu(gate) * up, one element per thread (any width).
@@ -407,7 +411,7 @@ void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int3
 
 void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_index, float* x,
                      const float* add_bias, const float* weight, void* out, cudaStream_t stream,
-                     const WeightPrefetch& prefetch) {
+                     const WeightPrefetch& prefetch, const L2Discard& discard) {
   if (row_index != nullptr && add_bias != nullptr) {
     std::fprintf(stderr, "launch_rms_norm: add_bias with a row gather\n");
     std::abort();
@@ -421,7 +425,7 @@ void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_in
     using T = decltype(tag);
     launch_dependent(vector ? &rms_norm_vector_kernel<T> : &rms_norm_kernel<T>,
                      dim3(static_cast<unsigned>(grid.blocks)), kThreads, stream, dims, row_index,
-                     x, add_bias, weight, static_cast<T*>(out), grid.prefetch);
+                     x, add_bias, weight, static_cast<T*>(out), grid.prefetch, discard);
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/dtype.h"
+#include "kernels/l2_discard.h"
 #include "kernels/llama_ops_cpu.h"
 #include "kernels/weight_prefetch.h"
 
@@ -20,9 +21,11 @@ void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int3
                       const void* table, float* out, cudaStream_t stream);
 
 // x: fp32 residual (bias folded in place when add_bias is set); out: [num_rows][width] dtype.
+// discard: dead buffers dropped from L2 once the kernel before is done (none may overlap x or
+// out).
 void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_index, float* x,
                      const float* add_bias, const float* weight, void* out, cudaStream_t stream,
-                     const WeightPrefetch& prefetch = {});
+                     const WeightPrefetch& prefetch = {}, const L2Discard& discard = {});
 
 // gate_up: [num_rows][2 * width] dtype; out: [num_rows][width] dtype.
 void launch_silu_mul(int32_t num_rows, int32_t width, DType dtype, const void* gate_up, void* out,

@@ -8,6 +8,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/device_info.h"
+#include "kernels/l2_discard.cuh"
 #include "kernels/philox.h"
 #include "kernels/sampling.h"
 
@@ -272,7 +273,8 @@ template <int kSplit>
 __global__ void __launch_bounds__(kThreads, 2)
     sample_rows_kernel(const SamplingDims dims, const float* __restrict__ logits,
                        const RowSamplingParams* __restrict__ params, float* __restrict__ workspace,
-                       SampledRow* __restrict__ out, SampledTop* __restrict__ top) {
+                       SampledRow* __restrict__ out, SampledTop* __restrict__ top,
+                       bool drop_logits) {
   __shared__ SharedState sh;
   cg::cluster_group cluster = cg::this_cluster();
   const int32_t r = blockIdx.x / kSplit;
@@ -280,6 +282,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int32_t vocab = dims.vocab_size;
   const float* row = logits + static_cast<int64_t>(r) * dims.row_stride;
   const RowSamplingParams p = params[r];
+  const bool greedy = p.temperature == 0.0f || p.top_k == 1;
+  const bool wants_top = p.top_logprobs > 0 && top != nullptr;
 
   // Passes 1 and 2 over this block's share (a multiple of 4 tokens, so float4 alignment holds):
   // most and least likely keys, first non-finite logit, the sum relative to the share's max.
@@ -325,6 +329,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       sum = block_reduce(static_cast<double>(partial), SumOp{}, sh.reduce.f64);
     }
     if (threadIdx.x == 0) sh.share = {key_max, key_min, sum, bad};
+    // Nothing reads a greedy row's logits after passes 1 and 2 (rank 0 finishes from the shares'
+    // keys and sums, and reads a logit only at the first non-finite one, whose share is kept).
+    if (drop_logits && greedy && !wants_top && bad == INT_MAX) {
+      __syncthreads();  // every thread's loads of the share are done
+      detail::discard_l2_range(row + begin, int64_t{count} * sizeof(float), threadIdx.x, kThreads);
+    }
   }
   cluster.sync();  // every share is written
   uint64_t key_max = 0, key_min = ~uint64_t{0};
@@ -367,7 +377,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const double log_normaliser = static_cast<double>(max_logit) + log(raw_sum);
 
   int32_t chosen = key_token(key_max);
-  const bool greedy = p.temperature == 0.0f || p.top_k == 1;
+  // A greedy row's chosen logit from its key (the row may be dropped from L2 by now).
+  float chosen_logit = key_logit(key_max);
   if (!greedy) {
     // Weights as the CPU computes them: fp32 (logit - max) / T, exp rounded once to fp32.
     float* weights = workspace + static_cast<int64_t>(r) * vocab;
@@ -462,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 
   int32_t num_top = 0;
-  if (p.top_logprobs > 0 && top != nullptr) {
+  if (wants_top) {
     num_top = min(p.top_logprobs, min(vocab, kSamplingMaxTopLogprobs));
     const uint64_t nth =
         select_key<false>(row, nullptr, vocab, key_min, key_max, static_cast<double>(num_top), sh);
@@ -492,7 +503,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (threadIdx.x == 0) {
     SampledRow result;
     result.token = chosen;
-    result.logprob = static_cast<float>(static_cast<double>(row[chosen]) - log_normaliser);
+    if (!greedy) chosen_logit = row[chosen];
+    result.logprob = static_cast<float>(static_cast<double>(chosen_logit) - log_normaliser);
     result.status = kSampledOk;
     result.num_top = num_top;
     out[r] = result;
@@ -507,7 +519,7 @@ size_t sampling_workspace_bytes(int32_t num_rows, int32_t vocab_size) {
 
 void launch_sample_rows(const SamplingDims& dims, const float* logits,
                         const RowSamplingParams* params, float* workspace, SampledRow* out,
-                        SampledTop* top, cudaStream_t stream) {
+                        SampledTop* top, cudaStream_t stream, bool drop_logits) {
   if (dims.num_rows <= 0) return;
   // Two blocks an SM (the kernel's launch bounds).
   const int64_t resident_blocks = int64_t{2} * current_device_sm_count();
@@ -533,7 +545,7 @@ void launch_sample_rows(const SamplingDims& dims, const float* logits,
                  : split == 4 ? &sample_rows_kernel<4>
                               : &sample_rows_kernel<2>;
   DEFT_CUDA_CHECK(
-      cudaLaunchKernelEx(&config, kernel, dims, logits, params, workspace, out, top));
+      cudaLaunchKernelEx(&config, kernel, dims, logits, params, workspace, out, top, drop_logits));
   DEFT_CUDA_CHECK_LAUNCH();
 }
 

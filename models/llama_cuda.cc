@@ -471,9 +471,22 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                    .row_bytes = row_bytes,
                                    .bytes_per_row = static_cast<int32_t>(per_row)};
   };
-  for (Layer& layer : layers) {
+  // Activations read for the last time by a cuBLAS GEMM (the down projection's input, the
+  // attention's output) or earlier (the QKV GEMM's output, Q): the RMSNorm after that GEMM drops
+  // them from L2, so their write-back does not take DRAM time from the next GEMMs' weight
+  // streams. Each is rewritten whole before it is read again.
+  const kernels::L2Discard dead_after_mlp =
+      kernels::L2Discard{}.add(act.data(), int64_t{rows} * intermediate * e);
+  const kernels::L2Discard dead_after_attention =
+      kernels::L2Discard{}
+          .add(attn.data(), int64_t{rows} * q_size * e)
+          .add(q.data(), int64_t{rows} * q_size * e)
+          .add(qkv.data(), int64_t{rows} * qkv_width * e);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    Layer& layer = layers[l];
     kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, nullptr, layer.input_norm.as<float>(),
-                             normed.data(), stream, prefetch(layer.qkv, qkv_width, hidden));
+                             normed.data(), stream, prefetch(layer.qkv, qkv_width, hidden),
+                             l > 0 ? dead_after_mlp : kernels::L2Discard{});
     mark(kOther);
     gemm(normed.data(), layer.qkv.data(), rows, hidden, qkv_width, qkv.data(), false, false);
     mark(kGemm);
@@ -503,7 +516,8 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
     // The O projection's bias (Llama with attention_bias) is folded into the residual here.
     kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, layer.o_bias.as<float>(),
                              layer.post_norm.as<float>(), normed.data(), stream,
-                             prefetch(layer.gate_up, 2 * int64_t{intermediate}, hidden));
+                             prefetch(layer.gate_up, 2 * int64_t{intermediate}, hidden),
+                             dead_after_attention);
     mark(kOther);
     if (on_skinny({.rows = rows, .in = hidden, .out = 2 * intermediate}, normed.data(),
                   layer.gate_up.data(), false)) {
@@ -526,7 +540,8 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
 
   // Final norm of the logit rows only (gathered), then the LM head in chunks of rows.
   kernels::launch_rms_norm({.num_rows = logit_rows, .width = hidden, .eps = eps}, dtype,
-                           d_logit_rows, x, nullptr, norm.as<float>(), normed.data(), stream);
+                           d_logit_rows, x, nullptr, norm.as<float>(), normed.data(), stream,
+                           {}, layers.empty() ? kernels::L2Discard{} : dead_after_mlp);
   mark(kOther);
   const void* head = c.tie_word_embeddings ? embed.data() : lm_head.data();
   const size_t row_bytes = kernels::dtype_bytes(dtype) * hidden;
@@ -546,7 +561,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
           sampling_workspace.as<float>(), sampled.as<kernels::SampledRow>() + begin,
           sampled_top.as<kernels::SampledTop>() +
               static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
-          stream);
+          stream, /*drop_logits=*/true);
       mark(kSampling);
     } else if (!launch.logits_out.empty()) {
       DEFT_CUDA_CHECK(cudaMemcpyAsync(launch.logits_out.data() + static_cast<size_t>(begin) * vocab,

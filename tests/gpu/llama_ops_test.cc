@@ -160,6 +160,51 @@ TEST_P(LlamaOpsGpuTest, WeightPrefetchLeavesOutputsUnchanged) {
   }
 }
 
+// An L2Discard drops only whole 128-byte lines inside its ranges, and only after the norm's own
+// work: the outputs are the same bit for bit, and the bytes of a range's partial first and last
+// lines (and everything outside the ranges) keep the values a kernel wrote there last. The
+// buffer is NaN in DRAM first, then rewritten by a device copy, so a dropped line that was
+// still needed would likely read back as NaN.
+TEST_P(LlamaOpsGpuTest, L2DiscardKeepsOutputsAndPartialLines) {
+  const size_t scratch_floats = 4096;
+  std::vector<float> pattern(scratch_floats);
+  for (size_t i = 0; i < scratch_floats; ++i) pattern[i] = static_cast<float>(i) + 0.25f;
+  for (const int32_t width : {4096, 1002}) {
+    const int32_t rows = 5;
+    const Tensor16 x = random_tensor(static_cast<size_t>(rows) * width, dtype(), rng_, 3.0f);
+    const Tensor16 weight = random_tensor(width, dtype(), rng_);
+    const RmsNormDims dims{.num_rows = rows, .width = width, .eps = 1e-5f};
+    DeviceBuffer d_weight = to_device(weight.values);
+    DeviceBuffer d_x1 = to_device(x.values), d_x2 = to_device(x.values);
+    DeviceBuffer d_out1(x.values.size() * 2), d_out2(x.values.size() * 2);
+    DeviceBuffer scratch(scratch_floats * sizeof(float));
+    DeviceBuffer source = to_device(pattern);
+    DEFT_CUDA_CHECK(cudaMemset(scratch.data(), 0xFF, scratch_floats * sizeof(float)));
+    DEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    DEFT_CUDA_CHECK(cudaMemcpy(scratch.data(), source.data(), scratch_floats * sizeof(float),
+                               cudaMemcpyDeviceToDevice));
+    // Two ranges starting and ending inside lines (bytes 100 .. 5100 and 6000 .. 6010), one
+    // shorter than a line.
+    const char* base = scratch.as<char>();
+    const L2Discard discard = L2Discard{}.add(base + 100, 5000).add(base + 6000, 10);
+    launch_rms_norm(dims, dtype(), nullptr, d_x1.as<float>(), nullptr, d_weight.as<float>(),
+                    d_out1.data(), nullptr);
+    launch_rms_norm(dims, dtype(), nullptr, d_x2.as<float>(), nullptr, d_weight.as<float>(),
+                    d_out2.data(), nullptr, {}, discard);
+    EXPECT_EQ(to_host<uint16_t>(d_out2, x.values.size()),
+              to_host<uint16_t>(d_out1, x.values.size()))
+        << "rms_norm width " << width << ", seed " << seed_;
+    const std::vector<float> kept = to_host<float>(scratch, scratch_floats);
+    for (size_t i = 0; i < scratch_floats; ++i) {
+      const size_t byte = i * sizeof(float);
+      const bool dropped = byte >= 128 && byte < 5100 / 128 * 128;  // whole lines of range 1
+      if (!dropped) {
+        ASSERT_EQ(kept[i], pattern[i]) << "byte " << byte << " outside the dropped lines";
+      }
+    }
+  }
+}
+
 // head_dim / 2 a multiple of 4 (the vector kernel: 32, 64, 128; 40 heads cross its head runs)
 // and not (the general kernel: 6, 20).
 TEST_P(LlamaOpsGpuTest, QkvBiasRopeAndKvWrite) {

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -96,17 +97,27 @@ struct GpuRows {
   std::vector<SampledTop> top;
 };
 
+// drop_logits: the launch may drop the logits from L2 (the runner's decode steps). The logits
+// buffer then holds NaN first and gets the logits from a device-to-device copy, so a read of a
+// dropped line is likely to see the NaN still in DRAM.
 GpuRows sample_on_gpu(const std::vector<float>& logits, int32_t vocab,
-                      const std::vector<RowSamplingParams>& params) {
+                      const std::vector<RowSamplingParams>& params, bool drop_logits = false) {
   const auto rows = static_cast<int32_t>(params.size());
   DeviceBuffer d_logits = to_device(logits);
+  if (drop_logits) {
+    DeviceBuffer source = to_device(logits);
+    DEFT_CUDA_CHECK(cudaMemset(d_logits.data(), 0xFF, sizeof(float) * logits.size()));
+    DEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    DEFT_CUDA_CHECK(cudaMemcpy(d_logits.data(), source.data(), sizeof(float) * logits.size(),
+                               cudaMemcpyDeviceToDevice));
+  }
   DeviceBuffer d_params = to_device(params);
   DeviceBuffer workspace(sampling_workspace_bytes(rows, vocab));
   DeviceBuffer d_out(sizeof(SampledRow) * rows);
   DeviceBuffer d_top(sizeof(SampledTop) * rows * kSamplingMaxTopLogprobs);
   launch_sample_rows({.num_rows = rows, .vocab_size = vocab, .row_stride = vocab},
                      d_logits.as<float>(), d_params.as<RowSamplingParams>(), workspace.as<float>(),
-                     d_out.as<SampledRow>(), d_top.as<SampledTop>(), nullptr);
+                     d_out.as<SampledRow>(), d_top.as<SampledTop>(), nullptr, drop_logits);
   DEFT_CUDA_CHECK(cudaDeviceSynchronize());
   return {to_host<SampledRow>(d_out, rows),
           to_host<SampledTop>(d_top, static_cast<size_t>(rows) * kSamplingMaxTopLogprobs)};
@@ -164,6 +175,22 @@ TEST_P(SamplingGpuTest, MatchesEngineSampler) {
                         .step = step});
     }
     const GpuRows gpu = sample_on_gpu(logits, vocab, params);
+    // Dropping the logits from L2 as they are read changes nothing.
+    const GpuRows dropped = sample_on_gpu(logits, vocab, params, /*drop_logits=*/true);
+    for (int r = 0; r < rows_per_config; ++r) {
+      const SampledRow& a = gpu.rows[r];
+      const SampledRow& b = dropped.rows[r];
+      EXPECT_TRUE(a.token == b.token && std::memcmp(&a.logprob, &b.logprob, sizeof(float)) == 0 &&
+                  a.status == b.status && a.num_top == b.num_top)
+          << config.name << " row " << r << " with drop_logits: token " << b.token << " logprob "
+          << b.logprob << " against " << a.token << " " << a.logprob;
+      for (int32_t j = 0; j < a.num_top; ++j) {
+        const size_t at = static_cast<size_t>(r) * kSamplingMaxTopLogprobs + j;
+        EXPECT_TRUE(gpu.top[at].token == dropped.top[at].token &&
+                    gpu.top[at].logprob == dropped.top[at].logprob)
+            << config.name << " row " << r << " top " << j << " with drop_logits";
+      }
+    }
     for (int r = 0; r < rows_per_config; ++r) {
       const std::span<const float> row(logits.data() + static_cast<size_t>(r) * vocab, vocab);
       absl::StatusOr<engine::SampledToken> ref =
@@ -233,6 +260,16 @@ TEST(SamplingGpu, ReportsNonFiniteRows) {
   EXPECT_EQ(gpu.rows[1].status, kSampledNonFiniteLogit);
   EXPECT_EQ(gpu.rows[1].error_token, 400);
   EXPECT_EQ(gpu.rows[2].status, kSampledNoFiniteLogit);
+  // Greedy rows with drop_logits: a share holding the bad logit is kept, so it is reported.
+  const std::vector<RowSamplingParams> greedy(3, RowSamplingParams{.temperature = 0.0f});
+  const GpuRows dropped = sample_on_gpu(logits, vocab, greedy, /*drop_logits=*/true);
+  EXPECT_EQ(dropped.rows[0].status, kSampledNonFiniteLogit);
+  EXPECT_EQ(dropped.rows[0].error_token, 5);
+  EXPECT_TRUE(std::isnan(dropped.rows[0].error_logit));
+  EXPECT_EQ(dropped.rows[1].status, kSampledNonFiniteLogit);
+  EXPECT_EQ(dropped.rows[1].error_token, 400);
+  EXPECT_EQ(dropped.rows[1].error_logit, std::numeric_limits<float>::infinity());
+  EXPECT_EQ(dropped.rows[2].status, kSampledNoFiniteLogit);
 }
 
 // Ties everywhere: greedy and top-n pick the lowest ids; top-k cuts inside a run of ties.
