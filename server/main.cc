@@ -122,8 +122,10 @@ int main(int argc, char** argv) {
   if (config.backend != "cpu") {
     absl::StatusOr<std::unique_ptr<deft::models::LlamaCudaRunner>> cuda =
         deft::models::LlamaCudaRunner::load(
-            dir, {.num_kv_slots = kv_slots, .page_tokens = config.page_tokens,
-                  .max_batch_rows = config.max_step_tokens});
+            dir, {.num_kv_slots = kv_slots,
+                  .page_tokens = config.page_tokens,
+                  .max_batch_rows = config.max_step_tokens,
+                  .device = config.device});
     if (cuda.ok()) {
       weight_bytes = (*cuda)->weight_bytes();
       runner = std::move(*cuda);
@@ -141,6 +143,9 @@ int main(int argc, char** argv) {
   }
 #endif
   if (runner == nullptr) {
+    if (config.device != 0) {
+      spdlog::warn("device {} is not used: the model runs on the CPU backend", config.device);
+    }
     absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> cpu =
         deft::models::LlamaCpuRunner::load(dir, kv_slots);
     if (!cpu.ok()) return fail(1, absl::StrCat("model: ", cpu.status().message()));
@@ -151,7 +156,8 @@ int main(int argc, char** argv) {
       "model: {} ({}, {} layers, vocab {}, {} KV slots, {:.1f} MB weights) on the {} "
       "backend, loaded in {:.2f} s",
       dir.string(), model_config->architecture, model_config->num_hidden_layers,
-      model_config->vocab_size, kv_slots, weight_bytes / 1e6, backend,
+      model_config->vocab_size, kv_slots, weight_bytes / 1e6,
+      backend == "cuda" ? absl::StrCat("cuda (device ", config.device, ")") : backend,
       seconds_since(load_start));
 
   deft::server::ModelFacts facts{

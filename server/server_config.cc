@@ -57,6 +57,9 @@ const std::vector<Field>& fields() {
        "checks that clients handle 64-bit ids"},
       {"backend", &ServerConfig::backend,
        "auto (CUDA when built with it and a GPU is visible, else CPU) | cpu | cuda"},
+      {"device", &ServerConfig::device,
+       "CUDA device of the cuda backend, as CUDA numbers them (after CUDA_VISIBLE_DEVICES); "
+       "not used by the CPU backend"},
       {"plan", &ServerConfig::plan,
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
       {"chunk_tokens", &ServerConfig::chunk_tokens,
@@ -271,6 +274,10 @@ absl::Status validate_config(const ServerConfig& config) {
   engine::PlanKind kind;
   if (absl::Status status = engine::parse_plan_kind(config.plan, &kind); !status.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("config: plan: ", status.message()));
+  }
+  if (config.device < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: device = ", config.device, " must be >= 0"));
   }
   if (config.backend != "auto" && config.backend != "cpu" && config.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(

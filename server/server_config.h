@@ -29,6 +29,7 @@ struct ServerConfig {
   int32_t max_verify_entries = 256;    // drafted tokens of one Verify
   int64_t first_node_id = 1;           // node ids start here (<= 2^62; high: test 64-bit clients)
   std::string backend = "auto";        // auto (CUDA when built with it and a GPU is seen) | cpu | cuda
+  int32_t device = 0;                  // CUDA device of the cuda backend
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
   int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
   int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off

@@ -619,7 +619,7 @@ TEST(ServerConfig, HelpListsEveryOptionWithItsDefault) {
   for (const char* option :
        {"--config", "--model", "--listen", "--metrics-listen", "--kv-pages", "--page-tokens",
         "--max-queued-jobs", "--max-tree-tokens", "--max-prompt-tokens", "--plan", "--log-level",
-        "--first-node-id", "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
+        "--first-node-id", "--device", "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
     EXPECT_NE(result.output.find(option), std::string::npos) << option << "\n" << result.output;
   }
 }
@@ -640,6 +640,7 @@ TEST(ServerConfig, BadOptionsAndFieldsExitTwoNamingThem) {
       {{"--kv-pages", "0"}, "kv_pages"},
       {{"--plan", "magic"}, "magic"},
       {{"--log-level", "loud"}, "loud"},
+      {{"--device", "-1"}, "device"},
       {{"--first-node-id", "0"}, "first_node_id"},
       {{"--first-node-id", "4611686018427387905"}, "first_node_id"},    // 2^62 + 1
       {{"--first-node-id", "9223372036854775808"}, "--first-node-id"},  // 2^63: not an int64
@@ -659,6 +660,19 @@ TEST(ServerConfig, BadOptionsAndFieldsExitTwoNamingThem) {
   EXPECT_EQ(typed.exit_code, 2);
   EXPECT_NE(typed.output.find("page_tokens"), std::string::npos) << typed.output;
   std::filesystem::remove(config);
+}
+
+// The CPU backend has no device to pick: a --device says so in the log and changes nothing.
+TEST(ServerConfig, DeviceIsNotUsedByTheCpuBackend) {
+  ServerProcess server({"--backend", "cpu", "--device", "3", "--kv-pages", "64"});
+  ASSERT_TRUE(server.running());
+  grpc::ClientContext context;
+  v1::ModelInfoResponse info;
+  ASSERT_TRUE(server.stub()->ModelInfo(&context, {}, &info).ok());
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+  EXPECT_NE(server.log().find("device 3 is not used: the model runs on the CPU backend"),
+            std::string::npos)
+      << server.log();
 }
 
 TEST(ServerConfig, TheShippedDefaultConfigStartsAndCommandLineOverridesIt) {
