@@ -553,6 +553,27 @@ int32_t skinny_gemm_ctas(const SkinnyGemmDims& dims, int32_t split_k) {
 
 namespace {
 
+// Both launchers' contract (a caller bug otherwise: they abort, naming what is wrong). The
+// product must be skinny_gemm_supported, and the current device must run the sm_90a code.
+void check_launchable(const char* what, const SkinnyGemmDims& dims, const void* x, const void* w) {
+  if (!skinny_gemm_supported(dims, x, w)) {
+    std::fprintf(stderr,
+                 "%s: unsupported product: rows %d (1..%d), in %d (> 0, a multiple of 8), out %d "
+                 "(> 0), x and w 16-byte aligned (%s, %s)\n",
+                 what, dims.rows, 2 * kSkinnyGemmMaxRows, dims.in, dims.out,
+                 reinterpret_cast<uintptr_t>(x) % 16 == 0 ? "yes" : "no",
+                 reinterpret_cast<uintptr_t>(w) % 16 == 0 ? "yes" : "no");
+    std::abort();
+  }
+  if (!skinny_gemm_available()) {
+    std::fprintf(stderr,
+                 "%s: no skinny GEMM on the current device (it needs an sm_90 GPU and a build "
+                 "with sm_90a machine code; see skinny_gemm_available)\n",
+                 what);
+    std::abort();
+  }
+}
+
 // Both launchers: passes of up to kSkinnyGemmMaxRows rows over `tiles` tiles of w.
 void launch_passes(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w, void* y,
                    bool y_fp32, bool accumulate, cudaStream_t stream, int tiles, const Grid& grid,
@@ -589,13 +610,7 @@ void launch_passes(const SkinnyGemmDims& dims, DType dtype, const void* x, const
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
                         void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
                         int32_t split_k) {
-  if (!skinny_gemm_supported(dims, x, w) || !skinny_gemm_available()) {
-    std::fprintf(stderr,
-                 "launch_skinny_gemm: unsupported product rows %d in %d out %d (or no sm_90a "
-                 "device)\n",
-                 dims.rows, dims.in, dims.out);
-    std::abort();
-  }
+  check_launchable("launch_skinny_gemm", dims, x, w);
   const int tiles = tiles_of(dims);
   launch_passes(dims, dtype, x, w, y, y_fp32, accumulate, stream, tiles,
                 grid_for(tiles, k_blocks_of(dims), split_k), /*swiglu_width=*/0);
@@ -604,13 +619,11 @@ void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, 
 void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype,
                                const void* x, const void* w, void* out, cudaStream_t stream) {
   const SkinnyGemmDims dims{.rows = rows, .in = in, .out = 2 * width};
-  if (width <= 0 || !skinny_gemm_supported(dims, x, w) || !skinny_gemm_available()) {
-    std::fprintf(stderr,
-                 "launch_skinny_gemm_swiglu: unsupported product rows %d in %d width %d (or no "
-                 "sm_90a device)\n",
-                 rows, in, width);
+  if (width <= 0) {
+    std::fprintf(stderr, "launch_skinny_gemm_swiglu: width %d must be > 0\n", width);
     std::abort();
   }
+  check_launchable("launch_skinny_gemm_swiglu", dims, x, w);
   // Tiles of 64 gate and 64 up rows; every tile's sum complete in one CTA (no K split over a
   // cluster: the pair of an output would sit in different CTAs' shares).
   const int tiles = (width + kMmaRows - 1) / kMmaRows;

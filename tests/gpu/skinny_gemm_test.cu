@@ -27,6 +27,26 @@
 namespace deft::kernels {
 namespace {
 
+// A launch outside the contract aborts naming what is wrong, before it touches a GPU (so this runs
+// on machines without one too). The pointers are never dereferenced.
+TEST(SkinnyGemmContract, UnsupportedLaunchesAbortNamingTheProblem) {
+  const void* aligned = reinterpret_cast<const void*>(uintptr_t{4096});
+  const void* misaligned = reinterpret_cast<const void*>(uintptr_t{4098});
+  void* out = reinterpret_cast<void*>(uintptr_t{8192});
+  EXPECT_DEATH(launch_skinny_gemm({.rows = 1, .in = 12, .out = 8}, DType::kBf16, aligned, aligned,
+                                  out, true, false, nullptr),
+               "launch_skinny_gemm: unsupported product: rows 1 .*in 12 "
+               "\\(> 0, a multiple of 8\\)");
+  EXPECT_DEATH(launch_skinny_gemm({.rows = 0, .in = 64, .out = 8}, DType::kBf16, aligned, aligned,
+                                  out, true, false, nullptr),
+               "unsupported product: rows 0 \\(1\\.\\.");
+  EXPECT_DEATH(launch_skinny_gemm({.rows = 2, .in = 64, .out = 8}, DType::kBf16, aligned,
+                                  misaligned, out, true, false, nullptr),
+               "16-byte aligned \\(yes, no\\)");
+  EXPECT_DEATH(launch_skinny_gemm_swiglu(2, 64, 0, DType::kBf16, aligned, aligned, out, nullptr),
+               "launch_skinny_gemm_swiglu: width 0 must be > 0");
+}
+
 // fp32 outputs of products of already-rounded operands differ from float64 only by fp32
 // accumulation order.
 constexpr double kFp32OutTolerance = 1e-4;
