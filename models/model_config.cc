@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <numbers>
 #include <sstream>
 #include <type_traits>
@@ -384,8 +385,12 @@ absl::StatusOr<ModelConfig> parse_object(const json& config) {
     out.rms_norm_eps = *value;
   }
   if (absl::Status status = read_rope(config, &out); !status.ok()) return status;
-  if (!(out.rope_theta > 0.0)) {
-    return refuse("rope_theta", json(out.rope_theta), "expected a positive base");
+  // The RoPE frequencies are float32 (as in transformers): a base float32 cannot hold as a
+  // positive normal number gives infinite or zero frequencies.
+  if (const float base = static_cast<float>(out.rope_theta);
+      !(out.rope_theta > 0.0) || !std::isfinite(base) || base < std::numeric_limits<float>::min()) {
+    return refuse("rope_theta", json(out.rope_theta),
+                  "expected a positive base in float32's normal range");
   }
   if (out.rope_scaling.type == RopeScalingType::kLlama3 &&
       out.rope_scaling.original_max_position_embeddings > out.max_position_embeddings) {

@@ -249,6 +249,11 @@ TEST(ModelConfigTest, RefusesBadShapes) {
   expect_refused(kLlama2_7B, [](json& c) { c["vocab_size"] = "32000"; }, {"vocab_size"});
   expect_refused(kLlama2_7B, [](json& c) { c["head_dim"] = 127; }, {"head_dim", "127"});
   expect_refused(kLlama2_7B, [](json& c) { c["rms_norm_eps"] = -1.0; }, {"rms_norm_eps"});
+  // RoPE frequencies are float32: a base outside its normal range gives inf or zero frequencies
+  // (found by model_config_fuzz_test).
+  expect_refused(kLlama31_8B, [](json& c) { c["rope_theta"] = 1e-300; }, {"rope_theta", "float32"});
+  expect_refused(kLlama2_7B, [](json& c) { c["rope_theta"] = 1e39; }, {"rope_theta"});
+  expect_refused(kLlama2_7B, [](json& c) { c["rope_theta"] = 0.0; }, {"rope_theta"});
 }
 
 TEST(ModelConfigTest, RefusesTokenIdsOutsideVocabulary) {
