@@ -323,10 +323,16 @@ absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::from_json(std::string_
   }
   auto impl = std::make_unique<Impl>();
   impl->source = std::string(source);
-  if (absl::Status status = impl->parse(root); !status.ok()) return status;
   std::optional<TokenId> bos;
   std::vector<TokenId> eos;
-  impl->guess_bos_eos(root, &bos, &eos);
+  try {
+    if (absl::Status status = impl->parse(root); !status.ok()) return status;
+    impl->guess_bos_eos(root, &bos, &eos);
+  } catch (const json::exception& error) {
+    // A field of an unexpected type (json::value() with a default throws on one): the backstop
+    // that keeps such a file an error rather than a crash (found by hf_tokenizer_fuzz_test).
+    return absl::InvalidArgumentError(absl::StrCat(to_absl(source), ": ", error.what()));
+  }
   auto tokenizer = std::unique_ptr<HfTokenizer>(new HfTokenizer(std::move(impl)));
   tokenizer->set_bos_id(bos);
   tokenizer->set_eos_ids(std::move(eos));
