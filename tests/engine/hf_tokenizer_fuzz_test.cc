@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/engine/tokenizer_test_util.h"
+#include "tests/testing/fuzz_outcomes.h"
 
 namespace deft::engine {
 namespace {
@@ -140,10 +141,7 @@ TEST(HfTokenizerFuzzTest, RandomEditsAreRefusedClearlyOrUsable) {
           << tokenizer.status();
     }
   }
-  EXPECT_GT(accepted, kIterations / 50);
-  EXPECT_GT(refused, kIterations / 10);
-  RecordProperty("accepted", accepted);
-  RecordProperty("refused", refused);
+  deft::testing::expect_both_outcomes(accepted, refused, kIterations / 50, kIterations / 10);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "models/model_config.h"
 #include "nlohmann/json.hpp"
 #include "tests/models/hf_configs.h"
+#include "tests/testing/fuzz_outcomes.h"
 
 namespace deft::models {
 namespace {
@@ -174,10 +175,7 @@ TEST(ModelConfigFuzzTest, RandomEditsAreRefusedClearlyOrUsable) {
   }
   // Both outcomes are exercised (edits of fields the parser ignores or defaults, and edits that
   // break a config).
-  EXPECT_GT(accepted, kIterations / 20);
-  EXPECT_GT(refused, kIterations / 4);
-  RecordProperty("accepted", accepted);
-  RecordProperty("refused", refused);
+  deft::testing::expect_both_outcomes(accepted, refused, kIterations / 20, kIterations / 4);
 }
 
 }  // namespace
