@@ -34,20 +34,25 @@ size_t align_up(size_t bytes) {
 // split over up to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
 constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every pass its own CTA
 
-// Stage 2's kernel for a batch of O rows per round trip (see the kernel): `batch` if given
-// (32, 16 or 8); else, among the batches whose grid of `ctas` CTAs is resident all at once
-// (occupancy measured once per kernel and device), the smallest that takes a query's `max_partials`
-// in one trip (fewer registers: more of its CTAs fit beside stage 1's last ones, which a
-// programmatic launch overlaps), else the largest; 8 when none fits.
+template <typename T>
+using Stage2Kernel =
+    void (*)(AttentionPlanView, const float*, const float*, T*, int32_t, WeightPrefetch);
+
+template <typename T>
+struct Stage2Choice {
+  int32_t batch;
+  Stage2Kernel<T> kernel;
+  int64_t resident;  // CTAs resident at once on the device
+};
+
+// Stage 2's kernel and batch (O rows per round trip; see the kernel): `batch` if given (32, 16
+// or 8); else, among the batches whose grid of `ctas` CTAs is resident all at once (occupancy
+// measured once per kernel and device), the smallest that takes a query's `max_partials` in one
+// trip (fewer registers: more of its CTAs fit beside stage 1's last ones, which a programmatic
+// launch overlaps), else the largest; 8 when none fits.
 template <typename T, int kHeadDim>
-auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
-  using Kernel =
-      void (*)(AttentionPlanView, const float*, const float*, T*, int32_t, WeightPrefetch);
-  struct Choice {
-    int32_t batch;
-    Kernel kernel;
-    int64_t resident;  // CTAs resident at once on the device
-  };
+Stage2Choice<T> stage2_choice_for(int64_t ctas, int32_t max_partials, int32_t batch) {
+  using Choice = Stage2Choice<T>;
   static PerDevice<std::array<Choice, 3>> per_device;
   const std::array<Choice, 3> choices = per_device.get([] {
     const int32_t sms = current_device_sm_count();
@@ -65,7 +70,7 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
   });
   if (batch > 0) {
     for (const Choice& choice : choices) {
-      if (choice.batch == batch) return choice.kernel;
+      if (choice.batch == batch) return choice;
     }
   }
   // choices: largest batch first.
@@ -74,7 +79,13 @@ auto stage2_kernel_for(int64_t ctas, int32_t max_partials, int32_t batch) {
     if (ctas > choice.resident) continue;
     if (pick == nullptr || choice.batch >= max_partials) pick = &choice;
   }
-  return pick != nullptr ? pick->kernel : choices.back().kernel;
+  return pick != nullptr ? *pick : choices.back();
+}
+
+// Stage 2's grid without the prefetch CTAs: a CTA per query and group of kStage2Warps heads.
+int64_t stage2_ctas(int32_t num_queries, const AttentionDims& dims) {
+  return int64_t{num_queries} *
+         ((dims.num_q_heads + detail::kStage2Warps - 1) / detail::kStage2Warps);
 }
 
 // Stage 1's kernel with its dynamic shared-memory limit raised (not a stream operation: done once
@@ -162,8 +173,9 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
     config.dynamicSmemBytes = 0;
     DEFT_CUDA_CHECK(cudaLaunchKernelEx(
         &config,
-        stage2_kernel_for<T, kHeadDim>(int64_t{grid2.x} * grid2.y, shape.max_query_entries,
-                                       stage2_batch),
+        stage2_choice_for<T, kHeadDim>(stage2_ctas(plan.num_queries, dims),
+                                       shape.max_query_entries, stage2_batch)
+            .kernel,
         plan, static_cast<const float*>(partial_out), static_cast<const float*>(partial_lse),
         static_cast<T*>(out), dims.num_q_heads, with_prefetch.prefetch));
     DEFT_CUDA_CHECK_LAUNCH();
@@ -359,6 +371,21 @@ int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype) {
   }
   return dims.head_dim == 64 ? resident_ctas_typed<__half, 64>()
                              : resident_ctas_typed<__half, 128>();
+}
+
+int32_t deft_attention_stage2_batch(const PlanShape& shape, int32_t num_queries,
+                                    const AttentionDims& dims, DType dtype) {
+  if (!deft_attention_supported(dims)) {
+    fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
+  }
+  const int64_t ctas = stage2_ctas(num_queries, dims);
+  const int32_t partials = shape.max_query_entries;
+  if (dtype == DType::kBf16) {
+    return dims.head_dim == 64 ? stage2_choice_for<__nv_bfloat16, 64>(ctas, partials, 0).batch
+                               : stage2_choice_for<__nv_bfloat16, 128>(ctas, partials, 0).batch;
+  }
+  return dims.head_dim == 64 ? stage2_choice_for<__half, 64>(ctas, partials, 0).batch
+                             : stage2_choice_for<__half, 128>(ctas, partials, 0).batch;
 }
 
 void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,

@@ -125,6 +125,13 @@ bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& di
 // (engine::PlannerOptions::wave).
 int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype);
 
+// The stage-2 batch launch_deft_attention picks when given 0, for a plan laid out for
+// `num_queries` query rows (stage 2's grid) with `shape`. A caller that captures the launch in a
+// CUDA graph keys the graph on it and passes it explicitly: a later plan that wants another batch
+// (more or fewer partials per query) then gets its own graph instead of the captured choice.
+int32_t deft_attention_stage2_batch(const PlanShape& shape, int32_t num_queries,
+                                    const AttentionDims& dims, DType dtype);
+
 // Whether launch_deft_attention runs stage 2. kIfMerging: when the plan's counts say a query has
 // two partials (num_entries > num_queries, or the plan has prefill runs). A padded plan
 // (DevicePlan::upload_padded) carries capacities, not counts, so its caller decides from the step's

@@ -176,6 +176,9 @@ struct LlamaCudaRunner::State {
   // CUDA graphs (see the top of this file).
   struct GraphKey {
     int32_t rows = 0, logit_rows = 0, tasks = 0, row_slices = 0;
+    // Stage 2's batch (kernels::deft_attention_stage2_batch): which stage-2 kernel the graph
+    // captured, chosen for the plan's most partials of a query (0 without stage 2).
+    int32_t stage2_batch = 0;
     // wgmma_passes: which stage-1 kernel the graph captured.
     bool stage2 = false, sample = false, wgmma_passes = false;
     bool operator==(const GraphKey&) const = default;
@@ -240,6 +243,7 @@ struct LlamaCudaRunner::State {
     const kernels::RowSamplingParams* sampling_params = nullptr;  // device, in inputs
     const kernels::DevicePlan* plan = nullptr;
     kernels::DeftStage2 stage2 = kernels::DeftStage2::kIfMerging;
+    int32_t stage2_batch = 0;  // 0: launch_deft_attention picks for the plan
     bool sample = false;
     // Eager forward(): each LM-head chunk's logits are copied here (more than one chunk of
     // rows); empty: they stay in `logits` (at most one chunk).
@@ -498,7 +502,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
       kernels::launch_deft_attention(device_plan.view(), device_plan.shape(), dims, dtype,
                                      q.data(), layer.k_cache.data(), layer.v_cache.data(),
                                      partials.partial_out(), partials.partial_lse(), attn.data(),
-                                     stream, launch.stage2, /*stage2_batch=*/0,
+                                     stream, launch.stage2, launch.stage2_batch,
                                      prefetch(layer.o_proj, hidden, q_size));
       // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
       // graph step: those have no prefill runs).
@@ -1003,13 +1007,17 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   int32_t launch_rows = rows, launch_logit_rows = logit_rows;
   if (graph_step) {
     const kernels::PlanShape shape = kernels::plan_shape(plan.view());
+    const bool stage2 = s.deft_kernels && plan.num_entries() > rows;
     const State::GraphKey key{
         .rows = gemm_row_bucket(rows),
         .logit_rows = gemm_row_bucket(logit_rows),
         .tasks = task_bucket(plan.num_tasks()),
         .row_slices =
             s.deft_kernels ? kernels::deft_attention_row_slices(shape.max_task_entries, s.dims) : 0,
-        .stage2 = s.deft_kernels && plan.num_entries() > rows,
+        .stage2_batch = stage2 ? kernels::deft_attention_stage2_batch(
+                                     shape, gemm_row_bucket(rows), s.dims, s.dtype)
+                               : 0,
+        .stage2 = stage2,
         .sample = sample,
         .wgmma_passes = s.deft_kernels && kernels::deft_attention_wgmma_passes(shape, s.dims)};
     graph = &s.graph_for(key);
@@ -1091,6 +1099,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     }
     launch.plan = &graph->plan;
     launch.stage2 = graph->key.stage2 ? kernels::DeftStage2::kAlways : kernels::DeftStage2::kNever;
+    launch.stage2_batch = graph->key.stage2_batch;
   } else {
     s.plan.upload(plan.view(), s.stream, inputs);
     if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
@@ -1126,7 +1135,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       spdlog::debug(
           "llama_cuda: captured the graph of {} rows, {} logit rows, {} tasks, {} row slices{}{}{}",
           graph->key.rows, graph->key.logit_rows, graph->key.tasks, graph->key.row_slices,
-          graph->key.stage2 ? ", stage 2" : "", graph->key.sample ? ", sampling" : "",
+          graph->key.stage2 ? absl::StrCat(", stage 2 (batch ", graph->key.stage2_batch, ")")
+                            : std::string(),
+          graph->key.sample ? ", sampling" : "",
           graph->key.wgmma_passes ? ", wgmma passes" : "");
     }
     DEFT_CUDA_CHECK(cudaGraphLaunch(graph->exec, s.stream));

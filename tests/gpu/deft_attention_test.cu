@@ -780,5 +780,44 @@ TEST(PlanShape, WgmmaPassesUnlessEveryTaskHoldsAtMost16Rows) {
   EXPECT_TRUE(wgmma(20, 4));   // few-shot's shared prompt
 }
 
+// The stage-2 batch a graph step keys on (deft_attention_stage2_batch): the smallest batch that
+// takes the plan's largest query in one trip among those whose grid fits on the GPU at once,
+// else the largest that fits; the same for both dtypes and head sizes. 16 queries (128 CTAs) fit
+// with every batch; with more queries the 32 batch (more registers) may not, so there only the
+// order is checked.
+TEST(DeftAttentionStage2Batch, SmallestBatchHoldingTheLargestQuery) {
+  DEFT_SKIP_WITHOUT_GPU();
+  AttentionDims dims;
+  dims.num_q_heads = 32;
+  dims.num_kv_heads = 8;
+  for (const int head_dim : {64, 128}) {
+    dims.head_dim = head_dim;
+    dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    for (const DType dtype : {DType::kBf16, DType::kFp16}) {
+      SCOPED_TRACE(::testing::Message() << "head_dim " << head_dim << " dtype "
+                                        << static_cast<int>(dtype));
+      const auto batch = [&](int32_t max_query_entries, int32_t queries) {
+        return deft_attention_stage2_batch(PlanShape{.max_query_entries = max_query_entries},
+                                           queries, dims, dtype);
+      };
+      EXPECT_EQ(batch(1, 16), 8);
+      EXPECT_EQ(batch(8, 16), 8);
+      EXPECT_EQ(batch(9, 16), 16);
+      EXPECT_EQ(batch(16, 16), 16);
+      EXPECT_EQ(batch(17, 16), 32);
+      EXPECT_EQ(batch(300, 16), 32);
+      for (const int32_t queries : {64, 256, 4096}) {
+        int32_t last = 0;
+        for (const int32_t partials : {1, 8, 9, 16, 17, 300}) {
+          const int32_t b = batch(partials, queries);
+          EXPECT_TRUE(b == 8 || b == 16 || b == 32) << b;
+          EXPECT_GE(b, last) << partials << " partials, " << queries << " queries";
+          last = b;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace deft::kernels
