@@ -363,14 +363,27 @@ bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& di
   return int64_t{shape.max_task_entries} * dims.group_size() > detail::kMmaRows;
 }
 
+namespace {
+
+// body(type tag, head-dim tag) for the instantiation of `dtype` (bf16, else fp16) and `head_dim`
+// (64, else 128; deft_attention_supported admits no other), returning what body returns.
+template <typename Body>
+auto with_kernel_types(DType dtype, int32_t head_dim, Body&& body) {
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == DType::kBf16) {
+    return head_dim == 64 ? body(__nv_bfloat16{}, D64{}) : body(__nv_bfloat16{}, D128{});
+  }
+  return head_dim == 64 ? body(__half{}, D64{}) : body(__half{}, D128{});
+}
+
+}  // namespace
+
 int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype) {
   if (!deft_attention_supported(dims)) return 0;
-  if (dtype == DType::kBf16) {
-    return dims.head_dim == 64 ? resident_ctas_typed<__nv_bfloat16, 64>()
-                               : resident_ctas_typed<__nv_bfloat16, 128>();
-  }
-  return dims.head_dim == 64 ? resident_ctas_typed<__half, 64>()
-                             : resident_ctas_typed<__half, 128>();
+  return with_kernel_types(dtype, dims.head_dim, [](auto type_tag, auto head_dim_tag) {
+    return resident_ctas_typed<decltype(type_tag), decltype(head_dim_tag)::value>();
+  });
 }
 
 int32_t deft_attention_stage2_batch(const PlanShape& shape, int32_t num_queries,
@@ -378,14 +391,11 @@ int32_t deft_attention_stage2_batch(const PlanShape& shape, int32_t num_queries,
   if (!deft_attention_supported(dims)) {
     fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
   }
-  const int64_t ctas = stage2_ctas(num_queries, dims);
-  const int32_t partials = shape.max_query_entries;
-  if (dtype == DType::kBf16) {
-    return dims.head_dim == 64 ? stage2_choice_for<__nv_bfloat16, 64>(ctas, partials, 0).batch
-                               : stage2_choice_for<__nv_bfloat16, 128>(ctas, partials, 0).batch;
-  }
-  return dims.head_dim == 64 ? stage2_choice_for<__half, 64>(ctas, partials, 0).batch
-                             : stage2_choice_for<__half, 128>(ctas, partials, 0).batch;
+  return with_kernel_types(dtype, dims.head_dim, [&](auto type_tag, auto head_dim_tag) {
+    return stage2_choice_for<decltype(type_tag), decltype(head_dim_tag)::value>(
+               stage2_ctas(num_queries, dims), shape.max_query_entries, 0)
+        .batch;
+  });
 }
 
 void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,
@@ -409,19 +419,11 @@ void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape
       stage2 == DeftStage2::kAlways ||
       (stage2 == DeftStage2::kIfMerging &&
        (device_plan.num_entries > device_plan.num_queries || device_plan.num_prefill_runs > 0));
-  const auto run = [&](auto type_tag, auto head_dim_tag) {
-    using T = decltype(type_tag);
-    launch_typed<T, decltype(head_dim_tag)::value>(device_plan, shape, dims, q, k_cache, v_cache,
-                                                   partial_out, partial_lse, out, stream,
-                                                   run_stage2, stage2_batch, prefetch);
-  };
-  using D64 = std::integral_constant<int, 64>;
-  using D128 = std::integral_constant<int, 128>;
-  if (dtype == DType::kBf16) {
-    dims.head_dim == 64 ? run(__nv_bfloat16{}, D64{}) : run(__nv_bfloat16{}, D128{});
-  } else {
-    dims.head_dim == 64 ? run(__half{}, D64{}) : run(__half{}, D128{});
-  }
+  with_kernel_types(dtype, dims.head_dim, [&](auto type_tag, auto head_dim_tag) {
+    launch_typed<decltype(type_tag), decltype(head_dim_tag)::value>(
+        device_plan, shape, dims, q, k_cache, v_cache, partial_out, partial_lse, out, stream,
+        run_stage2, stage2_batch, prefetch);
+  });
 }
 
 }  // namespace deft::kernels

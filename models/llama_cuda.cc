@@ -177,10 +177,10 @@ struct LlamaCudaRunner::State {
   struct GraphKey {
     int32_t rows = 0, logit_rows = 0, tasks = 0, row_slices = 0;
     // Stage 2's batch (kernels::deft_attention_stage2_batch): which stage-2 kernel the graph
-    // captured, chosen for the plan's most partials of a query (0 without stage 2).
+    // captured, chosen for the plan's most partials of a query; 0: the graph has no stage 2.
     int32_t stage2_batch = 0;
     // wgmma_passes: which stage-1 kernel the graph captured.
-    bool stage2 = false, sample = false, wgmma_passes = false;
+    bool sample = false, wgmma_passes = false;
     bool operator==(const GraphKey&) const = default;
   };
   struct StepGraph {
@@ -1017,7 +1017,6 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
         .stage2_batch = stage2 ? kernels::deft_attention_stage2_batch(
                                      shape, gemm_row_bucket(rows), s.dims, s.dtype)
                                : 0,
-        .stage2 = stage2,
         .sample = sample,
         .wgmma_passes = s.deft_kernels && kernels::deft_attention_wgmma_passes(shape, s.dims)};
     graph = &s.graph_for(key);
@@ -1098,7 +1097,8 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       graph->drop();
     }
     launch.plan = &graph->plan;
-    launch.stage2 = graph->key.stage2 ? kernels::DeftStage2::kAlways : kernels::DeftStage2::kNever;
+    launch.stage2 =
+        graph->key.stage2_batch > 0 ? kernels::DeftStage2::kAlways : kernels::DeftStage2::kNever;
     launch.stage2_batch = graph->key.stage2_batch;
   } else {
     s.plan.upload(plan.view(), s.stream, inputs);
@@ -1135,8 +1135,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       spdlog::debug(
           "llama_cuda: captured the graph of {} rows, {} logit rows, {} tasks, {} row slices{}{}{}",
           graph->key.rows, graph->key.logit_rows, graph->key.tasks, graph->key.row_slices,
-          graph->key.stage2 ? absl::StrCat(", stage 2 (batch ", graph->key.stage2_batch, ")")
-                            : std::string(),
+          graph->key.stage2_batch > 0
+              ? absl::StrCat(", stage 2 (batch ", graph->key.stage2_batch, ")")
+              : std::string(),
           graph->key.sample ? ", sampling" : "",
           graph->key.wgmma_passes ? ", wgmma passes" : "");
     }
