@@ -11,22 +11,36 @@
 namespace deft::bench {
 namespace {
 
-__global__ void read_kernel(const uint4* __restrict__ data, int64_t n, uint32_t* sink) {
+// Reads a[0, n) and then b[0, n) (b may be null), 16 bytes a load.
+__global__ void read_kernel(const uint4* __restrict__ a, const uint4* __restrict__ b, int64_t n,
+                            uint32_t* sink) {
   uint32_t acc = 0;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+  const int64_t total = b == nullptr ? n : 2 * n;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 v = __ldcs(data + i);
+    const uint4 v = __ldcs(i < n ? a + i : b + (i - n));
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x12345678u) *sink = acc;
 }
 
+void launch_read(const void* a, const void* b, size_t bytes_each, uint32_t* sink,
+                 cudaStream_t stream) {
+  read_kernel<<<kernels::current_device_sm_count() * 4, 512, 0, stream>>>(
+      static_cast<const uint4*>(a), static_cast<const uint4*>(b),
+      static_cast<int64_t>(bytes_each / 16), sink);
+  DEFT_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void launch_device_read(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
-  read_kernel<<<kernels::current_device_sm_count() * 4, 512, 0, stream>>>(
-      static_cast<const uint4*>(data), static_cast<int64_t>(bytes / 16), sink);
-  DEFT_CUDA_CHECK_LAUNCH();
+  launch_read(data, nullptr, bytes, sink, stream);
+}
+
+void launch_device_read_pair(const void* a, const void* b, size_t bytes_each, uint32_t* sink,
+                             cudaStream_t stream) {
+  launch_read(a, b, bytes_each, sink, stream);
 }
 
 double measure_device_read_bytes_per_s(size_t bytes, int reps) {

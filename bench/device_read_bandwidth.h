@@ -17,6 +17,11 @@ namespace deft::bench {
 // keeps the loads.
 void launch_device_read(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream);
 
+// One launch reading [a, a + bytes_each) and [b, b + bytes_each) (each as launch_device_read
+// asks): what reading a layer's K and V costs a kernel that does nothing else.
+void launch_device_read_pair(const void* a, const void* b, size_t bytes_each, uint32_t* sink,
+                             cudaStream_t stream);
+
 // Bytes per second of launch_device_read over a fresh buffer of `bytes` (filled, not zeros),
 // median of `reps` timed reads after 3 untimed ones (bench/graph_timing.h, one read a replay).
 double measure_device_read_bytes_per_s(size_t bytes = size_t{2} << 30, int reps = 20);
