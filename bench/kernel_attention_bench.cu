@@ -397,8 +397,8 @@ int main(int argc, char** argv) {
       const size_t bytes_each = size_t(tree_tokens) * kv_row * kElemBytes;
       DeviceBuffer sink(4);
       constexpr int kLaunchesPerGraph = 20;
-      const Samples stats = summarize(time_graph_replays(
-          stream, kLaunchesPerGraph, /*warmup=*/5, args.reps, [&](int i) {
+      const Samples stats = summarize(
+          time_graph_replays(stream, kLaunchesPerGraph, /*warmup=*/5, args.reps, [&](int i) {
             const int copy = i % copies;
             launch_device_read_pair(k_dev.as<uint16_t>() + copy * kv_elems,
                                     v_dev.as<uint16_t>() + copy * kv_elems, bytes_each,
