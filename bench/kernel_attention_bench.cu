@@ -279,6 +279,19 @@ int main(int argc, char** argv) {
     const double flops = 4.0 * kHeadDim * kNumQHeads * double(visible_pairs);
     const double floor_us = BenchResult::floor_us(tree_kv_bytes, flops);
     const double measured_floor_us = BenchResult::floor_us(tree_kv_bytes, flops, read_bytes_per_s);
+    // A result row of this snapshot (extra left to the caller).
+    const auto timed_row = [&](const std::string& method, const Samples& stats, int64_t bytes) {
+      ResultRow row;
+      row.case_name = s.name;
+      row.method = method;
+      row.median_us = stats.median;
+      row.p10_us = stats.p10;
+      row.p90_us = stats.p90;
+      row.repetitions = args.reps;
+      row.kv_bytes = bytes;
+      row.floor_us = floor_us;
+      return row;
+    };
 
     // Float64 dense reference on up to 12 sampled queries (copy 0's values).
     std::vector<int32_t> sampled;
@@ -361,15 +374,7 @@ int main(int argc, char** argv) {
                   stats.median, floor_us, stats.median / floor_us, kv_bytes / stats.median / 1e3,
                   rel_err, correct ? "" : "  FAILED CHECK (row not written)");
       if (!correct) continue;
-      ResultRow row;
-      row.case_name = s.name;
-      row.method = m.name;
-      row.median_us = stats.median;
-      row.p10_us = stats.p10;
-      row.p90_us = stats.p90;
-      row.repetitions = args.reps;
-      row.kv_bytes = kv_bytes;
-      row.floor_us = floor_us;
+      ResultRow row = timed_row(m.name, stats, kv_bytes);
       row.extra = {{"tree_kv_tokens", tree_tokens},
                    {"queries", num_queries},
                    // The B the plan used: the adaptive rule's pick (with this GPU's stage-1
@@ -408,15 +413,7 @@ int main(int argc, char** argv) {
       const double memory_floor_us = BenchResult::floor_us(tree_kv_bytes, 0.0);
       std::printf("%-32s %-18s %9.1f %9.1f %7.2f %9.0f\n", s.name.c_str(), "kv_read_reference",
                   stats.median, floor_us, stats.median / floor_us, read_bytes / stats.median / 1e3);
-      ResultRow row;
-      row.case_name = s.name;
-      row.method = "kv_read_reference";
-      row.median_us = stats.median;
-      row.p10_us = stats.p10;
-      row.p90_us = stats.p90;
-      row.repetitions = args.reps;
-      row.kv_bytes = read_bytes;
-      row.floor_us = floor_us;
+      ResultRow row = timed_row("kv_read_reference", stats, read_bytes);
       row.extra = {{"what", std::string("not attention: one launch reading the tree's K and V "
                                         "bytes (contiguous), nothing else")},
                    {"tree_kv_tokens", tree_tokens},
