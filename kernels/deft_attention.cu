@@ -206,8 +206,32 @@ void DevicePlan::upload_padded(const AttentionPlanView& host_plan, const PlanCap
   upload_sections(host_plan, &capacity, stream, extra);
 }
 
+void DevicePlan::stage_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
+                              std::span<const unsigned char> extra) {
+  if (!capacity.holds(host_plan)) fail("stage_padded: the capacity does not hold the plan", 0);
+  // An upload() may have left a copy of the staging buffer in flight.
+  if (upload_pending_) DEFT_CUDA_CHECK(cudaEventSynchronize(upload_done_));
+  upload_pending_ = false;
+  stage_sections(host_plan, &capacity, extra);
+}
+
+void DevicePlan::enqueue_copy(cudaStream_t stream) const {
+  DEFT_CUDA_CHECK(cudaMemcpyAsync(device_.data(), staging_.data(), staged_bytes_,
+                                  cudaMemcpyHostToDevice, stream));
+}
+
 void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
                                  cudaStream_t stream, std::span<const unsigned char> extra) {
+  // The staging buffer may still be feeding the previous upload's copy.
+  if (upload_pending_) DEFT_CUDA_CHECK(cudaEventSynchronize(upload_done_));
+  stage_sections(host_plan, capacity, extra);
+  enqueue_copy(stream);
+  DEFT_CUDA_CHECK(cudaEventRecord(upload_done_, stream));
+  upload_pending_ = true;
+}
+
+void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
+                                std::span<const unsigned char> extra) {
   // Element counts of the sections: the plan's, or the capacity's when padding.
   AttentionPlanView sizes = host_plan;
   if (capacity != nullptr) {
@@ -257,10 +281,9 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
   }
   total = std::max<size_t>(total, kSectionAlign);
 
-  // The staging buffer may still be feeding the previous upload's copy.
-  if (upload_pending_) DEFT_CUDA_CHECK(cudaEventSynchronize(upload_done_));
   staging_.reserve(total);
   device_.reserve(total);
+  staged_bytes_ = total;
 
   auto* staging = staging_.as<unsigned char>();
   if (!extra.empty()) std::memcpy(staging, extra.data(), extra.size());
@@ -292,10 +315,6 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanC
     fill(7, queries + 1, capacity->queries + 1, entries);
     if (host_plan.query_entry_begin == nullptr) fill(7, 0, 1, 0);
   }
-  DEFT_CUDA_CHECK(cudaMemcpyAsync(device_.data(), staging, total, cudaMemcpyHostToDevice, stream));
-  DEFT_CUDA_CHECK(cudaEventRecord(upload_done_, stream));
-  upload_pending_ = true;
-
   auto* base = device_.as<unsigned char>();
   const auto at = [&](int index) { return base + sections[index].offset; };
   device_view_ = sizes;

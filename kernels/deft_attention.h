@@ -69,6 +69,17 @@ class DevicePlan {
   // extra() for the same extra size.
   void upload_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
                      cudaStream_t stream, std::span<const unsigned char> extra = {});
+  // upload_padded() in two halves, for a copy that is a node of a CUDA graph: stage_padded()
+  // lays the plan out in the pinned staging buffer (no CUDA call, unless an upload() left a copy
+  // in flight), enqueue_copy() copies what was staged to the device on `stream` (captured, it
+  // becomes the graph's memcpy node, which reads the staging buffer when the graph runs). The
+  // caller must not stage again while such a copy may still be running (e.g. synchronise the
+  // stream after each launch of the graph). Buffers keep their addresses as long as the staged
+  // size (capacity and extra size) does not grow: staging() and view() say where they are.
+  void stage_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
+                    std::span<const unsigned char> extra = {});
+  void enqueue_copy(cudaStream_t stream) const;
+  const void* staging() const { return staging_.data(); }
 
   // Device pointers, valid once the copy on `stream` has run.
   const AttentionPlanView& view() const { return device_view_; }
@@ -88,8 +99,13 @@ class DevicePlan {
   PlanShape shape_;
   std::vector<PrefillRun> host_prefill_runs_;
 
+  size_t staged_bytes_ = 0;
+
   void upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
                        cudaStream_t stream, std::span<const unsigned char> extra);
+  // Fills the staging buffer and the device view's pointers; no copy.
+  void stage_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
+                      std::span<const unsigned char> extra);
 };
 
 // Scratch for stage 1's partial results: [num_entries][num_q_heads][head_dim] + LSE, fp32.

@@ -58,12 +58,12 @@ size_t step_params_offset(int32_t launch_rows, int32_t launch_logit_rows) {
 //   - the plan's task count rounded up to a bucket (task_bucket: < 12.5 % of empty tasks, which
 //     stage 1's CTAs skip at once), stage 1's row slices (CTAs per task and KV head), whether
 //     stage 1 runs every pass on warpgroup MMAs (kernels::deft_attention_wgmma_passes) and
-//     whether stage 2 runs are part of the key; the plan is uploaded padded
-//     (DevicePlan::upload_padded) into the graph's own buffer, sized by power-of-two capacities
+//     whether stage 2 runs are part of the key; the plan is staged padded
+//     (DevicePlan::stage_padded) in the graph's own buffers, sized by power-of-two capacities
 //     that grow (and re-capture) when a step of the bucket needs more;
-//   - everything from the embedding through the LM head and the sampling kernel is captured;
-//     the upload of the step's inputs with its plan (one copy) and the downloads of logits /
-//     tokens stay outside (plain async copies around the launch).
+//   - the copy of the step's inputs with its plan (one pinned-to-device copy, the graph's first
+//     node) and everything from the embedding through the LM head and the sampling kernel are
+//     captured; the downloads of logits / tokens stay outside (async copies after the launch).
 // The first step of a bucket runs the padded launches uncaptured (kernel loading, cuBLAS
 // heuristics, attribute setup happen outside any capture), the second captures and replays.
 // Padding changes the GEMMs' row counts, so a graph step's logits equal the eager step's within
@@ -189,9 +189,12 @@ struct LlamaCudaRunner::State {
     kernels::DevicePlan plan;     // this bucket's padded plan
     cudaGraphExec_t exec = nullptr;
     bool seen = false;            // its first step ran the padded launches uncaptured
-    // Buffers the graph was captured on, which may be reallocated since.
+    // Buffers the graph was captured on, which may be reallocated since (the plan's staging and
+    // device buffers: the graph's first node copies the one to the other).
     const void* partial_out = nullptr;
     const void* workspace = nullptr;
+    const void* plan_staging = nullptr;
+    const void* plan_device = nullptr;
     uint64_t last_used = 0;
     void drop() {
       if (exec != nullptr) DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
@@ -1108,12 +1111,17 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                       std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words))};
       graph->drop();
     }
-    graph->plan.upload_padded(view, capacity, s.stream, inputs);
+    // Staged only: the copy to the device is the graph's first node (one driver call fewer
+    // before the step's kernels start; the previous step's copy is done, as every step ends
+    // with a stream synchronisation).
+    graph->plan.stage_padded(view, capacity, inputs);
     // Partials for a power-of-two entry count, so they are reallocated (and graphs recaptured)
     // rarely.
     if (s.deft_kernels) s.partials.reserve(pow2_bucket(view.num_entries), s.dims);
     if (graph->exec != nullptr && (graph->partial_out != s.partials.partial_out() ||
-                                   graph->workspace != s.sampling_workspace.data())) {
+                                   graph->workspace != s.sampling_workspace.data() ||
+                                   graph->plan_staging != graph->plan.staging() ||
+                                   graph->plan_device != graph->plan.extra())) {
       graph->drop();
     }
     launch.plan = &graph->plan;
@@ -1135,6 +1143,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     ++s.graph_stats.eager_steps;
   } else if (graph->exec == nullptr && !graph->seen) {
     graph->seen = true;
+    graph->plan.enqueue_copy(s.stream);
     s.launch_step(config_, launch);
     ++s.graph_stats.eager_steps;
   } else {
@@ -1142,12 +1151,15 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       const auto capture_start = std::chrono::steady_clock::now();
       cudaGraph_t captured = nullptr;
       DEFT_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+      graph->plan.enqueue_copy(s.stream);
       s.launch_step(config_, launch);
       DEFT_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
       DEFT_CUDA_CHECK(cudaGraphInstantiate(&graph->exec, captured, 0));
       DEFT_CUDA_CHECK(cudaGraphDestroy(captured));
       graph->partial_out = s.partials.partial_out();
       graph->workspace = s.sampling_workspace.data();
+      graph->plan_staging = graph->plan.staging();
+      graph->plan_device = graph->plan.extra();
       ++s.graph_stats.captures;
       s.graph_stats.capture_us += std::chrono::duration<double, std::micro>(
                                       std::chrono::steady_clock::now() - capture_start)
