@@ -9,7 +9,8 @@
 //     every tree row (what a greedy verifier compares), the trace decides what is accepted.
 // One step = tree bookkeeping + planning + forward_sampled() (LM head and greedy sampling on
 // the GPU; only token ids come back) + reading the tokens. Each scenario runs twice per
-// method: with StepTiming::kTotal (the step's wall time and GPU time from two CUDA events) and
+// method: with StepTiming::kTotal (the step's wall time and GPU time from two CUDA events; in a
+// graph step the first is the graph's first node, so GPU time holds no host time) and
 // with StepTiming::kPhases (events after every launch: attention / GEMMs / other kernels /
 // copies). Host parts by steady_clock. The first kWarmupSteps steps of each run are excluded.
 // CUDA graphs: each method runs its kTotal scenario twice, with graph replay (the runner's

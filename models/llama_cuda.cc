@@ -268,6 +268,21 @@ struct LlamaCudaRunner::State {
     marks = 0;
     if (timing != StepTiming::kOff) record(kCopy);
   }
+  // A graph step's start mark is the graph's first node (start_event(), recorded on every
+  // replay whatever the timing), not a call before the launch.
+  cudaEvent_t start_event() {
+    if (events.empty()) {
+      cudaEvent_t event;
+      DEFT_CUDA_CHECK(cudaEventCreate(&event));
+      events.push_back(event);
+      phase.push_back(kCopy);
+    }
+    return events[0];
+  }
+  void mark_started_in_graph() {
+    marks = timing != StepTiming::kOff ? 1 : 0;
+    if (marks == 1) phase[0] = kCopy;
+  }
   // The work launched since the previous mark was of `p` (kPhases only).
   void mark(Phase p) {
     if (timing == StepTiming::kPhases) record(p);
@@ -1075,7 +1090,14 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   }
 
   // Step inputs (layout: State::step_inputs_host), uploaded with the plan in one copy.
-  s.mark_start();
+  // A bucket's steps after its first start their timing inside the graph.
+  const bool start_in_graph = graph != nullptr && graph->seen;
+  if (start_in_graph) {
+    s.start_event();
+    s.mark_started_in_graph();
+  } else {
+    s.mark_start();
+  }
   int32_t* host = reinterpret_cast<int32_t*>(s.step_inputs_host.data());
   std::copy(batch.tokens.begin(), batch.tokens.end(), host);
   std::fill(host + rows, host + launch_rows, 0);
@@ -1151,6 +1173,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       const auto capture_start = std::chrono::steady_clock::now();
       cudaGraph_t captured = nullptr;
       DEFT_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+      // External: a record node of its own (a plain record in a capture only orders streams).
+      DEFT_CUDA_CHECK(
+          cudaEventRecordWithFlags(s.start_event(), s.stream, cudaEventRecordExternal));
       graph->plan.enqueue_copy(s.stream);
       s.launch_step(config_, launch);
       DEFT_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));

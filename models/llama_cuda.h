@@ -81,10 +81,12 @@ struct CudaGraphStats {
   int32_t cached_graphs = 0;
 };
 
-// Optional GPU timing of forward() (benchmarks): kOff costs nothing; kTotal records two CUDA
-// events around the step's GPU work (input upload to logits download); kPhases also records an
-// event after every launch and sums the intervals per phase. Event records add a little host
-// time per launch, so a benchmark takes the total from kTotal steps and the split from kPhases.
+// Optional GPU timing of forward() (benchmarks): kOff costs no host time; kTotal records two CUDA
+// events around the step's GPU work (input upload to logits download; in a graph step the first
+// is the graph's first node, recorded whatever the timing, so the total starts when the GPU does
+// and a graph step makes no CUDA call before its launch); kPhases also records an event after
+// every launch and sums the intervals per phase. Event records add a little host time per
+// launch, so a benchmark takes the total from kTotal steps and the split from kPhases.
 enum class StepTiming { kOff, kTotal, kPhases };
 
 struct StepTimes {
