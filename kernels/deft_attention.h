@@ -75,11 +75,13 @@ class DevicePlan {
   // becomes the graph's memcpy node, which reads the staging buffer when the graph runs). The
   // caller must not stage again while such a copy may still be running (e.g. synchronise the
   // stream after each launch of the graph). Buffers keep their addresses as long as the staged
-  // size (capacity and extra size) does not grow: staging() and view() say where they are.
+  // size (capacity and extra size) does not grow: staging(), view() and staged_bytes() say where
+  // they are and what a captured copy moves.
   void stage_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
                     std::span<const unsigned char> extra = {});
   void enqueue_copy(cudaStream_t stream) const;
   const void* staging() const { return staging_.data(); }
+  size_t staged_bytes() const { return staged_bytes_; }
 
   // Device pointers, valid once the copy on `stream` has run.
   const AttentionPlanView& view() const { return device_view_; }

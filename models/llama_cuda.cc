@@ -195,6 +195,7 @@ struct LlamaCudaRunner::State {
     const void* workspace = nullptr;
     const void* plan_staging = nullptr;
     const void* plan_device = nullptr;
+    size_t plan_bytes = 0;
     uint64_t last_used = 0;
     void drop() {
       if (exec != nullptr) DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
@@ -1133,9 +1134,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                       std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words))};
       graph->drop();
     }
-    // Staged only: the copy to the device is the graph's first node (one driver call fewer
-    // before the step's kernels start; the previous step's copy is done, as every step ends
-    // with a stream synchronisation).
+    // Staged only: the copy to the device is a node of the graph (no CUDA call before the
+    // launch; the previous step's copy is done, as every step ends with a stream
+    // synchronisation).
     graph->plan.stage_padded(view, capacity, inputs);
     // Partials for a power-of-two entry count, so they are reallocated (and graphs recaptured)
     // rarely.
@@ -1143,7 +1144,8 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     if (graph->exec != nullptr && (graph->partial_out != s.partials.partial_out() ||
                                    graph->workspace != s.sampling_workspace.data() ||
                                    graph->plan_staging != graph->plan.staging() ||
-                                   graph->plan_device != graph->plan.extra())) {
+                                   graph->plan_device != graph->plan.extra() ||
+                                   graph->plan_bytes != graph->plan.staged_bytes())) {
       graph->drop();
     }
     launch.plan = &graph->plan;
@@ -1185,6 +1187,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       graph->workspace = s.sampling_workspace.data();
       graph->plan_staging = graph->plan.staging();
       graph->plan_device = graph->plan.extra();
+      graph->plan_bytes = graph->plan.staged_bytes();
       ++s.graph_stats.captures;
       s.graph_stats.capture_us += std::chrono::duration<double, std::micro>(
                                       std::chrono::steady_clock::now() - capture_start)
