@@ -175,10 +175,20 @@ class PlanBuilder {
     for (size_t i = queries_.rank.size(); i-- > 0;) {
       fresh_from_[queries_.rank[i]] = queries_.token_index[i];
     }
-    for (size_t i = 0; i < tree_queries.queries.size(); ++i) {
-      const QueryToken& q = tree_queries.queries[i];
-      plan_->query_position.push_back(static_cast<int32_t>(tree->depth(q.node, q.token_index)));
-      plan_->query_slot.push_back(tree->kv()->slot(tree->kv_key(q.node), q.token_index));
+    // Positions and write slots in input order, from the depth-first caches (no lookups by id).
+    const size_t base = plan_->query_position.size();
+    plan_->query_position.resize(base + order_.size());
+    plan_->query_slot.resize(base + order_.size());
+    const int32_t page_tokens = tree->kv()->page_tokens();
+    for (const auto& [rank, token_index, input] : order_) {
+      plan_->query_position[base + input] =
+          static_cast<int32_t>(dfs_node_ptrs_[rank]->depth_begin + token_index);
+      const std::span<const int32_t> pages = dfs_pages_[rank];
+      const int32_t page = token_index / page_tokens;
+      plan_->query_slot[base + input] =
+          page < static_cast<int32_t>(pages.size())
+              ? pages[page] * page_tokens + token_index % page_tokens
+              : tree->kv()->slot(tree->kv_key(dfs_nodes_[rank]), token_index);  // aborts
     }
     if (options_.min_prefill_run > 0) take_prefill_runs(*tree);
     if (queries_.row.empty()) return absl::OkStatus();
@@ -277,6 +287,8 @@ class PlanBuilder {
     // live nodes (a 256-token speculative tree) would rehash and allocate every plan.
     rank_.erase(rank_.begin(), rank_.end());
     dfs_nodes_.clear();
+    dfs_node_ptrs_.clear();
+    dfs_pages_.clear();
     parent_rank_.clear();
     stack_.assign(1, {tree.root(), -1});
     while (!stack_.empty()) {
@@ -285,8 +297,11 @@ class PlanBuilder {
       const auto rank = static_cast<int32_t>(dfs_nodes_.size());
       rank_.insert_or_assign(id, rank);
       dfs_nodes_.push_back(id);
+      const TreeNode& node = tree.node(id);
+      dfs_node_ptrs_.push_back(&node);
+      dfs_pages_.push_back(tree.kv()->pages(tree.kv_key(id)));
       parent_rank_.push_back(parent_rank);
-      const NodeChildren& children = tree.node(id).children;
+      const NodeChildren& children = node.children;
       for (auto child = children.rbegin(); child != children.rend(); ++child) {
         stack_.push_back({*child, rank});
       }
@@ -300,7 +315,7 @@ class PlanBuilder {
                                                        q.node, ", not a live node of tree ",
                                                        tree.tree_id()));
       }
-      const int64_t size = static_cast<int64_t>(tree.node(q.node).tokens.size());
+      const int64_t size = static_cast<int64_t>(dfs_node_ptrs_[ranked->second]->tokens.size());
       if (q.token_index < 0 || q.token_index >= size) {
         return absl::InvalidArgumentError(
             absl::StrCat("planner: query ", i, " names token ", q.token_index, " of node ",
@@ -351,8 +366,7 @@ class PlanBuilder {
       const int32_t subtree_end = own_begin_[r + subtree_size_[r]];
       const int32_t own_begin = own_begin_[r];
       if (own_begin >= subtree_end) continue;  // nobody below sees this node
-      const NodeId id = dfs_nodes_[r];
-      const TreeNode& node = tree.node(id);
+      const TreeNode& node = *dfs_node_ptrs_[r];
       // Own queries are [own_begin, own_end), sorted by token index.
       int32_t own_end = own_begin;
       while (own_end < subtree_end && queries_.rank[own_end] == r) ++own_end;
@@ -360,7 +374,7 @@ class PlanBuilder {
                                   ? static_cast<int32_t>(node.tokens.size())
                                   : queries_.token_index[own_end - 1] + 1;
       flat_.node_token_begin.push_back(flat);
-      append_slots(kv, tree.kv_key(id), visible);
+      append_slots(kv, dfs_pages_[r], visible);
       if (fresh_from_[r] < visible) {
         fresh_.push_back({flat_base_ + flat + fresh_from_[r], flat_base_ + flat + visible});
       }
@@ -383,7 +397,9 @@ class PlanBuilder {
 
   // Appends the slots of tokens [0, count) of an owner, a page at a time.
   void append_slots(const KvCacheManager& kv, KvCacheManager::OwnerKey owner, int32_t count) {
-    std::span<const int32_t> pages = kv.pages(owner);
+    append_slots(kv, kv.pages(owner), count);
+  }
+  void append_slots(const KvCacheManager& kv, std::span<const int32_t> pages, int32_t count) {
     const int32_t page_tokens = kv.page_tokens();
     int32_t* out = take_slots(count);
     for (int32_t j = 0; j < count; j += page_tokens) {
@@ -696,6 +712,9 @@ class PlanBuilder {
   // without bound while the live nodes stay a few dozen.
   absl::flat_hash_map<NodeId, int32_t> rank_;
   std::vector<NodeId> dfs_nodes_;
+  // By rank: the live node and its KV pages (nothing changes the tree while it is planned).
+  std::vector<const TreeNode*> dfs_node_ptrs_;
+  std::vector<std::span<const int32_t>> dfs_pages_;
   std::vector<int32_t> parent_rank_;  // by rank; -1 for the root
   std::vector<std::pair<NodeId, int32_t>> stack_;  // (node, its parent's rank)
   std::vector<int32_t> path_;  // node ranks of a query's path (the sequence baseline)
