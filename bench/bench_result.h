@@ -11,6 +11,11 @@
 
 namespace deft::bench {
 
+struct Samples {
+  double median = 0, p10 = 0, p90 = 0;
+};
+Samples summarize(std::vector<double> samples);
+
 struct ResultRow {
   std::string case_name;
   std::string method;
@@ -19,12 +24,14 @@ struct ResultRow {
   int64_t kv_bytes = 0;
   double floor_us = 0;  // 0: no floor for this benchmark
   nlohmann::json extra = nlohmann::json::object();
-};
 
-struct Samples {
-  double median = 0, p10 = 0, p90 = 0;
+  // median_us, p10_us and p90_us from samples in µs.
+  void set_times(const Samples& us) {
+    median_us = us.median;
+    p10_us = us.p10;
+    p90_us = us.p90;
+  }
 };
-Samples summarize(std::vector<double> samples);
 
 class BenchResult {
  public:

@@ -522,9 +522,7 @@ int main(int argc, char** argv) {
           ResultRow row;
           row.case_name = c.name;
           row.method = method;
-          row.median_us = t.median;
-          row.p10_us = t.p10;
-          row.p90_us = t.p90;
+          row.set_times(t);
           row.repetitions = static_cast<int64_t>(st.size());
           row.kv_bytes = static_cast<int64_t>(kv.median);
           row.floor_us = floor.median;

@@ -187,9 +187,7 @@ int main(int argc, char** argv) {
                     {"weight_bytes", w_bytes}};
       const auto add_row = [&](ResultRow row, const std::string& method, const Samples& stats) {
         row.method = method;
-        row.median_us = stats.median;
-        row.p10_us = stats.p10;
-        row.p90_us = stats.p90;
+        row.set_times(stats);
         row.extra["achieved_tb_per_s"] = w_bytes / stats.median / 1e6;
         row.extra["speedup_vs_default"] = default_stats.median / stats.median;
         result.add(row);

@@ -284,9 +284,7 @@ int main(int argc, char** argv) {
       ResultRow row;
       row.case_name = s.name;
       row.method = method;
-      row.median_us = stats.median;
-      row.p10_us = stats.p10;
-      row.p90_us = stats.p90;
+      row.set_times(stats);
       row.repetitions = args.reps;
       row.kv_bytes = bytes;
       row.floor_us = floor_us;

@@ -244,9 +244,7 @@ int main(int argc, char** argv) {
     ResultRow row;
     row.case_name = job->snapshot->name;
     row.method = engine::plan_kind_name(job->kind);
-    row.median_us = stats.median;
-    row.p10_us = stats.p10;
-    row.p90_us = stats.p90;
+    row.set_times(stats);
     row.repetitions = static_cast<int64_t>(job->samples_us.size());
     row.extra = {{"tree_kv_tokens", job->snapshot->tree->total_tokens()},
                  {"queries", job->snapshot->queries.size()},
@@ -265,9 +263,7 @@ int main(int argc, char** argv) {
     ResultRow row;
     row.case_name = "specdec_p6000_t64";
     row.method = kSpecVariants[v].method;
-    row.median_us = stats.median;
-    row.p10_us = stats.p10;
-    row.p90_us = stats.p90;
+    row.set_times(stats);
     row.repetitions = static_cast<int64_t>(samples.size());
     row.extra = {{"what", kSpecVariants[v].what}, {"tree_tokens", 64}};
     result.add(row);

@@ -178,9 +178,7 @@ int main(int argc, char** argv) {
         ResultRow row;
         row.case_name = std::string(shape.name) + "_m" + std::to_string(rows);
         row.method = method;
-        row.median_us = stats.median;
-        row.p10_us = stats.p10;
-        row.p90_us = stats.p90;
+        row.set_times(stats);
         row.repetitions = reps;
         row.floor_us = floor_us;
         row.extra = {{"rows", rows},

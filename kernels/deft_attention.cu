@@ -209,10 +209,13 @@ void DevicePlan::upload_padded(const AttentionPlanView& host_plan, const PlanCap
 void DevicePlan::stage_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
                               std::span<const unsigned char> extra) {
   if (!capacity.holds(host_plan)) fail("stage_padded: the capacity does not hold the plan", 0);
-  // An upload() may have left a copy of the staging buffer in flight.
+  wait_for_staging();  // an upload() may have left a copy of it in flight
+  stage_sections(host_plan, &capacity, extra);
+}
+
+void DevicePlan::wait_for_staging() {
   if (upload_pending_) DEFT_CUDA_CHECK(cudaEventSynchronize(upload_done_));
   upload_pending_ = false;
-  stage_sections(host_plan, &capacity, extra);
 }
 
 void DevicePlan::enqueue_copy(cudaStream_t stream) const {
@@ -222,8 +225,7 @@ void DevicePlan::enqueue_copy(cudaStream_t stream) const {
 
 void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
                                  cudaStream_t stream, std::span<const unsigned char> extra) {
-  // The staging buffer may still be feeding the previous upload's copy.
-  if (upload_pending_) DEFT_CUDA_CHECK(cudaEventSynchronize(upload_done_));
+  wait_for_staging();  // it may still be feeding the previous upload's copy
   stage_sections(host_plan, capacity, extra);
   enqueue_copy(stream);
   DEFT_CUDA_CHECK(cudaEventRecord(upload_done_, stream));

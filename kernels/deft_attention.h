@@ -105,6 +105,8 @@ class DevicePlan {
 
   void upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
                        cudaStream_t stream, std::span<const unsigned char> extra);
+  // Returns once no upload()'s copy reads the staging buffer.
+  void wait_for_staging();
   // Fills the staging buffer and the device view's pointers; no copy.
   void stage_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
                       std::span<const unsigned char> extra);

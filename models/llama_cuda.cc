@@ -280,9 +280,11 @@ struct LlamaCudaRunner::State {
     }
     return events[0];
   }
+  // mark_start() for a step whose graph records start_event() itself.
   void mark_started_in_graph() {
+    start_event();
     marks = timing != StepTiming::kOff ? 1 : 0;
-    if (marks == 1) phase[0] = kCopy;
+    phase[0] = kCopy;
   }
   // The work launched since the previous mark was of `p` (kPhases only).
   void mark(Phase p) {
@@ -1094,7 +1096,6 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   // A bucket's steps after its first start their timing inside the graph.
   const bool start_in_graph = graph != nullptr && graph->seen;
   if (start_in_graph) {
-    s.start_event();
     s.mark_started_in_graph();
   } else {
     s.mark_start();
