@@ -66,9 +66,15 @@ PromptPlacement Forest::place_prompt(std::span<const TokenId> prompt) {
     pos += cut;
     break;
   }
-  absl::StatusOr<std::vector<NodeId>> node = branch(at, 1);
+  absl::StatusOr<NodeId> node = add_child(at);
   if (!node.ok()) die_placing_prompt("branch", node.status());
-  return {.node = node->front(), .shared = pos};
+  return {.node = *node, .shared = pos};
+}
+
+absl::StatusOr<NodeId> Forest::add_child(NodeId node) {
+  absl::StatusOr<NodeId> child = tree_.add_child(node, {});
+  if (child.ok()) hold(*child);
+  return child;
 }
 
 absl::StatusOr<std::vector<NodeId>> Forest::branch(NodeId node, int32_t k) {

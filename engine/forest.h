@@ -52,6 +52,8 @@ class Forest {
 
   // k empty children under `node`, each held once.
   absl::StatusOr<std::vector<NodeId>> branch(NodeId node, int32_t k);
+  // One empty child under `node`, held once (branch(node, 1) without the list).
+  absl::StatusOr<NodeId> add_child(NodeId node);
 
   void hold(NodeId node);
   // Drops one hold; frees the node (and ancestors) left unheld and childless.

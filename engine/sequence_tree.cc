@@ -55,6 +55,15 @@ absl::Status SequenceTree::ids_left(int64_t count) const {
       absl::StrCat("tree ", tree_id_, ": its node ids (below ", max_node_ids_, ") are used up"));
 }
 
+TreeNode* SequenceTree::live(NodeId id) const {
+  const auto it = nodes_.find(id);
+  return it == nodes_.end() ? nullptr : it->second;
+}
+
+absl::Status SequenceTree::not_found(NodeId node) const {
+  return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+}
+
 const TreeNode& SequenceTree::node(NodeId id) const {
   const auto it = nodes_.find(id);
   if (it == nodes_.end()) {
@@ -66,10 +75,9 @@ const TreeNode& SequenceTree::node(NodeId id) const {
 }
 
 absl::Status SequenceTree::append(NodeId node, std::span<const TokenId> tokens) {
-  if (!contains(node)) {
-    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
-  }
-  TreeNode& n = *nodes_.find(node)->second;
+  TreeNode* found = live(node);
+  if (found == nullptr) return not_found(node);
+  TreeNode& n = *found;
   if (!n.children.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "tree ", tree_id_, ": node ", node, " has ", n.children.size(),
@@ -86,16 +94,15 @@ absl::Status SequenceTree::append(NodeId node, std::span<const TokenId> tokens) 
 }
 
 absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k) {
-  if (!contains(node)) {
-    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
-  }
+  TreeNode* found = live(node);
+  if (found == nullptr) return not_found(node);
   if (k < 1) {
     return absl::InvalidArgumentError(absl::StrCat("branch factor must be >= 1, got ", k));
   }
   if (absl::Status status = ids_left(k); !status.ok()) return status;
   std::vector<NodeId> children;
   children.reserve(k);
-  TreeNode& parent = *nodes_.find(node)->second;
+  TreeNode& parent = *found;  // in node_pool_: add_node() keeps it in place
   const int64_t child_depth = parent.depth_begin + static_cast<int64_t>(parent.tokens.size());
   for (int32_t i = 0; i < k; ++i) {
     TreeNode child;
@@ -110,12 +117,35 @@ absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k)
   return children;
 }
 
-absl::Status SequenceTree::prune(NodeId node) {
-  if (!contains(node)) {
-    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
+absl::StatusOr<NodeId> SequenceTree::add_child(NodeId node, std::span<const TokenId> tokens) {
+  TreeNode* parent = live(node);
+  if (parent == nullptr) return not_found(node);
+  if (absl::Status status = ids_left(1); !status.ok()) return status;
+  const NodeId id = next_id_;
+  if (kv_ != nullptr && !tokens.empty()) {
+    if (absl::Status status = kv_->reserve_new(kv_key(id), static_cast<int64_t>(tokens.size()));
+        !status.ok()) {
+      return status;
+    }
   }
+  ++next_id_;
+  TreeNode child;
+  child.id = id;
+  child.parent = node;
+  child.depth_begin = parent->depth_begin + static_cast<int64_t>(parent->tokens.size());
+  child.tokens.assign(tokens.begin(), tokens.end());
+  add_node(std::move(child));  // parent stays in place (node_pool_)
+  parent->children.push_back(id);
+  ++num_live_nodes_;
+  total_tokens_ += static_cast<int64_t>(tokens.size());
+  return id;
+}
+
+absl::Status SequenceTree::prune(NodeId node) {
+  TreeNode* found = live(node);
+  if (found == nullptr) return not_found(node);
   if (node == root()) {
-    TreeNode& root_node = *nodes_.find(node)->second;
+    TreeNode& root_node = *found;
     if (!root_node.children.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tree ", tree_id_, ": cannot prune the root while it has ", root_node.children.size(),
@@ -127,9 +157,10 @@ absl::Status SequenceTree::prune(NodeId node) {
     return absl::OkStatus();
   }
   // Detach from the parent, then free the subtree (iteratively: trees can be deep).
-  NodeChildren& siblings = nodes_.find(nodes_.find(node)->second->parent)->second->children;
+  NodeChildren& siblings = live(found->parent)->children;
   siblings.erase(std::remove(siblings.begin(), siblings.end(), node), siblings.end());
-  std::vector<NodeId> stack = {node};
+  std::vector<NodeId>& stack = prune_stack_;
+  stack.assign(1, node);
   while (!stack.empty()) {
     const NodeId id = stack.back();
     stack.pop_back();
@@ -145,14 +176,13 @@ absl::Status SequenceTree::prune(NodeId node) {
 }
 
 absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
-  if (!contains(node)) {
-    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
-  }
+  TreeNode* found = live(node);
+  if (found == nullptr) return not_found(node);
   if (node == root()) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split the root"));
   }
   if (absl::Status status = ids_left(1); !status.ok()) return status;
-  TreeNode& tail = *nodes_.find(node)->second;
+  TreeNode& tail = *found;
   const int64_t size = static_cast<int64_t>(tail.tokens.size());
   if (at <= 0 || at > size || (kv_ != nullptr && at % kv_->page_tokens() != 0)) {
     return absl::InvalidArgumentError(absl::StrCat("tree ", tree_id_, ": cannot split node ",
@@ -178,10 +208,9 @@ absl::StatusOr<NodeId> SequenceTree::split(NodeId node, int64_t at) {
 }
 
 absl::Status SequenceTree::truncate(NodeId node, int64_t length) {
-  if (!contains(node)) {
-    return absl::NotFoundError(absl::StrCat("tree ", tree_id_, ": no live node ", node));
-  }
-  TreeNode& n = *nodes_.find(node)->second;
+  TreeNode* found = live(node);
+  if (found == nullptr) return not_found(node);
+  TreeNode& n = *found;
   if (!n.children.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("tree ", tree_id_, ": node ", node, " has live children; cannot truncate"));

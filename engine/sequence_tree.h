@@ -63,6 +63,11 @@ class SequenceTree {
   // RESOURCE_EXHAUSTED (nothing changes) once the tree has handed out all its ids.
   absl::StatusOr<std::vector<NodeId>> branch(NodeId node, int32_t k);
 
+  // Creates one child of `node` holding `tokens` (their KV reserved), as branch(node, 1) then
+  // append() but in one step and without branch()'s list: a speculative step hangs each drafted
+  // token this way. NOT_FOUND, RESOURCE_EXHAUSTED (ids or KV used up); on error nothing changes.
+  absl::StatusOr<NodeId> add_child(NodeId node, std::span<const TokenId> tokens);
+
   // Removes `node` and its whole subtree and frees their pages. Pruning the root is refused
   // (FAILED_PRECONDITION) while it has live children; with none, it empties the root.
   absl::Status prune(NodeId node);
@@ -104,6 +109,9 @@ class SequenceTree {
   bool check_invariants() const;
 
  private:
+  // The live node, or null (one lookup, where contains() then node() made two).
+  TreeNode* live(NodeId id) const;
+  absl::Status not_found(NodeId node) const;  // NOT_FOUND naming the node
   // OK while `count` more ids can be handed out, else RESOURCE_EXHAUSTED (branch, split).
   absl::Status ids_left(int64_t count) const;
   using NodeMap = absl::flat_hash_map<NodeId, TreeNode*>;
@@ -124,6 +132,7 @@ class SequenceTree {
   // step_cold: malloc / _int_malloc about a quarter of the step).
   std::deque<TreeNode> node_pool_;
   std::vector<TreeNode*> free_nodes_;  // LIFO: the most recently pruned (cache-warm) first
+  std::vector<NodeId> prune_stack_;    // prune()'s scratch (keeps its storage)
   NodeMap nodes_;
   NodeId next_id_;
   NodeId max_node_ids_;

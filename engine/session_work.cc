@@ -206,9 +206,9 @@ class ScoreWork final : public SessionWork {
   absl::Status add_rows(StepContext& step) override {
     rows_ = 0;
     if (child_ < 0) {
-      absl::StatusOr<std::vector<NodeId>> child = step.forest.branch(command_.node, 1);
+      absl::StatusOr<NodeId> child = step.forest.add_child(command_.node);
       if (!child.ok()) return child.status();
-      child_ = child->front();
+      child_ = *child;
       const std::vector<float>& logits = *session_->node_logits(command_.node);
       logprobs_.push_back(raw_logprob(logits, command_.tokens[0]));
     }

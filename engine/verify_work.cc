@@ -52,9 +52,9 @@ class VerifyWork final : public SessionWork {
         node = node_of_[static_cast<size_t>(parent)];  // continues the parent's chain
       } else {
         const NodeId under = parent < 0 ? command_.node : node_of_[static_cast<size_t>(parent)];
-        absl::StatusOr<std::vector<NodeId>> child = step.forest.branch(under, 1);
+        absl::StatusOr<NodeId> child = step.forest.add_child(under);
         if (!child.ok()) return child.status();
-        node = child->front();
+        node = *child;
         created_.push_back(node);
       }
       node_of_[i] = node;

@@ -102,12 +102,12 @@ bool ReasoningReplay::step(std::vector<QueryToken>& queries) {
   for (size_t id = 1; id < trace_.nodes.size(); ++id) {
     const ReasoningTrace::Node& n = trace_.nodes[id];
     if (n.start == iteration_) {
-      absl::StatusOr<std::vector<NodeId>> child = tree_.branch(node_of_[n.parent], 1);
+      absl::StatusOr<NodeId> child = tree_.add_child(node_of_[n.parent], {});
       if (!child.ok()) {
         status_ = child.status();
         return false;
       }
-      node_of_[id] = (*child)[0];
+      node_of_[id] = *child;
     }
   }
   for (size_t id = 1; id < trace_.nodes.size(); ++id) {
@@ -138,18 +138,17 @@ SpecDecReplay::SpecDecReplay(const SpecDecTrace& trace, SequenceTree& tree, int3
 void SpecDecReplay::build_token_tree(std::vector<QueryToken>& queries) {
   queries.clear();
   if (!status_.ok()) return;
-  std::vector<NodeId> node(trace_.tree_size(), -1);
+  std::vector<NodeId>& node = token_nodes_;
+  node.assign(trace_.tree_size(), -1);
   for (int32_t i = 0; i < trace_.tree_size(); ++i) {
     const NodeId parent = i == 0 ? prefix_ : node[trace_.parent[i]];
-    absl::StatusOr<std::vector<NodeId>> child = tree_.branch(parent, 1);
+    const TokenId token = 3;
+    absl::StatusOr<NodeId> child = tree_.add_child(parent, std::span<const TokenId>(&token, 1));
     if (!child.ok()) {
       status_ = child.status();
       return;
     }
-    node[i] = (*child)[0];
-    const TokenId token = 3;
-    status_ = tree_.append(node[i], std::span<const TokenId>(&token, 1));
-    if (!status_.ok()) return;
+    node[i] = *child;
     queries.push_back({node[i], 0});
   }
   token_tree_root_ = node[0];

@@ -78,6 +78,7 @@ class SpecDecReplay {
   SequenceTree& tree_;
   NodeId prefix_;
   NodeId token_tree_root_ = -1;
+  std::vector<NodeId> token_nodes_;  // build_token_tree's scratch: tree node of each tree token
   absl::Status status_;
 };
 

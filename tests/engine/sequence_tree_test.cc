@@ -60,6 +60,37 @@ TEST(SequenceTree, MisuseIsAnErrorNotUndefinedBehaviour) {
   EXPECT_TRUE(tree.check_invariants());
 }
 
+// add_child = branch(node, 1) + append in one step: same depth, tokens, KV pages and ids; its
+// errors change nothing.
+TEST(SequenceTree, AddChildIsBranchThenAppend) {
+  KvCacheManager kv({.page_tokens = 4, .num_pages = 6});
+  SequenceTree tree(0, &kv, /*max_node_ids=*/4);
+  ASSERT_TRUE(tree.append(tree.root(), tokens(6)).ok());
+  const NodeId a = tree.add_child(tree.root(), tokens(5, 10)).value();
+  EXPECT_EQ(a, 1);
+  EXPECT_EQ(tree.node(a).parent, tree.root());
+  EXPECT_EQ(tree.node(a).depth_begin, 6);
+  EXPECT_EQ(tree.node(a).tokens.size(), 5u);
+  EXPECT_EQ(tree.node(a).tokens[0], 10);
+  EXPECT_EQ(kv.pages(tree.kv_key(a)).size(), 2u);
+  EXPECT_EQ(tree.depth(a, 4), 10);
+  const NodeId b = tree.add_child(a, {}).value();  // empty: no pages yet
+  EXPECT_EQ(kv.pages(tree.kv_key(b)).size(), 0u);
+  ASSERT_TRUE(tree.append(b, tokens(2)).ok());
+  EXPECT_EQ(tree.total_tokens(), 13);
+  EXPECT_EQ(tree.num_live_nodes(), 3);
+  // Errors: an unknown node, KV short (2 pages free, 9 tokens need 3), ids used up.
+  EXPECT_EQ(tree.add_child(99, tokens(1)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tree.add_child(b, tokens(9)).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(tree.num_live_nodes(), 3);
+  EXPECT_EQ(tree.total_tokens(), 13);
+  EXPECT_EQ(kv.free_pages(), 1);
+  EXPECT_EQ(tree.add_child(b, tokens(1)).value(), 3);  // the id the failed call did not take
+  EXPECT_EQ(tree.add_child(b, tokens(1)).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(tree.check_invariants());
+  EXPECT_TRUE(kv.check_invariants());
+}
+
 TEST(SequenceTree, KvExhaustionLeavesTreeUnchanged) {
   KvCacheManager kv({.page_tokens = 4, .num_pages = 2});
   SequenceTree tree(0, &kv);
@@ -213,7 +244,15 @@ TEST(SequenceTree, RandomOperationsNeverLeakOrShareSlots) {
         break;
       }
       case 2:
-        (void)tree.branch(node, 1 + rng() % 4);
+        if (rng() % 2 == 0) {
+          (void)tree.branch(node, 1 + rng() % 4);
+        } else {
+          absl::StatusOr<NodeId> child = tree.add_child(node, tokens(rng() % 20));
+          if (!child.ok()) {
+            ASSERT_EQ(kv.free_pages(), free_before) << "seed " << seed;
+            ASSERT_EQ(tree.total_tokens(), tokens_before) << "seed " << seed;
+          }
+        }
         break;
       case 3:
         (void)tree.prune(node);
