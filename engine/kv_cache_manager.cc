@@ -38,46 +38,29 @@ bool KvCacheManager::can_reserve(OwnerKey owner, int64_t num_tokens) const {
   return num_tokens >= 0 && pages_needed(owner, num_tokens) <= free_pages();
 }
 
-absl::Status KvCacheManager::negative_count(int64_t num_tokens) {
-  return absl::InvalidArgumentError(absl::StrCat("KV reserve: negative token count ", num_tokens));
-}
-
-absl::Status KvCacheManager::short_of_pages(int64_t num_tokens, int64_t needed) const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "KV cache exhausted: ", num_tokens, " tokens need ", needed, " more pages of ",
-      config_.page_tokens, " tokens, ", free_pages(), " of ", num_pages(), " pages free"));
-}
-
 absl::Status KvCacheManager::reserve(OwnerKey owner, int64_t num_tokens) {
-  if (num_tokens < 0) return negative_count(num_tokens);
-  const int64_t needed = pages_needed(owner, num_tokens);
-  if (needed > free_pages()) return short_of_pages(num_tokens, needed);
-  take_pages(owners_[owner], needed);
-  return absl::OkStatus();
-}
-
-absl::Status KvCacheManager::reserve_new(OwnerKey owner, int64_t num_tokens) {
-  if (num_tokens < 0) return negative_count(num_tokens);
-  const int64_t needed = pages_for(num_tokens, config_.page_tokens);
-  if (needed > free_pages()) return short_of_pages(num_tokens, needed);
-  const auto [it, inserted] = owners_.try_emplace(owner);
-  if (!inserted) {
-    std::fprintf(stderr, "KvCacheManager::reserve_new: owner %llx:%llx already holds pages\n",
-                 static_cast<unsigned long long>(absl::Uint128High64(owner)),
-                 static_cast<unsigned long long>(absl::Uint128Low64(owner)));
-    std::abort();
+  if (num_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("KV reserve: negative token count ", num_tokens));
   }
-  take_pages(it->second, needed);
-  return absl::OkStatus();
-}
-
-void KvCacheManager::take_pages(PageList& pages, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) {
+  // One lookup (a speculative step reserves a page for each of its new one-token nodes).
+  const auto [it, inserted] = owners_.try_emplace(owner);
+  PageList& pages = it->second;
+  const int64_t wanted = pages_for(num_tokens, config_.page_tokens);
+  const int64_t needed = std::max<int64_t>(wanted - static_cast<int64_t>(pages.size()), 0);
+  if (needed > free_pages()) {
+    if (inserted) owners_.erase(it);  // a refused new owner is not created
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache exhausted: ", num_tokens, " tokens need ", needed,
+                     " more pages of ", config_.page_tokens, " tokens, ", free_pages(),
+                     " of ", num_pages(), " pages free"));
+  }
+  for (int64_t i = 0; i < needed; ++i) {
     const int32_t page = free_list_.back();
     free_list_.pop_back();
     page_in_use_[page] = 1;
     pages.push_back(page);
   }
+  return absl::OkStatus();
 }
 
 bool KvCacheManager::release(OwnerKey owner) {

@@ -33,10 +33,6 @@ class KvCacheManager {
   // Never shrinks. Returns RESOURCE_EXHAUSTED and changes nothing when the pool is short.
   absl::Status reserve(OwnerKey owner, int64_t num_tokens);
 
-  // reserve() for an owner that holds no pages yet (a new node): one map insertion.
-  // RESOURCE_EXHAUSTED and nothing changes when the pool is short; aborts if `owner` exists.
-  absl::Status reserve_new(OwnerKey owner, int64_t num_tokens);
-
   // True when reserve(owner, num_tokens) would succeed.
   bool can_reserve(OwnerKey owner, int64_t num_tokens) const;
 
@@ -79,11 +75,6 @@ class KvCacheManager {
   // slots, so creating and releasing such an owner allocates nothing.
   using PageList = absl::InlinedVector<int32_t, 3>;
   absl::flat_hash_map<OwnerKey, PageList> owners_;
-  // Moves `count` pages from the free list to the end of `pages` (the caller checked there are).
-  void take_pages(PageList& pages, int64_t count);
-  // reserve()'s errors.
-  static absl::Status negative_count(int64_t num_tokens);
-  absl::Status short_of_pages(int64_t num_tokens, int64_t needed) const;
 };
 
 }  // namespace deft::engine

@@ -55,7 +55,7 @@ absl::Status SequenceTree::ids_left(int64_t count) const {
       absl::StrCat("tree ", tree_id_, ": its node ids (below ", max_node_ids_, ") are used up"));
 }
 
-TreeNode* SequenceTree::live(NodeId id) const {
+TreeNode* SequenceTree::live(NodeId id) {
   const auto it = nodes_.find(id);
   return it == nodes_.end() ? nullptr : it->second;
 }
@@ -94,26 +94,14 @@ absl::Status SequenceTree::append(NodeId node, std::span<const TokenId> tokens) 
 }
 
 absl::StatusOr<std::vector<NodeId>> SequenceTree::branch(NodeId node, int32_t k) {
-  TreeNode* found = live(node);
-  if (found == nullptr) return not_found(node);
+  if (live(node) == nullptr) return not_found(node);
   if (k < 1) {
     return absl::InvalidArgumentError(absl::StrCat("branch factor must be >= 1, got ", k));
   }
   if (absl::Status status = ids_left(k); !status.ok()) return status;
-  std::vector<NodeId> children;
-  children.reserve(k);
-  TreeNode& parent = *found;  // in node_pool_: add_node() keeps it in place
-  const int64_t child_depth = parent.depth_begin + static_cast<int64_t>(parent.tokens.size());
-  for (int32_t i = 0; i < k; ++i) {
-    TreeNode child;
-    child.id = next_id_++;
-    child.parent = node;
-    child.depth_begin = child_depth;
-    children.push_back(child.id);
-    add_node(std::move(child));
-  }
-  parent.children.insert(parent.children.end(), children.begin(), children.end());
-  num_live_nodes_ += k;
+  std::vector<NodeId> children(k);
+  // Cannot fail: the node is live, the ids are there and empty children take no KV.
+  for (NodeId& child : children) child = *add_child(node, {});
   return children;
 }
 
@@ -123,7 +111,7 @@ absl::StatusOr<NodeId> SequenceTree::add_child(NodeId node, std::span<const Toke
   if (absl::Status status = ids_left(1); !status.ok()) return status;
   const NodeId id = next_id_;
   if (kv_ != nullptr && !tokens.empty()) {
-    if (absl::Status status = kv_->reserve_new(kv_key(id), static_cast<int64_t>(tokens.size()));
+    if (absl::Status status = kv_->reserve(kv_key(id), static_cast<int64_t>(tokens.size()));
         !status.ok()) {
       return status;
     }

@@ -110,7 +110,7 @@ class SequenceTree {
 
  private:
   // The live node, or null (one lookup, where contains() then node() made two).
-  TreeNode* live(NodeId id) const;
+  TreeNode* live(NodeId id);
   absl::Status not_found(NodeId node) const;  // NOT_FOUND naming the node
   // OK while `count` more ids can be handed out, else RESOURCE_EXHAUSTED (branch, split).
   absl::Status ids_left(int64_t count) const;

@@ -41,30 +41,23 @@ TEST(KvCacheManager, ExhaustionReturnsErrorAndChangesNothing) {
 TEST(KvCacheManager, NegativeTokenCountIsRejected) {
   KvCacheManager kv({.page_tokens = 16, .num_pages = 2});
   EXPECT_EQ(kv.reserve(1, -1).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(kv.reserve_new(1, -1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(kv.has_owner(1));
   EXPECT_FALSE(kv.can_reserve(1, -1));
 }
 
-// reserve_new: the pages reserve() would give a new owner; short of pages, nothing changes.
-TEST(KvCacheManager, ReserveNewTakesPagesForANewOwner) {
+// A new owner's first reserve (one map lookup); short of pages, it is not created.
+TEST(KvCacheManager, ReserveCreatesANewOwnerOnlyWhenItFits) {
   KvCacheManager kv({.page_tokens = 4, .num_pages = 4});
-  ASSERT_TRUE(kv.reserve_new(3, 5).ok());
+  ASSERT_TRUE(kv.reserve(3, 5).ok());
   EXPECT_EQ(kv.pages(3).size(), 2u);
-  ASSERT_TRUE(kv.reserve_new(4, 0).ok());  // an owner without pages, as reserve(owner, 0)
+  ASSERT_TRUE(kv.reserve(4, 0).ok());  // an owner without pages
   EXPECT_TRUE(kv.has_owner(4));
-  EXPECT_EQ(kv.reserve_new(5, 9).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(kv.reserve(5, 9).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_FALSE(kv.has_owner(5));
   EXPECT_EQ(kv.free_pages(), 2);
   ASSERT_TRUE(kv.reserve(3, 12).ok());  // grows like any owner
   EXPECT_EQ(kv.pages(3).size(), 3u);
   EXPECT_TRUE(kv.check_invariants());
-}
-
-TEST(KvCacheManagerDeathTest, ReserveNewOfAnExistingOwnerAborts) {
-  KvCacheManager kv({.page_tokens = 4, .num_pages = 4});
-  ASSERT_TRUE(kv.reserve(3, 1).ok());
-  EXPECT_DEATH((void)kv.reserve_new(3, 1), "already holds pages");
 }
 
 // Long random sequences of grow / release: no leak, no double free, no page shared.
