@@ -25,7 +25,8 @@ inline constexpr int32_t kMaskWordBits = 64;
 // Memory layouts the plan indexes into:
 //   q, out:            [num_queries][num_q_heads][head_dim]
 //   k_cache, v_cache:  [num_slots][num_kv_heads][head_dim]   (slot = page * page_tokens + offset)
-//   partial_out:       [num_entries][num_q_heads][head_dim]  (fp32)
+//   partial_out:       [num_entries][num_q_heads][head_dim]  (the CUDA kernels: bf16 / fp16 as
+//                      q; the CPU twin: fp32)
 //   partial_lse:       [num_entries][num_q_heads]            (fp32, natural log)
 //
 // Task t reads the KV tokens at slots kv_slots[task_kv_begin[t] .. task_kv_end[t]) for the

@@ -36,7 +36,7 @@ constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every p
 
 template <typename T>
 using Stage2Kernel =
-    void (*)(AttentionPlanView, const float*, const float*, T*, int32_t, WeightPrefetch);
+    void (*)(AttentionPlanView, const T*, const float*, T*, int32_t, WeightPrefetch);
 
 template <typename T>
 struct Stage2Choice {
@@ -113,7 +113,7 @@ int32_t resident_ctas_typed() {
 
 template <typename T, int kHeadDim>
 void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const AttentionDims& dims,
-                  const void* q, const void* k_cache, const void* v_cache, float* partial_out,
+                  const void* q, const void* k_cache, const void* v_cache, void* partial_out,
                   float* partial_lse, void* out, cudaStream_t stream, bool stage2,
                   int32_t stage2_batch, const WeightPrefetch& prefetch) {
   auto* stage1 = deft_attention_wgmma_passes(shape, dims) ? stage1_kernel<T, kHeadDim, true>()
@@ -176,7 +176,7 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
         stage2_choice_for<T, kHeadDim>(stage2_ctas(plan.num_queries, dims),
                                        shape.max_query_entries, stage2_batch)
             .kernel,
-        plan, static_cast<const float*>(partial_out), static_cast<const float*>(partial_lse),
+        plan, static_cast<const T*>(partial_out), static_cast<const float*>(partial_lse),
         static_cast<T*>(out), dims.num_q_heads, with_prefetch.prefetch));
     DEFT_CUDA_CHECK_LAUNCH();
   }
@@ -361,7 +361,7 @@ PlanShape plan_shape(const AttentionPlanView& host_plan) {
 
 void DeftAttentionBuffers::reserve(int32_t num_entries, const AttentionDims& dims) {
   const size_t rows = static_cast<size_t>(std::max(num_entries, 1)) * dims.num_q_heads;
-  partial_out_.reserve(rows * dims.head_dim * sizeof(float));
+  partial_out_.reserve(rows * dims.head_dim * kPartialElementBytes);
   partial_lse_.reserve(rows * sizeof(float));
 }
 
@@ -421,7 +421,7 @@ int32_t deft_attention_stage2_batch(const PlanShape& shape, int32_t num_queries,
 
 void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,
                            const AttentionDims& dims, DType dtype, const void* q,
-                           const void* k_cache, const void* v_cache, float* partial_out,
+                           const void* k_cache, const void* v_cache, void* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream, DeftStage2 stage2,
                            int32_t stage2_batch, const WeightPrefetch& prefetch) {
   if (!deft_attention_supported(dims)) {

@@ -16,8 +16,9 @@
 // kernel pads short passes to 64 rows instead); per-token 64-bit mask words mask scores; tiles
 // no row of the pass sees are never loaded; online softmax in base 2 whose O rescale waits
 // until a row's maximum grew by more than 2^8 (kRescaleSlack). Rows whose query has a single
-// partial write the final output directly, the others write partial O (normalised) and LSE
-// (natural log).
+// partial write the final output directly, the others write partial O (normalised, rounded to
+// the attention's dtype as the output is: stage 2 then reads half the bytes of fp32 partials)
+// and LSE (fp32, natural log).
 //
 // Stage 2: one warp per (query, head); queries with a single partial return at once; the others
 // merge their partials: out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max).
@@ -85,7 +86,7 @@ struct Stage1Params {
   const void* q;
   const void* k_cache;
   const void* v_cache;
-  float* partial_out;
+  void* partial_out;  // T
   float* partial_lse;
   void* out;
   int32_t num_q_heads;
@@ -109,6 +110,10 @@ struct ElemTraits<__nv_bfloat16> {
   static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
     return __float2bfloat16_rn(x);
   }
+  // Two packed values (low half first) to fp32: exact, plain integer operations.
+  static __device__ __forceinline__ float2 unpack(uint32_t bits) {
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+  }
   static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
@@ -125,6 +130,10 @@ struct ElemTraits<__half> {
     return *reinterpret_cast<uint32_t*>(&v);
   }
   static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ float2 unpack(uint32_t bits) {
+    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(bits))),
+                       __half2float(__ushort_as_half(static_cast<unsigned short>(bits >> 16))));
+  }
   static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
@@ -700,22 +709,21 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     // scaled by inv_sum (normalised). An entry that saw no token (a plan bug) yields zeros and
     // LSE -inf, never NaN.
     struct RowDestination {
-      T* out;  // null: a partial
-      float* partial;
+      T* row;  // the output row or the partial O row
       float inv_sum;
     };
     auto row_destination = [&](int pass_row, float row_max, float row_sum, bool with_lse) {
       const int row = pass_row0 + pass_row;
       const int head = kv_head * group + row % group;
       const int target = row_target[pass_row];
-      RowDestination dest{nullptr, nullptr, row_sum > 0.0f ? 1.0f / row_sum : 0.0f};
+      RowDestination dest{nullptr, row_sum > 0.0f ? 1.0f / row_sum : 0.0f};
       if (target < 0) {
-        dest.out = static_cast<T*>(params.out) + static_cast<int64_t>(~target) * q_row_stride +
+        dest.row = static_cast<T*>(params.out) + static_cast<int64_t>(~target) * q_row_stride +
                    head * kHeadDim;
         return dest;
       }
       const int64_t partial_row = static_cast<int64_t>(target) * params.num_q_heads + head;
-      dest.partial = params.partial_out + partial_row * kHeadDim;
+      dest.row = static_cast<T*>(params.partial_out) + partial_row * kHeadDim;
       if (with_lse) {
         // Natural-log LSE of the scaled scores: (base + log2(sum)) * ln(2).
         params.partial_lse[partial_row] =
@@ -723,29 +731,6 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       }
       return dest;
     };
-    // Columns [col, col + kWidth) of a row, kWidth = 2 or 4.
-    auto store_row_part = [&](const RowDestination& dest, int col, const float (&values)[4],
-                              auto width_tag) {
-      constexpr int kWidth = decltype(width_tag)::value;
-      const float inv_sum = dest.inv_sum;
-      if (dest.out != nullptr) {
-        const uint32_t lo = Traits::pack(values[0] * inv_sum, values[1] * inv_sum);
-        if constexpr (kWidth == 4) {
-          *reinterpret_cast<uint2*>(dest.out + col) =
-              make_uint2(lo, Traits::pack(values[2] * inv_sum, values[3] * inv_sum));
-        } else {
-          *reinterpret_cast<uint32_t*>(dest.out + col) = lo;
-        }
-      } else if constexpr (kWidth == 4) {
-        *reinterpret_cast<float4*>(dest.partial + col) =
-            make_float4(values[0] * inv_sum, values[1] * inv_sum, values[2] * inv_sum,
-                        values[3] * inv_sum);
-      } else {
-        *reinterpret_cast<float2*>(dest.partial + col) =
-            make_float2(values[0] * inv_sum, values[1] * inv_sum);
-      }
-    };
-
     if (kv_splits == 1) {
       // Each row's whole state is in its warp's registers: written from there.
       if (warp_has_rows) {
@@ -753,13 +738,43 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int pass_row = pass_row_a + 8 * half;
-          if (pass_row >= pass_rows) continue;
-          const RowDestination dest = row_destination(pass_row, half == 0 ? max_a : max_b,
-                                                      half == 0 ? sum_a : sum_b, lane_col == 0);
+          const bool valid = pass_row < pass_rows;  // the same for a lane quad
+          const RowDestination dest =
+              valid ? row_destination(pass_row, half == 0 ? max_a : max_b,
+                                      half == 0 ? sum_a : sum_b, lane_col == 0)
+                    : RowDestination{nullptr, 0.0f};
+          // A quad's 4 lanes hold 2 columns each of every 8-column block: transposed through
+          // shuffles so that each lane writes one whole block (16 bytes; a quad 64 contiguous
+          // bytes of the row) instead of 4 bytes per block.
+          uint32_t packed[kOBlocks];
 #pragma unroll
           for (int nb = 0; nb < kOBlocks; ++nb) {
-            const float values[4] = {o_acc[nb][2 * half], o_acc[nb][2 * half + 1], 0.0f, 0.0f};
-            store_row_part(dest, nb * 8 + 2 * lane_col, values, std::integral_constant<int, 2>{});
+            packed[nb] = Traits::pack(o_acc[nb][2 * half] * dest.inv_sum,
+                                      o_acc[nb][2 * half + 1] * dest.inv_sum);
+          }
+#pragma unroll
+          for (int g = 0; g < kOBlocks / 4; ++g) {
+            const auto pick = [&](int j) {  // packed[4 g + j] for a lane-dependent j
+              uint32_t r = packed[4 * g];
+              r = j == 1 ? packed[4 * g + 1] : r;
+              r = j == 2 ? packed[4 * g + 2] : r;
+              return j == 3 ? packed[4 * g + 3] : r;
+            };
+            // From lane lane_col ^ k: its columns of block 4 g + lane_col.
+            const uint32_t own = pick(lane_col);
+            const uint32_t from1 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 1), 1);
+            const uint32_t from2 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 2), 2);
+            const uint32_t from3 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 3), 3);
+            uint32_t block[4];
+#pragma unroll
+            for (int source = 0; source < 4; ++source) {
+              const int k = source ^ lane_col;
+              block[source] = k == 0 ? own : (k == 1 ? from1 : (k == 2 ? from2 : from3));
+            }
+            if (valid) {
+              *reinterpret_cast<uint4*>(dest.row + (4 * g + lane_col) * 8) =
+                  make_uint4(block[0], block[1], block[2], block[3]);
+            }
           }
         }
       }
@@ -811,8 +826,10 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
             acc[3] += weight * o.w;
           }
         }
-        store_row_part(row_destination(pass_row, row_max, row_sum, col == 0), col, acc,
-                       std::integral_constant<int, 4>{});
+        const RowDestination dest = row_destination(pass_row, row_max, row_sum, col == 0);
+        *reinterpret_cast<uint2*>(dest.row + col) =
+            make_uint2(Traits::pack(acc[0] * dest.inv_sum, acc[1] * dest.inv_sum),
+                       Traits::pack(acc[2] * dest.inv_sum, acc[3] * dest.inv_sum));
       }
     }
     __syncthreads();  // the merge scratch is the next pass's KV ring
@@ -827,16 +844,16 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 // partials costs one memory round trip after stage 1 (the plan's rows are read before the wait).
 // Loading the LSEs first, then the rows 8 at a time, took four: 7.4 µs for 20 few-shot queries
 // in the decode step (ncu, H100, 2026-11-23), where stage 2 sits between stage 1 and the O
-// projection. A larger batch holds more registers (32: 168 a thread, 8: 64), so the launch
-// picks the batch (stage2_kernel_for in deft_attention.cu): the smallest that takes the plan's
-// largest query in one trip among those whose grid fits on the GPU at once.
+// projection. A larger batch holds more registers (head_dim 128: 32 rows 96 a thread, 8 rows
+// 48), so the launch picks the batch (stage2_kernel_for in deft_attention.cu): the smallest that
+// takes the plan's largest query in one trip among those whose grid fits on the GPU at once.
 template <typename T, int kHeadDim, int kBatch>
 __global__ void __launch_bounds__(kStage2Threads)
     deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
-                                 const float* __restrict__ partial_out,
+                                 const T* __restrict__ partial_out,
                                  const float* __restrict__ partial_lse, T* __restrict__ out,
                                  int32_t num_q_heads, const WeightPrefetch prefetch) {
-  constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 consecutive floats per lane
+  constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 consecutive values per lane
   static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
   static_assert(kBatch > 0 && 32 % kBatch == 0, "batches tile a lane's 32 partials");
   // The next layer's stage 1 may be scheduled (it waits for us before touching our outputs).
@@ -868,23 +885,21 @@ __global__ void __launch_bounds__(kStage2Threads)
 
   // This lane's columns of the O rows of partials [first, first + n) of a 32 (lanes' rows
   // my_row), all loads issued at once.
-  float o[kBatch][kPerLane];
+  // Kept packed until used (kPerLane / 2 words a row): a batch of 32 rows converted on load
+  // would hold twice the registers and no longer have all its loads in flight at once.
+  uint32_t o[kBatch][kPerLane / 2];
   const auto load_batch = [&](int64_t my_row, int first, int n) {
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int64_t row = __shfl_sync(0xffffffffu, my_row, first + j);
       if (j < n) {
-        const float* src = partial_out + row * kHeadDim + lane * kPerLane;
+        const T* src = partial_out + row * kHeadDim + lane * kPerLane;
         if constexpr (kPerLane == 4) {
-          const float4 v = *reinterpret_cast<const float4*>(src);
+          const uint2 v = *reinterpret_cast<const uint2*>(src);
           o[j][0] = v.x;
           o[j][1] = v.y;
-          o[j][2] = v.z;
-          o[j][3] = v.w;
         } else {
-          const float2 v = *reinterpret_cast<const float2*>(src);
-          o[j][0] = v.x;
-          o[j][1] = v.y;
+          o[j][0] = *reinterpret_cast<const uint32_t*>(src);
         }
       }
     }
@@ -922,7 +937,11 @@ __global__ void __launch_bounds__(kStage2Threads)
         const float weight = __shfl_sync(0xffffffffu, my_weight, first + j);
         if (j < n) {
 #pragma unroll
-          for (int e = 0; e < kPerLane; ++e) acc[e] += weight * o[j][e];
+          for (int w = 0; w < kPerLane / 2; ++w) {
+            const float2 v = ElemTraits<T>::unpack(o[j][w]);
+            acc[2 * w] += weight * v.x;
+            acc[2 * w + 1] += weight * v.y;
+          }
         }
       }
     }
@@ -931,8 +950,9 @@ __global__ void __launch_bounds__(kStage2Threads)
     __syncwarp();
     if (lane < chunk_count) {
 #pragma unroll
-      for (int line = 0; line < kHeadDim * 4 / kL2LineBytes; ++line) {
-        discard_l2_line(partial_out + my_row * kHeadDim + line * (kL2LineBytes / 4));
+      for (int line = 0; line < kHeadDim * static_cast<int>(sizeof(T)) / kL2LineBytes; ++line) {
+        discard_l2_line(partial_out + my_row * kHeadDim +
+                        line * (kL2LineBytes / static_cast<int>(sizeof(T))));
       }
     }
   }

@@ -112,11 +112,13 @@ class DevicePlan {
                       std::span<const unsigned char> extra);
 };
 
-// Scratch for stage 1's partial results: [num_entries][num_q_heads][head_dim] + LSE, fp32.
+// Scratch for stage 1's partial results: O [num_entries][num_q_heads][head_dim] in the
+// attention's dtype (bf16 / fp16: 2 bytes), LSE [num_entries][num_q_heads] fp32.
 class DeftAttentionBuffers {
  public:
+  static constexpr size_t kPartialElementBytes = 2;
   void reserve(int32_t num_entries, const AttentionDims& dims);
-  float* partial_out() const { return partial_out_.as<float>(); }
+  void* partial_out() const { return partial_out_.data(); }
   float* partial_lse() const { return partial_lse_.as<float>(); }
 
  private:
@@ -163,7 +165,8 @@ enum class DeftStage2 { kIfMerging, kAlways, kNever };
 // (DevicePlan::shape()): it sizes stage 1's grid and picks stage 2's batch.
 //   q:        [num_queries][num_q_heads][head_dim]        (dtype)
 //   k_cache:  [num_slots][num_kv_heads][head_dim]         (dtype), v_cache likewise
-//   partial_out / partial_lse: [num_entries][num_q_heads][head_dim] / [num_entries][num_q_heads]
+//   partial_out / partial_lse: [num_entries][num_q_heads][head_dim] (dtype) /
+//                              [num_entries][num_q_heads] (fp32)
 //   out:      [num_queries][num_q_heads][head_dim]        (dtype)
 // stage2_batch: how many of a query's partial O rows stage 2 loads per memory round trip (32, 16
 // or 8; a larger batch holds more registers, so fewer of its CTAs fit on the GPU at once); 0
@@ -174,7 +177,7 @@ enum class DeftStage2 { kIfMerging, kAlways, kNever };
 // Aborts on unsupported dims (a caller bug: check deft_attention_supported at load time).
 void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape& shape,
                            const AttentionDims& dims, DType dtype, const void* q,
-                           const void* k_cache, const void* v_cache, float* partial_out,
+                           const void* k_cache, const void* v_cache, void* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream,
                            DeftStage2 stage2 = DeftStage2::kIfMerging, int32_t stage2_batch = 0,
                            const WeightPrefetch& prefetch = {});

@@ -170,7 +170,8 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     buffers.reserve(plan.num_entries(), dims);
     const size_t partial_rows = std::max<size_t>(plan.num_entries(), 1) * dims.num_q_heads;
     DEFT_CUDA_CHECK(cudaMemset(out_dev.data(), 0xff, q_count * 2));
-    DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff, partial_rows * c.head_dim * 4));
+    DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff,
+                               partial_rows * c.head_dim * DeftAttentionBuffers::kPartialElementBytes));
     DEFT_CUDA_CHECK(cudaMemset(buffers.partial_lse(), 0xff, partial_rows * 4));
     DevicePlan device_plan;
     device_plan.upload(plan.view(), nullptr);

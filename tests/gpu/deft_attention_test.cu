@@ -412,7 +412,8 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
   const size_t partial_rows = std::max<size_t>(plan.entry_query.size(), 1) * dims.num_q_heads;
   // Poison: 0xff bytes are NaN in fp32, bf16 and fp16.
   DEFT_CUDA_CHECK(cudaMemset(out_dev.data(), 0xff, q_count * 2));
-  DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff, partial_rows * dims.head_dim * 4));
+  DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff,
+                             partial_rows * dims.head_dim * DeftAttentionBuffers::kPartialElementBytes));
   DEFT_CUDA_CHECK(cudaMemset(buffers.partial_lse(), 0xff, partial_rows * 4));
 
   cudaStream_t stream;
