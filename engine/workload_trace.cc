@@ -127,12 +127,12 @@ SpecDecReplay::SpecDecReplay(const SpecDecTrace& trace, SequenceTree& tree, int3
     : trace_(trace), tree_(tree) {
   status_ = tree.append(tree.root(), std::vector<TokenId>(prefix_tokens, 1));
   if (!status_.ok()) return;
-  absl::StatusOr<std::vector<NodeId>> child = tree.branch(tree.root(), 1);
+  absl::StatusOr<NodeId> child = tree.add_child(tree.root(), {});
   if (!child.ok()) {
     status_ = child.status();
     return;
   }
-  prefix_ = (*child)[0];  // committed tokens grow here
+  prefix_ = *child;  // committed tokens grow here
 }
 
 void SpecDecReplay::build_token_tree(std::vector<QueryToken>& queries) {

@@ -243,6 +243,40 @@ __device__ __forceinline__ void online_softmax_step(float (&scores)[kBlocks][4],
   rescale_rows(o_acc, alpha_a, alpha_b);
 }
 
+// One row of an MMA accumulator, rounded and packed: lane `lane_col` of the row's quad holds
+// columns 8 nb + 2 lane_col and + 1 in packed[nb]. Three shuffles per 4 blocks hand each lane a
+// whole 8-column block, so it writes 16 bytes (a quad 64 contiguous bytes) instead of 4 bytes a
+// block. Every lane of the warp calls it (shuffles); `row` is written only where `write`.
+template <typename T, int kOBlocks>
+__device__ __forceinline__ void store_quad_row(T* row, const uint32_t (&packed)[kOBlocks],
+                                               int lane_col, bool write) {
+  static_assert(kOBlocks % 4 == 0, "whole groups of 4 blocks");
+#pragma unroll
+  for (int g = 0; g < kOBlocks / 4; ++g) {
+    const auto pick = [&](int j) {  // packed[4 g + j] for a lane-dependent j
+      uint32_t r = packed[4 * g];
+      r = j == 1 ? packed[4 * g + 1] : r;
+      r = j == 2 ? packed[4 * g + 2] : r;
+      return j == 3 ? packed[4 * g + 3] : r;
+    };
+    // From lane lane_col ^ k: its columns of block 4 g + lane_col.
+    const uint32_t own = pick(lane_col);
+    const uint32_t from1 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 1), 1);
+    const uint32_t from2 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 2), 2);
+    const uint32_t from3 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 3), 3);
+    uint32_t block[4];
+#pragma unroll
+    for (int source = 0; source < 4; ++source) {
+      const int k = source ^ lane_col;
+      block[source] = k == 0 ? own : (k == 1 ? from1 : (k == 2 ? from2 : from3));
+    }
+    if (write) {
+      *reinterpret_cast<uint4*>(row + (4 * g + lane_col) * 8) =
+          make_uint4(block[0], block[1], block[2], block[3]);
+    }
+  }
+}
+
 // Bits [lo, hi] of a mask word (0 <= lo <= hi < 64).
 __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
   const int count = hi - lo + 1;
@@ -743,39 +777,13 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
               valid ? row_destination(pass_row, half == 0 ? max_a : max_b,
                                       half == 0 ? sum_a : sum_b, lane_col == 0)
                     : RowDestination{nullptr, 0.0f};
-          // A quad's 4 lanes hold 2 columns each of every 8-column block: transposed through
-          // shuffles so that each lane writes one whole block (16 bytes; a quad 64 contiguous
-          // bytes of the row) instead of 4 bytes per block.
           uint32_t packed[kOBlocks];
 #pragma unroll
           for (int nb = 0; nb < kOBlocks; ++nb) {
             packed[nb] = Traits::pack(o_acc[nb][2 * half] * dest.inv_sum,
                                       o_acc[nb][2 * half + 1] * dest.inv_sum);
           }
-#pragma unroll
-          for (int g = 0; g < kOBlocks / 4; ++g) {
-            const auto pick = [&](int j) {  // packed[4 g + j] for a lane-dependent j
-              uint32_t r = packed[4 * g];
-              r = j == 1 ? packed[4 * g + 1] : r;
-              r = j == 2 ? packed[4 * g + 2] : r;
-              return j == 3 ? packed[4 * g + 3] : r;
-            };
-            // From lane lane_col ^ k: its columns of block 4 g + lane_col.
-            const uint32_t own = pick(lane_col);
-            const uint32_t from1 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 1), 1);
-            const uint32_t from2 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 2), 2);
-            const uint32_t from3 = __shfl_xor_sync(0xffffffffu, pick(lane_col ^ 3), 3);
-            uint32_t block[4];
-#pragma unroll
-            for (int source = 0; source < 4; ++source) {
-              const int k = source ^ lane_col;
-              block[source] = k == 0 ? own : (k == 1 ? from1 : (k == 2 ? from2 : from3));
-            }
-            if (valid) {
-              *reinterpret_cast<uint4*>(dest.row + (4 * g + lane_col) * 8) =
-                  make_uint4(block[0], block[1], block[2], block[3]);
-            }
-          }
+          store_quad_row(dest.row, packed, lane_col, valid);
         }
       }
     } else {

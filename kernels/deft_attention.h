@@ -113,10 +113,10 @@ class DevicePlan {
 };
 
 // Scratch for stage 1's partial results: O [num_entries][num_q_heads][head_dim] in the
-// attention's dtype (bf16 / fp16: 2 bytes), LSE [num_entries][num_q_heads] fp32.
+// attention's dtype (bf16 / fp16), LSE [num_entries][num_q_heads] fp32.
 class DeftAttentionBuffers {
  public:
-  static constexpr size_t kPartialElementBytes = 2;
+  static constexpr size_t kPartialElementBytes = dtype_bytes(DType::kBf16);  // fp16 alike
   void reserve(int32_t num_entries, const AttentionDims& dims);
   void* partial_out() const { return partial_out_.data(); }
   float* partial_lse() const { return partial_lse_.as<float>(); }
