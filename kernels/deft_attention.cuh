@@ -72,8 +72,10 @@ struct Stage1Smem {
   static constexpr int kNeededOffset = kRowTargetOffset + kStage1Warps * kMmaRows * 4;
   // The KV slots of the tile each stage will hold next, copied one tile ahead of the KV.
   static constexpr int kSlotRingOffset = kNeededOffset + kNeededWords * 4;
+  // Masked tasks: the pass's leading tokens that every row of the pass sees (one int).
+  static constexpr int kFullEndOffset = kSlotRingOffset + kStages * kKvTileTokens * 4;
   static constexpr int kAlignSlack = 1024;
-  static constexpr int kBytes = kSlotRingOffset + kStages * kKvTileTokens * 4 + kAlignSlack;
+  static constexpr int kBytes = kFullEndOffset + 16 + kAlignSlack;
   // The end-of-pass merge reuses the KV ring: per warp 16 rows of O, m and l (fp32).
   static constexpr int kMergeOBytes = kStage1Warps * kMmaRows * kHeadDim * 4;
   static constexpr int kMergeBytes = kMergeOBytes + 2 * kStage1Warps * kMmaRows * 4;
@@ -381,22 +383,31 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
 
     // Masked tasks: the tiles some row of this pass sees, found once per pass (a warp's 32
-    // tokens lie in one tile).
+    // tokens lie in one tile), and how many leading tokens every row of the pass sees: their
+    // steps skip the per-element mask tests as unmasked ones do (the top of a token tree that
+    // all of a group's queries share; a masked tile costs about two unmasked ones).
     uint32_t* needed = reinterpret_cast<uint32_t*>(smem + Smem::kNeededOffset);
+    int* const full_end = reinterpret_cast<int*>(smem + Smem::kFullEndOffset);
+    int full_tokens = run_tokens;
     if (masked) {
-      if (threadIdx.x < Smem::kNeededWords) needed[threadIdx.x] = 0;
-      __syncthreads();
       const int scan_tokens = min(run_tokens, Smem::kNeededTiles * kKvTileTokens);
+      if (threadIdx.x < Smem::kNeededWords) needed[threadIdx.x] = 0;
+      if (threadIdx.x == 0) *full_end = scan_tokens;
+      __syncthreads();
       for (int base = warp * 32; base < scan_tokens; base += kStage1Threads) {
         const int token = base + lane;
-        const bool seen =
-            token < scan_tokens && (plan.mask_words[mask_begin + token] & pass_bits) != 0;
+        const uint64_t bits =
+            token < scan_tokens ? plan.mask_words[mask_begin + token] & pass_bits : pass_bits;
+        const bool seen = token < scan_tokens && bits != 0;
+        const uint32_t partly = __ballot_sync(0xffffffffu, bits != pass_bits);
         if (__any_sync(0xffffffffu, seen) && lane == 0) {
           const int t = base / kKvTileTokens;
           atomicOr(needed + t / 32, 1u << (t % 32));
         }
+        if (partly != 0 && lane == 0) atomicMin(full_end, base + __ffs(partly) - 1);
       }
       __syncthreads();
+      full_tokens = *full_end;
     }
     // First tile at or after `tile` that some row of this pass sees (block-uniform).
     auto next_needed_tile = [&](int tile) {
@@ -540,10 +551,10 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     // exponent: the maxima are taken on raw scores (softmax_scale > 0, see
     // deft_attention_supported, so the order is the same) and exp2(s * scale - max) is one FFMA
     // and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should here). Steps every row
-    // sees entirely (no mask, no tail) skip the per-element visibility tests.
+    // sees entirely (no mask, no tail: full_tokens) skip the per-element visibility tests.
     auto mask_scores = [&](auto& scores, const uint64_t* mask_tile, int token0, int step_token0) {
       constexpr int kBlocks = std::extent_v<std::remove_reference_t<decltype(scores)>>;
-      const bool step_full = !masked && token0 + step_token0 + 8 * kBlocks <= run_tokens;
+      const bool step_full = token0 + step_token0 + 8 * kBlocks <= full_tokens;
       if (!step_full) {
 #pragma unroll
         for (int nb = 0; nb < kBlocks; ++nb) {

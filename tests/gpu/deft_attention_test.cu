@@ -529,6 +529,22 @@ TEST_P(DeftAttentionGpuTest, EveryPassRowCount) {
   }
 }
 
+// Masked tasks whose first tokens every row of a pass sees (a shared prefix, then each query's
+// own suffix): those steps skip the per-element mask tests, the rest keep them. The prefix ends
+// inside an 8-token block, at a block edge, mid-tile and at a tile edge, for every class of pass.
+TEST_P(DeftAttentionGpuTest, MaskedTasksWithASharedLead) {
+  const int group = GetParam().group_size;
+  for (int prefix : {1, 203, 96, 128}) {
+    for (int rows : {16, 40, 64, 136, 256}) {
+      const int queries = std::max(1, rows / group);
+      const Tree tree = finished(few_shot_tree(prefix, queries, 37));
+      const std::string what = "dense mask, prefix " + std::to_string(prefix) + ", " +
+                               std::to_string(queries) + " queries";
+      check(tree, Kind::kDenseMask, 0, what.c_str());
+    }
+  }
+}
+
 // One task wider than the launch's row slices (an unmasked cap above the planner's default):
 // each CTA runs several passes one after another in the same shared memory.
 TEST_P(DeftAttentionGpuTest, MorePassesThanRowSlices) {
