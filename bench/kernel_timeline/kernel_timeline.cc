@@ -3,7 +3,8 @@
 // process exits. For the timeline of a decode step inside its CUDA graph, which the benchmarks'
 // CUDA events cannot split (the programmatic launches overlap neighbouring kernels):
 //
-//   KERNEL_TIMELINE_OUT=steps.csv LD_PRELOAD=build/bench/kernel_timeline/libdeft_kernel_timeline.so \
+//   KERNEL_TIMELINE_OUT=steps.csv \
+//   LD_PRELOAD=build/bench/kernel_timeline/libdeft_kernel_timeline.so \
 //     build/bench/e2e_step_bench --case specdec_p6000_t64 --method deft_flatten --spec-steps 12
 //   python3 bench/kernel_timeline/kernel_timeline.py steps.csv
 //
@@ -37,9 +38,8 @@ std::string short_name(const char* mangled) {
   char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
   std::string name = demangled != nullptr ? demangled : mangled;
   std::free(demangled);
-  for (const std::string anonymous = "(anonymous namespace)::";;) {
-    const size_t at = name.find(anonymous);
-    if (at == std::string::npos) break;
+  const std::string anonymous = "(anonymous namespace)::";
+  for (size_t at = name.find(anonymous); at != std::string::npos; at = name.find(anonymous)) {
     name.erase(at, anonymous.size());
   }
   if (const size_t params = name.find('('); params != std::string::npos) name.resize(params);
@@ -89,10 +89,10 @@ struct Recorder {
       return;
     }
     for (const KernelRecord& r : records) {
-      std::fprintf(out, "%llu,%llu,%u,%llu,%lld,%lld,%s\n", static_cast<unsigned long long>(r.start),
-                   static_cast<unsigned long long>(r.end), r.graph,
-                   static_cast<unsigned long long>(r.graph_node), static_cast<long long>(r.grid),
-                   static_cast<long long>(r.block), r.name.c_str());
+      std::fprintf(out, "%llu,%llu,%u,%llu,%lld,%lld,%s\n",
+                   static_cast<unsigned long long>(r.start), static_cast<unsigned long long>(r.end),
+                   r.graph, static_cast<unsigned long long>(r.graph_node),
+                   static_cast<long long>(r.grid), static_cast<long long>(r.block), r.name.c_str());
     }
     std::fclose(out);
     std::fprintf(stderr, "kernel_timeline: %zu kernels -> %s\n", records.size(), path);
