@@ -120,6 +120,8 @@ class DeftAttentionBuffers {
   void reserve(int32_t num_entries, const AttentionDims& dims);
   void* partial_out() const { return partial_out_.data(); }
   float* partial_lse() const { return partial_lse_.as<float>(); }
+  size_t partial_out_bytes() const { return partial_out_.bytes(); }
+  size_t partial_lse_bytes() const { return partial_lse_.bytes(); }
 
  private:
   DeviceBuffer partial_out_;

@@ -168,11 +168,9 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     DeviceBuffer out_dev(q_count * 2);
     DeftAttentionBuffers buffers;
     buffers.reserve(plan.num_entries(), dims);
-    const size_t partial_rows = std::max<size_t>(plan.num_entries(), 1) * dims.num_q_heads;
     DEFT_CUDA_CHECK(cudaMemset(out_dev.data(), 0xff, q_count * 2));
-    DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff,
-                               partial_rows * c.head_dim * DeftAttentionBuffers::kPartialElementBytes));
-    DEFT_CUDA_CHECK(cudaMemset(buffers.partial_lse(), 0xff, partial_rows * 4));
+    DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff, buffers.partial_out_bytes()));
+    DEFT_CUDA_CHECK(cudaMemset(buffers.partial_lse(), 0xff, buffers.partial_lse_bytes()));
     DevicePlan device_plan;
     device_plan.upload(plan.view(), nullptr);
     launch_deft_attention(device_plan, dims, c.dtype, q_dev.data(), k_dev.data(), v_dev.data(),

@@ -409,12 +409,10 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
   DeviceBuffer out_dev(q_count * 2);
   DeftAttentionBuffers buffers;
   buffers.reserve(static_cast<int32_t>(plan.entry_query.size()), dims);
-  const size_t partial_rows = std::max<size_t>(plan.entry_query.size(), 1) * dims.num_q_heads;
   // Poison: 0xff bytes are NaN in fp32, bf16 and fp16.
   DEFT_CUDA_CHECK(cudaMemset(out_dev.data(), 0xff, q_count * 2));
-  DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff,
-                             partial_rows * dims.head_dim * DeftAttentionBuffers::kPartialElementBytes));
-  DEFT_CUDA_CHECK(cudaMemset(buffers.partial_lse(), 0xff, partial_rows * 4));
+  DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff, buffers.partial_out_bytes()));
+  DEFT_CUDA_CHECK(cudaMemset(buffers.partial_lse(), 0xff, buffers.partial_lse_bytes()));
 
   cudaStream_t stream;
   DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
