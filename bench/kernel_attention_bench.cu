@@ -329,7 +329,7 @@ int main(int argc, char** argv) {
       const std::vector<engine::TreeQueries> input = {{s.tree.get(), s.queries}};
       must(planner.plan(input, plan));
       kernels::DevicePlan device_plan;
-      device_plan.upload(plan.view(), stream);
+      device_plan.upload(plan.view(), dims, stream);
       kernels::DeftAttentionBuffers buffers;
       buffers.reserve(plan.num_entries(), dims);
       const auto launch = [&](int copy) {

@@ -54,6 +54,18 @@ struct PrefillRun {
   int32_t prefix_tokens = 0;
 };
 
+// The CUDA kernels' stage-1 grid (built by kernels::DevicePlan, not by the planner): task `task`
+// runs on `units` row slices (CTAs per KV head), enough for its rows; its CTAs are
+// [first_unit, first_unit + units) x num_kv_heads, in (KV head, slice) order, slice fastest, and
+// slice s runs the task's row passes s, s + units, ... Unit i of the table describes the task of
+// CTAs [i, i + 1) x num_kv_heads. Padding units have task -1.
+struct alignas(16) Stage1Unit {
+  int32_t task = -1;
+  int32_t first_unit = 0;
+  int32_t units = 1;
+  int32_t unused = 0;  // 16 bytes: one load
+};
+
 struct AttentionPlanView {
   int32_t num_queries = 0;
   int32_t num_tasks = 0;
@@ -77,6 +89,10 @@ struct AttentionPlanView {
 
   int32_t num_prefill_runs = 0;
   const PrefillRun* prefill_runs = nullptr;  // [num_prefill_runs]
+
+  // The CUDA kernels' stage-1 grid (kernels::DevicePlan fills them; null on the host).
+  int32_t num_stage1_units = 0;
+  const Stage1Unit* stage1_units = nullptr;  // [num_stage1_units]
 };
 
 }  // namespace deft::kernels

@@ -134,11 +134,10 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
   params.group_size = group;
   params.scale_log2 = dims.softmax_scale * 1.4426950408889634f;
 
-  params.row_slices = deft_attention_row_slices(shape.max_task_entries, dims);
-
-  const int64_t ctas = int64_t{plan.num_tasks} * dims.num_kv_heads * params.row_slices;
+  // One CTA per (stage-1 unit, KV head): a task's units are its row slices.
+  const int64_t ctas = int64_t{plan.num_stage1_units} * dims.num_kv_heads;
   if (ctas > std::numeric_limits<int32_t>::max()) {
-    fail("stage 1 grid too large; tasks", plan.num_tasks);
+    fail("stage 1 grid too large; units", plan.num_stage1_units);
   }
   // Programmatic dependent launch: stage 1's CTAs start (and read the plan) while the kernel
   // before them finishes; they wait for it in the kernel before reading Q or the KV.
@@ -195,22 +194,23 @@ DevicePlan::~DevicePlan() {
   cudaEventDestroy(upload_done_);
 }
 
-void DevicePlan::upload(const AttentionPlanView& host_plan, cudaStream_t stream,
-                        std::span<const unsigned char> extra) {
-  upload_sections(host_plan, nullptr, stream, extra);
+void DevicePlan::upload(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                        cudaStream_t stream, std::span<const unsigned char> extra) {
+  upload_sections(host_plan, dims, nullptr, stream, extra);
 }
 
-void DevicePlan::upload_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
-                               cudaStream_t stream, std::span<const unsigned char> extra) {
+void DevicePlan::upload_padded(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                               const PlanCapacity& capacity, cudaStream_t stream,
+                               std::span<const unsigned char> extra) {
   if (!capacity.holds(host_plan)) fail("upload_padded: the capacity does not hold the plan", 0);
-  upload_sections(host_plan, &capacity, stream, extra);
+  upload_sections(host_plan, dims, &capacity, stream, extra);
 }
 
-void DevicePlan::stage_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
-                              std::span<const unsigned char> extra) {
+void DevicePlan::stage_padded(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                              const PlanCapacity& capacity, std::span<const unsigned char> extra) {
   if (!capacity.holds(host_plan)) fail("stage_padded: the capacity does not hold the plan", 0);
   wait_for_staging();  // an upload() may have left a copy of it in flight
-  stage_sections(host_plan, &capacity, extra);
+  stage_sections(host_plan, dims, &capacity, extra);
 }
 
 void DevicePlan::wait_for_staging() {
@@ -223,25 +223,34 @@ void DevicePlan::enqueue_copy(cudaStream_t stream) const {
                                   cudaMemcpyHostToDevice, stream));
 }
 
-void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
-                                 cudaStream_t stream, std::span<const unsigned char> extra) {
+void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                                 const PlanCapacity* capacity, cudaStream_t stream,
+                                 std::span<const unsigned char> extra) {
   wait_for_staging();  // it may still be feeding the previous upload's copy
-  stage_sections(host_plan, capacity, extra);
+  stage_sections(host_plan, dims, capacity, extra);
   enqueue_copy(stream);
   DEFT_CUDA_CHECK(cudaEventRecord(upload_done_, stream));
   upload_pending_ = true;
 }
 
-void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
+void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                                const PlanCapacity* capacity,
                                 std::span<const unsigned char> extra) {
+  build_stage1_units(host_plan, dims, stage1_units_);
+  const int32_t num_units = static_cast<int32_t>(stage1_units_.size());
   // Element counts of the sections: the plan's, or the capacity's when padding.
   AttentionPlanView sizes = host_plan;
+  sizes.num_stage1_units = num_units;
   if (capacity != nullptr) {
     sizes.num_queries = capacity->queries;
     sizes.num_tasks = capacity->tasks;
     sizes.num_entries = capacity->entries;
     sizes.num_kv_indices = capacity->kv_indices;
     sizes.num_mask_words = capacity->mask_words;
+    sizes.num_stage1_units = capacity->stage1_units;
+    if (capacity->stage1_units > 0 && num_units > capacity->stage1_units) {
+      fail("the capacity's stage-1 units do not hold the plan's", num_units);
+    }
   }
   struct Section {
     const void* source;
@@ -263,6 +272,8 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const PlanCa
       {host_plan.prefill_runs,
        static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
       {host_plan.task_kv_ready, i32(sizes.num_tasks), 0},
+      {stage1_units_.data(),
+       static_cast<size_t>(std::max(sizes.num_stage1_units, 0)) * sizeof(Stage1Unit), 0},
   };
   const size_t used[] = {
       i32(host_plan.num_kv_indices),
@@ -275,7 +286,9 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const PlanCa
       i32(host_plan.num_queries + 1),
       i32(host_plan.num_entries),
       static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun),
-      i32(host_plan.num_tasks)};
+      i32(host_plan.num_tasks),
+      std::min(stage1_units_.size(), static_cast<size_t>(std::max(sizes.num_stage1_units, 0))) *
+          sizeof(Stage1Unit)};
   size_t total = align_up(extra.size());  // extra first: extra() is the buffer's start
   for (Section& section : sections) {
     section.offset = total;
@@ -316,6 +329,10 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const PlanCa
     fill(10, tasks, capacity->tasks, 0);
     fill(7, queries + 1, capacity->queries + 1, entries);
     if (host_plan.query_entry_begin == nullptr) fill(7, 0, 1, 0);
+    // Units past the plan's: CTAs that return at once (task -1).
+    auto* units = reinterpret_cast<Stage1Unit*>(staging + sections[11].offset);
+    std::fill(units + std::min(num_units, sizes.num_stage1_units), units + sizes.num_stage1_units,
+              Stage1Unit{});
   }
   auto* base = device_.as<unsigned char>();
   const auto at = [&](int index) { return base + sections[index].offset; };
@@ -331,10 +348,26 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const PlanCa
   device_view_.query_entries = reinterpret_cast<const int32_t*>(at(8));
   device_view_.prefill_runs = reinterpret_cast<const PrefillRun*>(at(9));
   device_view_.task_kv_ready = reinterpret_cast<const int32_t*>(at(10));
+  device_view_.stage1_units =
+      sizes.num_stage1_units > 0 ? reinterpret_cast<const Stage1Unit*>(at(11)) : nullptr;
 
   host_prefill_runs_.assign(host_plan.prefill_runs,
                             host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));
   shape_ = plan_shape(host_plan);
+}
+
+void build_stage1_units(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                        std::vector<Stage1Unit>& units) {
+  units.clear();
+  for (int32_t task = 0; host_plan.task_entry_begin != nullptr && task < host_plan.num_tasks;
+       ++task) {
+    const int32_t slices = deft_attention_row_slices(
+        host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task], dims);
+    const int32_t first = static_cast<int32_t>(units.size());
+    for (int32_t i = 0; i < slices; ++i) {
+      units.push_back({.task = task, .first_unit = first, .units = slices});
+    }
+  }
 }
 
 PlanShape plan_shape(const AttentionPlanView& host_plan) {
@@ -434,6 +467,10 @@ void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape
     fail("stage 2 batch must be 0 (automatic), 8, 16 or 32, not", stage2_batch);
   }
   if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
+  if (device_plan.stage1_units == nullptr || device_plan.num_stage1_units < 1) {
+    fail("the plan has no stage-1 units (upload it with DevicePlan); units",
+         device_plan.num_stage1_units);
+  }
   // Known on the host only when every query has an entry (num_entries > num_queries): a plan
   // with prefill runs (rows without entries) always runs it.
   const bool run_stage2 =

@@ -95,7 +95,6 @@ struct Stage1Params {
   int32_t num_kv_heads;
   int32_t group_size;
   float scale_log2;  // softmax_scale * log2(e)
-  int32_t row_slices;  // CTAs per (task, KV head); see the grid layout in the kernel
 };
 
 // ---- element type traits ----------------------------------------------------------------------
@@ -313,12 +312,16 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   allow_dependent_launch();
 
   const AttentionPlanView& plan = params.plan;
-  // Grid: one dimension, (task, KV head, row slice) with the slice fastest, so the row slices of a
-  // task run side by side and re-read its KV from L2, and earlier tasks start first.
-  const int slice = blockIdx.x % params.row_slices;
-  const int task_head = blockIdx.x / params.row_slices;
-  const int kv_head = task_head % params.num_kv_heads;
-  const int task = task_head / params.num_kv_heads;
+  // Grid: one dimension, each task's (KV head, row slice) CTAs with the slice fastest, so the
+  // row slices of a task run side by side and re-read its KV from L2, and earlier tasks start
+  // first. A task has as many slices as its rows need (Stage1Unit): a grid of the launch's widest
+  // task's slices for every task left most CTAs of a plan of many small tasks with nothing to do.
+  const Stage1Unit unit = plan.stage1_units[blockIdx.x / params.num_kv_heads];
+  const int task = unit.task;
+  if (task < 0) return;  // padding
+  const int task_cta = blockIdx.x - unit.first_unit * params.num_kv_heads;
+  const int slice = task_cta % unit.units;
+  const int kv_head = task_cta / unit.units;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int lane_row = lane / 4;  // "groupID" of the MMA fragment layouts
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const uint32_t copy_dst =
       smem_address(smem) + swizzled_offset(copy_token, copy_part, kKvTileTokens);
 
-  for (int pass = slice; pass < num_passes; pass += params.row_slices) {
+  for (int pass = slice; pass < num_passes; pass += unit.units) {
     const int pass_row0 = pass * rows_per_pass;
     const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
     const int row_warps =

@@ -28,6 +28,9 @@ struct PlanCapacity {
   int32_t entries = 0;
   int32_t kv_indices = 0;
   int32_t mask_words = 0;
+  // Stage 1's units (AttentionPlanView::stage1_units): at least the tasks x the row slices of
+  // the largest task (deft_attention_row_slices). 0: none, the plan is not for the DeFT kernels.
+  int32_t stage1_units = 0;
 
   bool holds(const AttentionPlanView& plan) const {
     return plan.num_queries <= queries && plan.num_tasks <= tasks && plan.num_entries <= entries &&
@@ -44,6 +47,12 @@ struct PlanShape {
 // The shape of a plan whose arrays are host memory (null entry arrays: no entries).
 PlanShape plan_shape(const AttentionPlanView& host_plan);
 
+// Stage 1's units of a plan whose arrays are host memory (AttentionPlanView::stage1_units), into
+// `units`: each task on the row slices its rows need at `dims`' GQA group
+// (deft_attention_row_slices of its entries), in task order. DevicePlan uploads them.
+void build_stage1_units(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                        std::vector<Stage1Unit>& units);
+
 // A plan copied to the GPU: all arrays packed into ONE device buffer, uploaded with one async
 // copy from a pinned staging buffer. One upload per step serves every layer. The step's other
 // inputs (`extra`: token ids, positions, ...) may ride along in the same copy: one host call a
@@ -55,11 +64,13 @@ class DevicePlan {
   DevicePlan(const DevicePlan&) = delete;
   DevicePlan& operator=(const DevicePlan&) = delete;
 
-  // Copies `host_plan` (host pointers) to the device on `stream`. Buffers grow as needed and
-  // are reused. Waits (host side) only for this object's previous upload to have left the
-  // staging buffer, never for kernels.
+  // Copies `host_plan` (host pointers) to the device on `stream`, with stage 1's units: each task
+  // on the row slices its rows need at `dims`' GQA group (a launch with other dims is still
+  // correct, on a grid that fits it less well). Buffers grow as needed and are reused. Waits
+  // (host side) only for this object's previous upload to have left the staging buffer, never
+  // for kernels.
   // `extra` lands at extra() (16-byte aligned) before the plan's arrays.
-  void upload(const AttentionPlanView& host_plan, cudaStream_t stream,
+  void upload(const AttentionPlanView& host_plan, const AttentionDims& dims, cudaStream_t stream,
               std::span<const unsigned char> extra = {});
   // As upload(), laid out for `capacity` (which must hold the plan): tasks past num_tasks are
   // empty (no KV, no entries), queries past num_queries have no entries, and the view's counts
@@ -67,8 +78,9 @@ class DevicePlan {
   // pointers, same counts) once the buffer has that size, so launches captured in a CUDA graph
   // on one plan replay on the next (a padded query's output row is left as it was); so does
   // extra() for the same extra size.
-  void upload_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
-                     cudaStream_t stream, std::span<const unsigned char> extra = {});
+  void upload_padded(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                     const PlanCapacity& capacity, cudaStream_t stream,
+                     std::span<const unsigned char> extra = {});
   // upload_padded() in two halves, for a copy that is a node of a CUDA graph: stage_padded()
   // lays the plan out in the pinned staging buffer (no CUDA call, unless an upload() left a copy
   // in flight), enqueue_copy() copies what was staged to the device on `stream` (captured, it
@@ -77,8 +89,8 @@ class DevicePlan {
   // stream after each launch of the graph). Buffers keep their addresses as long as the staged
   // size (capacity and extra size) does not grow: staging(), view() and staged_bytes() say where
   // they are and what a captured copy moves.
-  void stage_padded(const AttentionPlanView& host_plan, const PlanCapacity& capacity,
-                    std::span<const unsigned char> extra = {});
+  void stage_padded(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                    const PlanCapacity& capacity, std::span<const unsigned char> extra = {});
   void enqueue_copy(cudaStream_t stream) const;
   const void* staging() const { return staging_.data(); }
   size_t staged_bytes() const { return staged_bytes_; }
@@ -100,16 +112,18 @@ class DevicePlan {
   AttentionPlanView device_view_;
   PlanShape shape_;
   std::vector<PrefillRun> host_prefill_runs_;
+  std::vector<Stage1Unit> stage1_units_;  // built by each upload
 
   size_t staged_bytes_ = 0;
 
-  void upload_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
-                       cudaStream_t stream, std::span<const unsigned char> extra);
+  void upload_sections(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                       const PlanCapacity* capacity, cudaStream_t stream,
+                       std::span<const unsigned char> extra);
   // Returns once no upload()'s copy reads the staging buffer.
   void wait_for_staging();
   // Fills the staging buffer and the device view's pointers; no copy.
-  void stage_sections(const AttentionPlanView& host_plan, const PlanCapacity* capacity,
-                      std::span<const unsigned char> extra);
+  void stage_sections(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                      const PlanCapacity* capacity, std::span<const unsigned char> extra);
 };
 
 // Scratch for stage 1's partial results: O [num_entries][num_q_heads][head_dim] in the
@@ -132,8 +146,8 @@ class DeftAttentionBuffers {
 // bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested), softmax_scale > 0.
 bool deft_attention_supported(const AttentionDims& dims);
 
-// Stage 1's CTAs per (task, KV head) for a plan whose largest task has `max_task_entries` entries:
-// launches with equal row slices (and equal plan views) have equal launch shapes.
+// Stage 1's CTAs per KV head (row slices) for a task of `max_task_entries` entries, or at most
+// for a plan whose largest task has that many (a task's slices are its own: Stage1Unit).
 int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
 
 // Whether stage 1 runs every pass of a plan of `shape` on warpgroup MMAs (sm_90a), short passes

@@ -1132,13 +1132,15 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                   .kv_indices =
                       std::max(capacity.kv_indices, pow2_bucket(2 * view.num_kv_indices)),
                   .mask_words =
-                      std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words))};
+                      std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words)),
+                  // Every task at the widest task's row slices (none without the DeFT kernels).
+                  .stage1_units = graph->key.tasks * graph->key.row_slices};
       graph->drop();
     }
     // Staged only: the copy to the device is a node of the graph (no CUDA call before the
     // launch; the previous step's copy is done, as every step ends with a stream
     // synchronisation).
-    graph->plan.stage_padded(view, capacity, inputs);
+    graph->plan.stage_padded(view, s.dims, capacity, inputs);
     // Partials for a power-of-two entry count, so they are reallocated (and graphs recaptured)
     // rarely.
     if (s.deft_kernels) s.partials.reserve(pow2_bucket(view.num_entries), s.dims);
@@ -1154,7 +1156,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
         graph->key.stage2_batch > 0 ? kernels::DeftStage2::kAlways : kernels::DeftStage2::kNever;
     launch.stage2_batch = graph->key.stage2_batch;
   } else {
-    s.plan.upload(plan.view(), s.stream, inputs);
+    s.plan.upload(plan.view(), s.dims, s.stream, inputs);
     if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
     launch.logits_out = sample ? std::span<float>() : logits;
   }

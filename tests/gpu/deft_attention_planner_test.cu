@@ -172,7 +172,7 @@ class DeftAttentionPlannerGpuTest : public testing::TestWithParam<Case> {
     DEFT_CUDA_CHECK(cudaMemset(buffers.partial_out(), 0xff, buffers.partial_out_bytes()));
     DEFT_CUDA_CHECK(cudaMemset(buffers.partial_lse(), 0xff, buffers.partial_lse_bytes()));
     DevicePlan device_plan;
-    device_plan.upload(plan.view(), nullptr);
+    device_plan.upload(plan.view(), dims, nullptr);
     launch_deft_attention(device_plan, dims, c.dtype, q_dev.data(), k_dev.data(), v_dev.data(),
                           buffers, out_dev.data(), nullptr);
     PrefillAttentionBuffers prefill_buffers;

@@ -421,7 +421,7 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
   // the kernels must see the same plan, and the extra bytes arrive unchanged.
   std::vector<unsigned char> extra(1 + rng() % 300);
   for (unsigned char& byte : extra) byte = static_cast<unsigned char>(rng());
-  device_plan.upload(plan.view(), stream, extra);
+  device_plan.upload(plan.view(), dims, stream, extra);
   if (use_graph) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -773,6 +773,39 @@ TEST(PlanShape, LargestTaskAndQueryAndNullEntryArrays) {
   shape = plan_shape(prefill_only);
   EXPECT_EQ(shape.max_task_entries, 0);
   EXPECT_EQ(shape.max_query_entries, 0);
+}
+
+// Host code only: stage 1's units give each task the row slices its own rows need (64 rows a
+// pass, at most 32 slices), in task order, each unit naming its task's first unit and count.
+TEST(PlanShape, StageOneUnitsFollowEachTasksRows) {
+  AttentionDims dims;
+  dims.head_dim = 128;
+  dims.num_kv_heads = 8;
+  dims.num_q_heads = 32;  // group 4: 16 entries a pass
+  // Tasks of 1, 20, 64, 3, 600 and 0 entries: 1, 2, 4, 1, 32 (38 passes, capped) and 1 slices.
+  const int32_t task_entry_begin[] = {0, 1, 21, 85, 88, 688, 688};
+  AttentionPlanView plan;
+  plan.num_tasks = 6;
+  plan.task_entry_begin = task_entry_begin;
+  std::vector<Stage1Unit> units = {Stage1Unit{.task = 7}};  // replaced, not appended to
+  build_stage1_units(plan, dims, units);
+  const std::vector<int32_t> slices = {1, 2, 4, 1, 32, 1};
+  ASSERT_EQ(units.size(), 41u);
+  size_t unit = 0;
+  for (int32_t task = 0; task < 6; ++task) {
+    const int32_t first = static_cast<int32_t>(unit);
+    for (int32_t i = 0; i < slices[task]; ++i, ++unit) {
+      EXPECT_EQ(units[unit].task, task) << unit;
+      EXPECT_EQ(units[unit].first_unit, first) << unit;
+      EXPECT_EQ(units[unit].units, slices[task]) << unit;
+    }
+  }
+  dims.num_q_heads = 8;  // group 1: 64 entries a pass
+  build_stage1_units(plan, dims, units);
+  EXPECT_EQ(units.size(), 1u + 1 + 1 + 1 + 10 + 1);
+  AttentionPlanView no_entries;  // a prefill-only view: no tasks, no units
+  build_stage1_units(no_entries, dims, units);
+  EXPECT_TRUE(units.empty());
 }
 
 // Host code only: stage 1 runs every pass on warpgroup MMAs unless the plan's largest task holds

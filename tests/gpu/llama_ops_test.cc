@@ -316,7 +316,7 @@ TEST_P(TreeAttentionGenericGpuTest, MatchesCpuTwinOnPlannerOutput) {
     deft_attention_cpu(plan.view(), dims, q.values.data(), k.values.data(), v.values.data(),
                        expected.data());
     DevicePlan device_plan;
-    device_plan.upload(plan.view(), nullptr);
+    device_plan.upload(plan.view(), dims, nullptr);
     DeviceBuffer d_q = to_device(q.bits), d_k = to_device(k.bits), d_v = to_device(v.bits);
     DeviceBuffer d_out(expected.size() * 2);
     launch_tree_attention_generic(device_plan.view(), dims, dtype, d_q.data(), d_k.data(),

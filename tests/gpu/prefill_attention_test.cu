@@ -144,7 +144,7 @@ class PrefillAttentionGpuTest : public testing::TestWithParam<Config> {
     host_plan.query_entry_begin = nullptr;  // no tasks: only the prefill runs' arrays are read
 
     DevicePlan device_plan;
-    device_plan.upload(host_plan, nullptr);
+    device_plan.upload(host_plan, dims, nullptr);
     DeviceBuffer q_dev = to_device(q.bits);
     DeviceBuffer k_dev = to_device(k.bits);
     DeviceBuffer v_dev = to_device(v.bits);
@@ -274,7 +274,7 @@ TEST(PrefillAttentionCpu, MatchesGpuKernel) {
   prefill_attention_cpu(plan, c.dims, q.values.data(), k.values.data(), v.values.data(),
                         cpu_out.data());
   DevicePlan device_plan;
-  device_plan.upload(plan, nullptr);
+  device_plan.upload(plan, c.dims, nullptr);
   DeviceBuffer q_dev = to_device(q.bits), k_dev = to_device(k.bits), v_dev = to_device(v.bits);
   DeviceBuffer out_dev = to_device(std::vector<uint16_t>(q_elems, 0));
   PrefillAttentionBuffers buffers;
