@@ -66,6 +66,9 @@ constexpr int32_t kWaveTileTokens = 64;
 constexpr int32_t kWavePassRows = 64;
 constexpr int32_t kWaveLightRows = 16;
 constexpr int64_t kWaveCtaOverheadTiles = 2;
+// The smallest B the wave estimate shrinks a fitting grid to (wave_chunk_tokens): 128 was slower
+// than 192 on every tree of the H100 sweep (more CTAs and partials, each with its fixed costs).
+constexpr int32_t kWaveMinChunk = 192;
 
 }  // namespace
 
@@ -464,8 +467,9 @@ class PlanBuilder {
   }
 
   // The adaptive B of the current tree (see adaptive_chunk_tokens in the header): the base rule's,
-  // or, when the GPU's wave is known and a Flatten grid at that B takes more than one wave, the
-  // B in [base, 2 base] with the fewest waves x the longest chain.
+  // or, when the GPU's wave is known, for a Flatten grid that takes more than one wave at that B
+  // the B in [base, 2 base] with the fewest waves x the longest chain, and for one whose every
+  // CTA fits in the wave the smallest B (down to kWaveMinChunk) at which they all still do.
   int32_t wave_chunk_tokens() {
     const int64_t num_queries = static_cast<int64_t>(queries_.row.size());
     const int32_t base = adaptive_chunk_tokens(num_queries, flat_.num_tokens);
@@ -476,7 +480,8 @@ class PlanBuilder {
     }
     // This tree's share of the wave (by queries) when the step has several trees.
     const int64_t ctas = std::max<int64_t>(1, int64_t{wave.ctas} * num_queries / step_queries_);
-    const auto cost = [&](int32_t chunk, bool* one_wave) {
+    // The grid at B = chunk, as the wave estimate counts it.
+    const auto count_at = [&](int32_t chunk) {
       WaveCount count;
       counting_ = &count;
       run_cursor_ = 0;
@@ -484,13 +489,28 @@ class PlanBuilder {
         add_piece(a, std::min(flat_.num_tokens, a + chunk));
       }
       counting_ = nullptr;
+      return count;
+    };
+    const auto cost = [&](int32_t chunk, bool* one_wave) {
+      const WaveCount count = count_at(chunk);
       const int64_t waves = std::max<int64_t>(1, (count.heavy_ctas + ctas - 1) / ctas);
       *one_wave = waves == 1;
       return waves * (count.max_tiles + kWaveCtaOverheadTiles);
     };
     bool one_wave = false;
     int64_t best_cost = cost(base, &one_wave);
-    if (one_wave) return base;
+    if (one_wave) {
+      // When every CTA is resident at once (light passes included), a smaller B shortens the
+      // longest chain as long as the grid still fits (H100, kernel_attention_bench: specdec p6000
+      // t32 512 -> 320, 20.9 -> 17.6 us; few-shot b20 512 -> 448, 21.3 -> 19.7).
+      const auto all_fit = [&](int32_t chunk) { return count_at(chunk).ctas <= ctas; };
+      if (!all_fit(base)) return base;
+      int32_t smallest = base;
+      while (smallest - kWaveTileTokens >= kWaveMinChunk && all_fit(smallest - kWaveTileTokens)) {
+        smallest -= kWaveTileTokens;
+      }
+      return smallest;
+    }
     int32_t best = base;
     // Upwards; among B of one wave the smallest costs least (its longest chain is shortest).
     for (int32_t chunk = base + kWaveTileTokens; chunk <= 2 * base && !one_wave;
@@ -504,16 +524,19 @@ class PlanBuilder {
     return best;
   }
 
-  // A task as the wave estimate counts it (counting_ set): its longest chain and its CTAs of
-  // more than kWaveLightRows rows.
+  // A task as the wave estimate counts it (counting_ set): its longest chain, its CTAs of more
+  // than kWaveLightRows rows and all its CTAs (a pass each, per KV head).
   struct WaveCount {
     int64_t heavy_ctas = 0;
+    int64_t ctas = 0;
     int64_t max_tiles = 0;
   };
   void count_task(int32_t tokens, int32_t entries) {
     const int64_t rows = int64_t{entries} * options_.wave.group_size;
     const int64_t heavy_passes = rows / kWavePassRows + (rows % kWavePassRows > kWaveLightRows);
     counting_->heavy_ctas += heavy_passes * options_.wave.kv_heads;
+    counting_->ctas +=
+        std::max<int64_t>(1, (rows + kWavePassRows - 1) / kWavePassRows) * options_.wave.kv_heads;
     counting_->max_tiles =
         std::max<int64_t>(counting_->max_tiles, (tokens + kWaveTileTokens - 1) / kWaveTileTokens);
   }

@@ -80,7 +80,10 @@ int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens);
 // of bench/results/kernel_attention-h100-notes.md (round 8): e.g. a 6000-token prefix with a
 // 64-token tree, 416 CTAs of 8 tiles at B = 512 against 396 resident on an H100, takes B = 576
 // (384 CTAs of 9 tiles), 30.4 -> 26.1 us. A step of several trees gives each tree the share of
-// the wave its queries are of the step's.
+// the wave its queries are of the step's. A grid that fits in one wave with every CTA counted (the
+// short passes too) takes instead the smallest B, down to 192, at which it still does: more,
+// shorter chains on the idle CTA slots (H100: specdec p6000 t32 512 -> 320, 20.9 -> 17.6 us;
+// few-shot b20 512 -> 448, 21.3 -> 19.7; bench/results/kernel_attention-h100-notes.md, round 22).
 
 // One query: token `token_index` of `node`.
 struct QueryToken {

@@ -265,13 +265,20 @@ TEST(AttentionPlanner, WaveGrowsTheAdaptiveChunkWhenTheGridSpillsOverOneWave) {
   EXPECT_EQ(plan.io.max_chunk_tokens, 768);
 }
 
-TEST(AttentionPlanner, WaveKeepsTheAdaptiveChunkOfGridsThatFit) {
-  // Few-shot b = 20: 8 prefix pieces x 8 KV heads of 64-row passes (the 16-row second passes
-  // and the one-query branches are short), well inside one wave.
+TEST(AttentionPlanner, WaveShrinksTheAdaptiveChunkWhileEveryCtaFits) {
+  // Few-shot b = 20 (80 rows on the prompt: two passes): at 512, 8 prompt pieces x 2 passes + 20
+  // one-query branches, x 8 KV heads = 352 CTAs; 448 gives 376, 384 would give 416 > 396.
   FewShot job(4000, 20, 200);
   AttentionPlan plan;
   ASSERT_TRUE(AttentionPlanner({.wave = kH100Wave}).plan(job.input(), plan).ok());
-  EXPECT_EQ(plan.io.max_chunk_tokens, 512);
+  EXPECT_EQ(plan.io.max_chunk_tokens, 448);
+  // 6000 + 32 (128 rows: two passes): 13 pieces at 512 (208 CTAs), 20 at 320 (320), 25 at 256
+  // (400 > 396).
+  ASSERT_TRUE(AttentionPlanner({.wave = kH100Wave}).plan(TokenStar(6000, 32).input(), plan).ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 320);
+  // 1000 + 32: every B down to 64 would fit; the estimate stops at 192 (kWaveMinChunk).
+  ASSERT_TRUE(AttentionPlanner({.wave = kH100Wave}).plan(TokenStar(1000, 32).input(), plan).ok());
+  EXPECT_EQ(plan.io.max_chunk_tokens, 192);
   // A fixed B is kept whatever the wave; other plan kinds ignore it.
   ASSERT_TRUE(AttentionPlanner({.chunk_tokens = 512, .wave = kH100Wave})
                   .plan(TokenStar(6000, 64).input(), plan)
