@@ -54,11 +54,11 @@ struct PrefillRun {
   int32_t prefix_tokens = 0;
 };
 
-// The CUDA kernels' stage-1 grid (built by kernels::DevicePlan, not by the planner): task `task`
-// runs on `units` row slices (CTAs per KV head), enough for its rows; its CTAs are
-// [first_unit, first_unit + units) x num_kv_heads, in (KV head, slice) order, slice fastest, and
-// slice s runs the task's row passes s, s + units, ... Unit i of the table describes the task of
-// CTAs [i, i + 1) x num_kv_heads. Padding units have task -1.
+// The CUDA kernels' stage-1 grid (built by kernels::DevicePlan, not by the planner), one entry a
+// num_kv_heads CTAs: CTA c reads entry c / num_kv_heads. Task `task` owns `units` consecutive
+// entries from `first_unit`, i.e. its row slices (CTAs per KV head, as many as its rows need, at
+// most 32); its CTAs, from first_unit * num_kv_heads on, are in (KV head, slice) order with the
+// slice fastest, and slice s runs the task's row passes s, s + units, ... Padding: task -1.
 struct alignas(16) Stage1Unit {
   int32_t task = -1;
   int32_t first_unit = 0;
