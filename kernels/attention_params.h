@@ -54,16 +54,15 @@ struct PrefillRun {
   int32_t prefix_tokens = 0;
 };
 
-// The CUDA kernels' stage-1 grid (built by kernels::DevicePlan, not by the planner), one entry a
-// num_kv_heads CTAs: CTA c reads entry c / num_kv_heads. Task `task` owns `units` consecutive
-// entries from `first_unit`, i.e. its row slices (CTAs per KV head, as many as its rows need, at
-// most 32); its CTAs, from first_unit * num_kv_heads on, are in (KV head, slice) order with the
-// slice fastest, and slice s runs the task's row passes s, s + units, ... Padding: task -1.
-struct alignas(16) Stage1Unit {
+// One CTA of the CUDA kernels' stage 1 (kernels::DevicePlan builds the grid's table, not the
+// planner): task `task`'s KV head `kv_head`, row slice `slice` of the task's `slices` (as many as
+// its rows need, at most 32); the slice runs the task's row passes slice, slice + slices, ...
+// Padding: task -1.
+struct alignas(16) Stage1Cta {
   int32_t task = -1;
-  int32_t first_unit = 0;
-  int32_t units = 1;
-  int32_t unused = 0;  // 16 bytes: one load
+  int32_t kv_head = 0;
+  int32_t slice = 0;
+  int32_t slices = 1;
 };
 
 struct AttentionPlanView {
@@ -90,9 +89,9 @@ struct AttentionPlanView {
   int32_t num_prefill_runs = 0;
   const PrefillRun* prefill_runs = nullptr;  // [num_prefill_runs]
 
-  // The CUDA kernels' stage-1 grid (kernels::DevicePlan fills them; null on the host).
-  int32_t num_stage1_units = 0;
-  const Stage1Unit* stage1_units = nullptr;  // [num_stage1_units]
+  // The CUDA kernels' stage-1 grid, CTA by CTA (kernels::DevicePlan fills them; null on the host).
+  int32_t num_stage1_ctas = 0;
+  const Stage1Cta* stage1_ctas = nullptr;  // [num_stage1_ctas]
 };
 
 }  // namespace deft::kernels

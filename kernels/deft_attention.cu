@@ -134,11 +134,7 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
   params.group_size = group;
   params.scale_log2 = dims.softmax_scale * 1.4426950408889634f;
 
-  // One CTA per (stage-1 unit, KV head): a task's units are its row slices.
-  const int64_t ctas = int64_t{plan.num_stage1_units} * dims.num_kv_heads;
-  if (ctas > std::numeric_limits<int32_t>::max()) {
-    fail("stage 1 grid too large; units", plan.num_stage1_units);
-  }
+  const int64_t ctas = plan.num_stage1_ctas;  // the plan's table (build_stage1_ctas)
   // Programmatic dependent launch: stage 1's CTAs start (and read the plan) while the kernel
   // before them finishes; they wait for it in the kernel before reading Q or the KV.
   cudaLaunchAttribute attribute{};
@@ -236,20 +232,20 @@ void DevicePlan::upload_sections(const AttentionPlanView& host_plan, const Atten
 void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const AttentionDims& dims,
                                 const PlanCapacity* capacity,
                                 std::span<const unsigned char> extra) {
-  build_stage1_units(host_plan, dims, stage1_units_);
-  const int32_t num_units = static_cast<int32_t>(stage1_units_.size());
+  build_stage1_ctas(host_plan, dims, stage1_ctas_);
+  const int32_t num_ctas = static_cast<int32_t>(stage1_ctas_.size());
   // Element counts of the sections: the plan's, or the capacity's when padding.
   AttentionPlanView sizes = host_plan;
-  sizes.num_stage1_units = num_units;
+  sizes.num_stage1_ctas = num_ctas;
   if (capacity != nullptr) {
     sizes.num_queries = capacity->queries;
     sizes.num_tasks = capacity->tasks;
     sizes.num_entries = capacity->entries;
     sizes.num_kv_indices = capacity->kv_indices;
     sizes.num_mask_words = capacity->mask_words;
-    sizes.num_stage1_units = capacity->stage1_units;
-    if (capacity->stage1_units > 0 && num_units > capacity->stage1_units) {
-      fail("the capacity's stage-1 units do not hold the plan's", num_units);
+    sizes.num_stage1_ctas = capacity->stage1_ctas;
+    if (capacity->stage1_ctas > 0 && num_ctas > capacity->stage1_ctas) {
+      fail("the capacity's stage-1 CTAs do not hold the plan's", num_ctas);
     }
   }
   struct Section {
@@ -272,8 +268,8 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const Attent
       {host_plan.prefill_runs,
        static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun), 0},
       {host_plan.task_kv_ready, i32(sizes.num_tasks), 0},
-      {stage1_units_.data(),
-       static_cast<size_t>(std::max(sizes.num_stage1_units, 0)) * sizeof(Stage1Unit), 0},
+      {stage1_ctas_.data(),
+       static_cast<size_t>(std::max(sizes.num_stage1_ctas, 0)) * sizeof(Stage1Cta), 0},
   };
   const size_t used[] = {
       i32(host_plan.num_kv_indices),
@@ -287,8 +283,8 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const Attent
       i32(host_plan.num_entries),
       static_cast<size_t>(std::max(host_plan.num_prefill_runs, 0)) * sizeof(PrefillRun),
       i32(host_plan.num_tasks),
-      std::min(stage1_units_.size(), static_cast<size_t>(std::max(sizes.num_stage1_units, 0))) *
-          sizeof(Stage1Unit)};
+      std::min(stage1_ctas_.size(), static_cast<size_t>(std::max(sizes.num_stage1_ctas, 0))) *
+          sizeof(Stage1Cta)};
   size_t total = align_up(extra.size());  // extra first: extra() is the buffer's start
   for (Section& section : sections) {
     section.offset = total;
@@ -329,10 +325,10 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const Attent
     fill(10, tasks, capacity->tasks, 0);
     fill(7, queries + 1, capacity->queries + 1, entries);
     if (host_plan.query_entry_begin == nullptr) fill(7, 0, 1, 0);
-    // Units past the plan's: CTAs that return at once (task -1).
-    auto* units = reinterpret_cast<Stage1Unit*>(staging + sections[11].offset);
-    std::fill(units + std::min(num_units, sizes.num_stage1_units), units + sizes.num_stage1_units,
-              Stage1Unit{});
+    // CTAs past the plan's: padding (task -1), returning at once.
+    auto* ctas = reinterpret_cast<Stage1Cta*>(staging + sections[11].offset);
+    std::fill(ctas + std::min(num_ctas, sizes.num_stage1_ctas), ctas + sizes.num_stage1_ctas,
+              Stage1Cta{});
   }
   auto* base = device_.as<unsigned char>();
   const auto at = [&](int index) { return base + sections[index].offset; };
@@ -348,24 +344,40 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const Attent
   device_view_.query_entries = reinterpret_cast<const int32_t*>(at(8));
   device_view_.prefill_runs = reinterpret_cast<const PrefillRun*>(at(9));
   device_view_.task_kv_ready = reinterpret_cast<const int32_t*>(at(10));
-  device_view_.stage1_units =
-      sizes.num_stage1_units > 0 ? reinterpret_cast<const Stage1Unit*>(at(11)) : nullptr;
+  device_view_.stage1_ctas =
+      sizes.num_stage1_ctas > 0 ? reinterpret_cast<const Stage1Cta*>(at(11)) : nullptr;
 
   host_prefill_runs_.assign(host_plan.prefill_runs,
                             host_plan.prefill_runs + std::max(host_plan.num_prefill_runs, 0));
   shape_ = plan_shape(host_plan);
 }
 
-void build_stage1_units(const AttentionPlanView& host_plan, const AttentionDims& dims,
-                        std::vector<Stage1Unit>& units) {
-  units.clear();
-  for (int32_t task = 0; host_plan.task_entry_begin != nullptr && task < host_plan.num_tasks;
-       ++task) {
+void build_stage1_ctas(const AttentionPlanView& host_plan, const AttentionDims& dims,
+                       std::vector<Stage1Cta>& ctas) {
+  ctas.clear();
+  const int32_t num_tasks = host_plan.task_entry_begin != nullptr ? host_plan.num_tasks : 0;
+  // A CTA's work in tiles: its task's, a masked one counted twice (it tests each score's mask
+  // bit: round 21 of bench/results/kernel_attention-h100-notes.md), + 2 for its fixed costs.
+  // The tasks are ordered (a task's CTAs all have its work), not the CTAs: a step's host time.
+  std::vector<std::pair<int32_t, int32_t>> work_task(num_tasks);  // (work, task)
+  for (int32_t task = 0; task < num_tasks; ++task) {
+    const int32_t tokens = host_plan.task_kv_begin != nullptr
+                               ? host_plan.task_kv_end[task] - host_plan.task_kv_begin[task]
+                               : 0;
+    const bool masked =
+        host_plan.task_mask_begin != nullptr && host_plan.task_mask_begin[task] >= 0;
+    const int32_t tiles = (tokens + detail::kKvTileTokens - 1) / detail::kKvTileTokens;
+    work_task[task] = {tiles * (masked ? 2 : 1) + 2, task};
+  }
+  std::stable_sort(work_task.begin(), work_task.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [work, task] : work_task) {
     const int32_t slices = deft_attention_row_slices(
         host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task], dims);
-    const int32_t first = static_cast<int32_t>(units.size());
-    for (int32_t i = 0; i < slices; ++i) {
-      units.push_back({.task = task, .first_unit = first, .units = slices});
+    for (int32_t head = 0; head < dims.num_kv_heads; ++head) {
+      for (int32_t slice = 0; slice < slices; ++slice) {
+        ctas.push_back({.task = task, .kv_head = head, .slice = slice, .slices = slices});
+      }
     }
   }
 }
@@ -467,9 +479,9 @@ void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape
     fail("stage 2 batch must be 0 (automatic), 8, 16 or 32, not", stage2_batch);
   }
   if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
-  if (device_plan.stage1_units == nullptr || device_plan.num_stage1_units < 1) {
-    fail("the plan has no stage-1 units (upload it with DevicePlan); units",
-         device_plan.num_stage1_units);
+  if (device_plan.stage1_ctas == nullptr || device_plan.num_stage1_ctas < 1) {
+    fail("the plan has no stage-1 grid (upload it with DevicePlan); CTAs",
+         device_plan.num_stage1_ctas);
   }
   // Known on the host only when every query has an entry (num_entries > num_queries): a plan
   // with prefill runs (rows without entries) always runs it.

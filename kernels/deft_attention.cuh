@@ -312,16 +312,14 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   allow_dependent_launch();
 
   const AttentionPlanView& plan = params.plan;
-  // Grid: one dimension, each task's (KV head, row slice) CTAs with the slice fastest, so the
-  // row slices of a task run side by side and re-read its KV from L2, and earlier tasks start
-  // first. A task has as many slices as its rows need (Stage1Unit): a grid of the launch's widest
-  // task's slices for every task left most CTAs of a plan of many small tasks with nothing to do.
-  const Stage1Unit unit = plan.stage1_units[blockIdx.x / params.num_kv_heads];
-  const int task = unit.task;
+  // Grid: one dimension, a CTA per (task, KV head, row slice) with work, longest first
+  // (build_stage1_ctas). A task has as many slices as its rows need: a grid of the launch's
+  // widest task's slices for every task left most CTAs of a plan of many small tasks idle.
+  const Stage1Cta cta = plan.stage1_ctas[blockIdx.x];
+  const int task = cta.task;
   if (task < 0) return;  // padding
-  const int task_cta = blockIdx.x - unit.first_unit * params.num_kv_heads;
-  const int slice = task_cta % unit.units;
-  const int kv_head = task_cta / unit.units;
+  const int slice = cta.slice;
+  const int kv_head = cta.kv_head;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int lane_row = lane / 4;  // "groupID" of the MMA fragment layouts
@@ -367,7 +365,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   const uint32_t copy_dst =
       smem_address(smem) + swizzled_offset(copy_token, copy_part, kKvTileTokens);
 
-  for (int pass = slice; pass < num_passes; pass += unit.units) {
+  for (int pass = slice; pass < num_passes; pass += cta.slices) {
     const int pass_row0 = pass * rows_per_pass;
     const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
     const int row_warps =

@@ -1133,8 +1133,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                       std::max(capacity.kv_indices, pow2_bucket(2 * view.num_kv_indices)),
                   .mask_words =
                       std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words)),
-                  // Every task at the widest task's row slices (none without the DeFT kernels).
-                  .stage1_units = graph->key.tasks * graph->key.row_slices};
+                  // Every task at the widest task's row slices, a CTA per KV head each (none
+                  // without the DeFT kernels).
+                  .stage1_ctas = graph->key.tasks * graph->key.row_slices * s.dims.num_kv_heads};
       graph->drop();
     }
     // Staged only: the copy to the device is a node of the graph (no CUDA call before the
