@@ -89,7 +89,9 @@ struct AttentionPlanView {
   int32_t num_prefill_runs = 0;
   const PrefillRun* prefill_runs = nullptr;  // [num_prefill_runs]
 
-  // The CUDA kernels' stage-1 grid, CTA by CTA (kernels::DevicePlan fills them; null on the host).
+  // The CUDA kernels' stage-1 grid, CTA by CTA, for layers of stage1_kv_heads KV heads
+  // (kernels::DevicePlan fills them; null on the host).
+  int32_t stage1_kv_heads = 0;
   int32_t num_stage1_ctas = 0;
   const Stage1Cta* stage1_ctas = nullptr;  // [num_stage1_ctas]
 };

@@ -237,6 +237,7 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const Attent
   // Element counts of the sections: the plan's, or the capacity's when padding.
   AttentionPlanView sizes = host_plan;
   sizes.num_stage1_ctas = num_ctas;
+  sizes.stage1_kv_heads = dims.num_kv_heads;
   if (capacity != nullptr) {
     sizes.num_queries = capacity->queries;
     sizes.num_tasks = capacity->tasks;
@@ -482,6 +483,10 @@ void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape
   if (device_plan.stage1_ctas == nullptr || device_plan.num_stage1_ctas < 1) {
     fail("the plan has no stage-1 grid (upload it with DevicePlan); CTAs",
          device_plan.num_stage1_ctas);
+  }
+  if (device_plan.stage1_kv_heads != dims.num_kv_heads) {
+    fail("the plan's stage-1 grid was built for other KV heads; built for",
+         device_plan.stage1_kv_heads);
   }
   // Known on the host only when every query has an entry (num_entries > num_queries): a plan
   // with prefill runs (rows without entries) always runs it.

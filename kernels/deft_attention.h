@@ -69,11 +69,10 @@ class DevicePlan {
   DevicePlan(const DevicePlan&) = delete;
   DevicePlan& operator=(const DevicePlan&) = delete;
 
-  // Copies `host_plan` (host pointers) to the device on `stream`, with stage 1's grid: each task
-  // on the row slices its rows need at `dims`' GQA group (a launch with other dims is still
-  // correct, on a grid that fits it less well). Buffers grow as needed and are reused. Waits
-  // (host side) only for this object's previous upload to have left the staging buffer, never
-  // for kernels.
+  // Copies `host_plan` (host pointers) to the device on `stream`, with stage 1's grid for layers
+  // of `dims` (a CTA per task, KV head and row slice; launch_deft_attention refuses other KV head
+  // counts). Buffers grow as needed and are reused. Waits (host side) only for this object's
+  // previous upload to have left the staging buffer, never for kernels.
   // `extra` lands at extra() (16-byte aligned) before the plan's arrays.
   void upload(const AttentionPlanView& host_plan, const AttentionDims& dims, cudaStream_t stream,
               std::span<const unsigned char> extra = {});
