@@ -491,22 +491,22 @@ class PlanBuilder {
       counting_ = nullptr;
       return count;
     };
-    const auto cost = [&](int32_t chunk, bool* one_wave) {
-      const WaveCount count = count_at(chunk);
+    const auto cost = [&](const WaveCount& count, bool* one_wave) {
       const int64_t waves = std::max<int64_t>(1, (count.heavy_ctas + ctas - 1) / ctas);
       *one_wave = waves == 1;
       return waves * (count.max_tiles + kWaveCtaOverheadTiles);
     };
+    const WaveCount base_count = count_at(base);
     bool one_wave = false;
-    int64_t best_cost = cost(base, &one_wave);
+    int64_t best_cost = cost(base_count, &one_wave);
     if (one_wave) {
       // When every CTA is resident at once (light passes included), a smaller B shortens the
       // longest chain as long as the grid still fits (H100, kernel_attention_bench: specdec p6000
       // t32 512 -> 320, 20.9 -> 17.6 us; few-shot b20 512 -> 448, 21.3 -> 19.7).
-      const auto all_fit = [&](int32_t chunk) { return count_at(chunk).ctas <= ctas; };
-      if (!all_fit(base)) return base;
+      if (base_count.ctas > ctas) return base;
       int32_t smallest = base;
-      while (smallest - kWaveTileTokens >= kWaveMinChunk && all_fit(smallest - kWaveTileTokens)) {
+      while (smallest - kWaveTileTokens >= kWaveMinChunk &&
+             count_at(smallest - kWaveTileTokens).ctas <= ctas) {
         smallest -= kWaveTileTokens;
       }
       return smallest;
@@ -515,7 +515,7 @@ class PlanBuilder {
     // Upwards; among B of one wave the smallest costs least (its longest chain is shortest).
     for (int32_t chunk = base + kWaveTileTokens; chunk <= 2 * base && !one_wave;
          chunk += kWaveTileTokens) {
-      const int64_t c = cost(chunk, &one_wave);
+      const int64_t c = cost(count_at(chunk), &one_wave);
       if (c < best_cost) {
         best_cost = c;
         best = chunk;

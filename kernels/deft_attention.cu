@@ -370,8 +370,10 @@ void build_stage1_ctas(const AttentionPlanView& host_plan, const AttentionDims& 
     const int32_t tiles = (tokens + detail::kKvTileTokens - 1) / detail::kKvTileTokens;
     work_task[task] = {tiles * (masked ? 2 : 1) + 2, task};
   }
-  std::stable_sort(work_task.begin(), work_task.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  // Longest first, ties in task order (std::sort: no temporary buffer, unlike stable_sort).
+  std::sort(work_task.begin(), work_task.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
   for (const auto& [work, task] : work_task) {
     const int32_t slices = deft_attention_row_slices(
         host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task], dims);
