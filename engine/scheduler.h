@@ -25,9 +25,9 @@
 #include "engine/kv_cache_manager.h"
 #include "engine/model_runner.h"
 #include "engine/sampler.h"
-#include "engine/session.h"
-#include "engine/tokenizer.h"
-#include "engine/work.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "engine/works/session.h"
+#include "engine/works/work.h"
 
 namespace deft::engine {
 

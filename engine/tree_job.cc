@@ -7,7 +7,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "engine/child_sampling.h"
+#include "engine/works/child_sampling.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::engine {

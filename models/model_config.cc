@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/string_compat.h"
+#include "engine/tokenizer/string_compat.h"
 #include "nlohmann/json.hpp"
 
 namespace deft::models {

@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "engine/string_compat.h"
+#include "engine/tokenizer/string_compat.h"
 #include "nlohmann/json.hpp"
 
 namespace deft::models {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "deft/v1/deft.grpc.pb.h"
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 #include "server/engine_thread.h"
 #include "server/server_config.h"
 

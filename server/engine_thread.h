@@ -21,12 +21,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/generate_work.h"
 #include "engine/model_runner.h"
 #include "engine/scheduler.h"
-#include "engine/session.h"
-#include "engine/tokenizer.h"
-#include "engine/tree_search_work.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "engine/works/generate_work.h"
+#include "engine/works/session.h"
+#include "engine/works/tree_search_work.h"
 
 namespace deft::server {
 

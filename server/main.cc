@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 #include "models/dtype.h"
 #include "models/llama_cpu.h"
 #ifdef DEFT_HAVE_CUDA

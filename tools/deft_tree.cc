@@ -20,7 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 #include "engine/tree_job.h"
 #include "models/llama_cpu.h"
 #ifdef DEFT_HAVE_CUDA

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/hf_tokenizer.h"
+#include "engine/tokenizer/hf_tokenizer.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/engine/tokenizer_test_util.h"

@@ -1,7 +1,7 @@
 // HfTokenizer: small hand-made tokenizer.json files (always run), and the golden comparison
 // with the Hugging Face reference on the real Llama 3 and Llama 2 tokenizer.json files (skipped
 // when scripts/fetch_tokenizers.sh has not been run).
-#include "engine/hf_tokenizer.h"
+#include "engine/tokenizer/hf_tokenizer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 #include <iostream>
 #include <thread>
 
-#include "engine/utf8.h"
+#include "engine/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 #include "tests/engine/tokenizer_test_util.h"
 

@@ -1,13 +1,13 @@
 // IncrementalDetokenizer: never emits half a character, applies the sentencepiece
 // leading-space rule once, and streams exactly what decode() gives.
-#include "engine/incremental_detokenizer.h"
+#include "engine/tokenizer/incremental_detokenizer.h"
 
 #include <gtest/gtest.h>
 
 #include <fstream>
 
-#include "engine/hf_tokenizer.h"
-#include "engine/utf8.h"
+#include "engine/tokenizer/hf_tokenizer.h"
+#include "engine/tokenizer/utf8.h"
 #include "tests/engine/tokenizer_test_util.h"
 
 namespace deft::engine {

@@ -1,11 +1,11 @@
 // SentencePieceTokenizer on a tiny BPE model trained by Debian's spm_train in a temp folder.
-#include "engine/sentencepiece_tokenizer.h"
+#include "engine/tokenizer/sentencepiece_tokenizer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "engine/sentencepiece_backend.h"
-#include "engine/utf8.h"
+#include "engine/tokenizer/sentencepiece_backend.h"
+#include "engine/tokenizer/utf8.h"
 #include "tests/engine/tokenizer_test_util.h"
 
 namespace deft::engine {

@@ -1,4 +1,4 @@
-#include "engine/stop_strings.h"
+#include "engine/works/stop_strings.h"
 
 #include <string>
 #include <vector>

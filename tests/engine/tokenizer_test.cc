@@ -1,11 +1,11 @@
 // load_tokenizer(): picking the file, BOS/EOS from tokenizer_config.json and
 // generation_config.json, and error messages that name the file and the field.
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "engine/hf_tokenizer.h"
+#include "engine/tokenizer/hf_tokenizer.h"
 #include "tests/engine/tokenizer_test_util.h"
 
 namespace deft::engine {

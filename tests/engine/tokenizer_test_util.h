@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/utf8.h"
+#include "engine/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 
 namespace deft::engine::testing {

@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "engine/generate_work.h"
-#include "engine/tree_search_work.h"
+#include "engine/works/generate_work.h"
+#include "engine/works/tree_search_work.h"
 #include "models/llama_cpu.h"
 
 namespace deft::engine {

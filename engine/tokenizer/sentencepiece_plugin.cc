@@ -2,7 +2,7 @@
 // sentencepiece_plugin.h). Must not include any Abseil header: Debian's
 // sentencepiece_processor.h declares absl::string_view as std::string_view, which clashes with
 // Debian's Abseil.
-#include "engine/sentencepiece_plugin.h"
+#include "engine/tokenizer/sentencepiece_plugin.h"
 
 #include <sentencepiece_processor.h>
 

@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 
 namespace deft::engine {
 

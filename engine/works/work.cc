@@ -1,4 +1,4 @@
-#include "engine/work.h"
+#include "engine/works/work.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "engine/utf8.h"
+#include "engine/tokenizer/utf8.h"
 
 namespace deft::engine::utf8 {
 

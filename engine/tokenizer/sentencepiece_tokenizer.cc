@@ -1,11 +1,11 @@
-#include "engine/sentencepiece_tokenizer.h"
+#include "engine/tokenizer/sentencepiece_tokenizer.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "engine/sentencepiece_backend.h"
-#include "engine/string_compat.h"
-#include "engine/utf8.h"
+#include "engine/tokenizer/sentencepiece_backend.h"
+#include "engine/tokenizer/string_compat.h"
+#include "engine/tokenizer/utf8.h"
 
 namespace deft::engine {
 namespace {

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "engine/event_queue.h"
 #include "engine/forest.h"
-#include "engine/work.h"
+#include "engine/works/event_queue.h"
+#include "engine/works/work.h"
 
 namespace deft::engine {
 

@@ -6,8 +6,8 @@
 
 #include <memory>
 
-#include "engine/session.h"
-#include "engine/work.h"
+#include "engine/works/session.h"
+#include "engine/works/work.h"
 
 namespace deft::engine {
 

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "engine/branch_controller.h"
-#include "engine/event_queue.h"
-#include "engine/work.h"
+#include "engine/works/event_queue.h"
+#include "engine/works/work.h"
 
 namespace deft::engine {
 

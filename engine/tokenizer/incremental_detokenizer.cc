@@ -1,6 +1,6 @@
-#include "engine/incremental_detokenizer.h"
+#include "engine/tokenizer/incremental_detokenizer.h"
 
-#include "engine/utf8.h"
+#include "engine/tokenizer/utf8.h"
 
 namespace deft::engine {
 

@@ -14,8 +14,8 @@
 #include "engine/forest.h"
 #include "engine/model_runner.h"
 #include "engine/sampler.h"
-#include "engine/token_stream.h"
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "engine/works/token_stream.h"
 
 namespace deft::engine {
 

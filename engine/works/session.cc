@@ -1,10 +1,10 @@
-#include "engine/session.h"
+#include "engine/works/session.h"
 
 #include <algorithm>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
-#include "engine/session_work.h"
+#include "engine/works/session_work.h"
 
 namespace deft::engine {
 

@@ -8,7 +8,7 @@
 //   added_tokens:   content, id, special, lstrip, rstrip
 // The pipeline follows the `tokenizers` library: split the text on added tokens, normalize each
 // remaining piece, pre-tokenize, run BPE on each pre-token.
-#include "engine/hf_tokenizer.h"
+#include "engine/tokenizer/hf_tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -23,8 +23,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "engine/string_compat.h"
-#include "engine/utf8.h"
+#include "engine/tokenizer/string_compat.h"
+#include "engine/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 
 namespace deft::engine {

@@ -1,8 +1,8 @@
-#include "engine/token_stream.h"
+#include "engine/works/token_stream.h"
 
 #include <algorithm>
 
-#include "engine/stop_strings.h"
+#include "engine/works/stop_strings.h"
 
 namespace deft::engine {
 

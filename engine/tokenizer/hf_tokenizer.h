@@ -15,7 +15,7 @@
 #include <string>
 #include <string_view>
 
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 
 namespace deft::engine {
 

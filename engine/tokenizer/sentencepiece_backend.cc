@@ -1,5 +1,5 @@
 // Calls libsentencepiece through the plugin module (see sentencepiece_plugin.h for why).
-#include "engine/sentencepiece_backend.h"
+#include "engine/tokenizer/sentencepiece_backend.h"
 
 #include <dlfcn.h>
 
@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <mutex>
 
-#include "engine/sentencepiece_plugin.h"
+#include "engine/tokenizer/sentencepiece_plugin.h"
 
 #ifndef DEFT_SENTENCEPIECE_PLUGIN_PATH
 #define DEFT_SENTENCEPIECE_PLUGIN_PATH "libdeft_sentencepiece.so"

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/draft_acceptance.h"
-#include "engine/session_work.h"
+#include "engine/works/session_work.h"
 
 namespace deft::engine {
 namespace {

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/incremental_detokenizer.h"
 #include "engine/sampler.h"
 #include "engine/sequence_tree.h"
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/incremental_detokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 
 namespace deft::engine {
 

@@ -1,4 +1,4 @@
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -6,9 +6,9 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "engine/hf_tokenizer.h"
-#include "engine/sentencepiece_tokenizer.h"
-#include "engine/string_compat.h"
+#include "engine/tokenizer/hf_tokenizer.h"
+#include "engine/tokenizer/sentencepiece_tokenizer.h"
+#include "engine/tokenizer/string_compat.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/spdlog.h"
 

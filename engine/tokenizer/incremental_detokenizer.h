@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "engine/tokenizer.h"
+#include "engine/tokenizer/tokenizer.h"
 
 namespace deft::engine {
 

@@ -9,8 +9,8 @@
 #include <optional>
 #include <vector>
 
-#include "engine/event_queue.h"
-#include "engine/work.h"
+#include "engine/works/event_queue.h"
+#include "engine/works/work.h"
 
 namespace deft::engine {
 

@@ -1,8 +1,8 @@
-#include "engine/tree_search_work.h"
+#include "engine/works/tree_search_work.h"
 
 #include <algorithm>
 
-#include "engine/child_sampling.h"
+#include "engine/works/child_sampling.h"
 
 namespace deft::engine {
 namespace {

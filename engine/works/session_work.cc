@@ -1,4 +1,4 @@
-#include "engine/session_work.h"
+#include "engine/works/session_work.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "engine/child_sampling.h"
+#include "engine/works/child_sampling.h"
 
 #include <algorithm>
 #include <numeric>
