@@ -7,26 +7,21 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "spdlog/spdlog.h"
 
 // Aborts on a failing cuBLAS / cuBLASLt call (a bug or a broken device: shapes are the model's).
-#define DEFT_CUBLAS_CHECK(call)                                                                 \
-  do {                                                                                          \
-    const cublasStatus_t deft_cublas_status_ = (call);                                          \
-    if (deft_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                         \
-      std::fprintf(stderr, "cuBLAS error at %s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, \
-                   cublasGetStatusString(deft_cublas_status_));                                 \
-      std::fflush(stderr);                                                                      \
-      std::abort();                                                                             \
-    }                                                                                           \
+#define DEFT_CUBLAS_CHECK(call)                                                                    \
+  do {                                                                                             \
+    const cublasStatus_t deft_cublas_status_ = (call);                                             \
+    DEFT_CHECK(deft_cublas_status_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error: %s failed: %s", #call, \
+               cublasGetStatusString(deft_cublas_status_));                                        \
   } while (0)
 
 namespace deft::models {
@@ -63,7 +58,6 @@ uint32_t alignment_of(const void* ptr) {
   if (address == 0) return 256;
   return static_cast<uint32_t>(std::min<uintptr_t>(address & (~address + 1), 256));
 }
-
 
 template <typename T>
 T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
@@ -420,11 +414,8 @@ GemmTuneResult GemmTuner::tune(const GemmShape& shape, std::span<const void* con
                                const void* x, void* y) {
   const auto start = std::chrono::steady_clock::now();
   Impl& s = *impl_;
-  if (weights.empty() || shape.rows <= 0) {
-    std::fprintf(stderr, "gemm_tuner: tune(%s) without weights or rows\n",
-                 gemm_shape_name(shape).c_str());
-    std::abort();
-  }
+  DEFT_CHECK(!weights.empty() && shape.rows > 0, "gemm_tuner: tune(%s) without weights or rows",
+             gemm_shape_name(shape).c_str());
   // Shapes derived from an earlier choice of this bucket follow the new one.
   std::erase_if(s.entries, [&](const auto& item) {
     GemmShape bucket = item.second->shape;
@@ -510,12 +501,10 @@ void GemmTuner::gemm(const GemmShape& shape, const void* x, const void* w, void*
 
 void GemmTuner::force_choice(const GemmShape& shape, int32_t index) {
   Impl::Entry* entry = impl_->find(shape);
-  if (entry == nullptr || entry->derived ||
-      index >= static_cast<int32_t>(entry->candidates.size())) {
-    std::fprintf(stderr, "gemm_tuner: force_choice(%s, %d) without such a tuned candidate\n",
-                 gemm_shape_name(shape).c_str(), index);
-    std::abort();
-  }
+  DEFT_CHECK(
+      entry != nullptr && !entry->derived && index < static_cast<int32_t>(entry->candidates.size()),
+      "gemm_tuner: force_choice(%s, %d) without such a tuned candidate",
+      gemm_shape_name(shape).c_str(), index);
   entry->use_lt = index >= 0;
   if (index >= 0) entry->algo = entry->candidates[index].algo;
 }

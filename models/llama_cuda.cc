@@ -6,14 +6,13 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
@@ -147,14 +146,14 @@ struct LlamaCudaRunner::State {
   std::vector<Layer> layers;
 
   int32_t max_rows = 0;
-  DeviceBuffer residual;   // fp32 [rows][hidden]
-  DeviceBuffer normed;     // [rows][hidden]
-  DeviceBuffer qkv;        // [rows][q + 2 kv]
-  DeviceBuffer q;          // [rows][q]
-  DeviceBuffer attn;       // [rows][q]
-  DeviceBuffer gate_up;    // [rows][2 intermediate]
-  DeviceBuffer act;        // [rows][intermediate]
-  DeviceBuffer logits;     // fp32 [kLogitRowsPerChunk][vocab]
+  DeviceBuffer residual;  // fp32 [rows][hidden]
+  DeviceBuffer normed;    // [rows][hidden]
+  DeviceBuffer qkv;       // [rows][q + 2 kv]
+  DeviceBuffer q;         // [rows][q]
+  DeviceBuffer attn;      // [rows][q]
+  DeviceBuffer gate_up;   // [rows][2 intermediate]
+  DeviceBuffer act;       // [rows][intermediate]
+  DeviceBuffer logits;    // fp32 [kLogitRowsPerChunk][vocab]
   // A step's inputs, uploaded with its plan (DevicePlan::upload's extra, at the plan's
   // extra()): tokens | positions | slots | logit rows (int32, each of the launch's padded
   // size), then from step_params_offset() the logit rows' sampling params.
@@ -169,7 +168,7 @@ struct LlamaCudaRunner::State {
   kernels::AttentionDims dims;
   bool deft_kernels = false;
   SkinnyGemmUse skinny_gemm = SkinnyGemmUse::kOff;  // set_skinny_gemm
-  int64_t prefetch_bytes = 0;  // set_weight_prefetch: per GEMM
+  int64_t prefetch_bytes = 0;                       // set_weight_prefetch: per GEMM
   DeviceBuffer cublas_workspace;
   int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
 
@@ -186,9 +185,9 @@ struct LlamaCudaRunner::State {
   struct StepGraph {
     GraphKey key;
     kernels::PlanCapacity capacity;
-    kernels::DevicePlan plan;     // this bucket's padded plan
+    kernels::DevicePlan plan;  // this bucket's padded plan
     cudaGraphExec_t exec = nullptr;
-    bool seen = false;            // its first step ran the padded launches uncaptured
+    bool seen = false;  // its first step ran the padded launches uncaptured
     // Buffers the graph was captured on, which may be reallocated since (the plan's staging and
     // device buffers: the graph's first node copies the one to the other).
     const void* partial_out = nullptr;
@@ -241,7 +240,7 @@ struct LlamaCudaRunner::State {
 
   // One step's launches, embedding through the LM head (and sampling): eager, or captured.
   struct StepLaunch {
-    int32_t rows = 0;        // launch sizes (a graph bucket's, or the step's own)
+    int32_t rows = 0;  // launch sizes (a graph bucket's, or the step's own)
     int32_t logit_rows = 0;
     const unsigned char* inputs = nullptr;  // device: the step's inputs (step_inputs_host)
     const kernels::RowSamplingParams* sampling_params = nullptr;  // device, in inputs
@@ -314,11 +313,11 @@ struct LlamaCudaRunner::State {
     if (timing == StepTiming::kPhases) {
       for (int32_t i = 1; i < marks; ++i) {
         DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
-        double* sum = phase[i] == kAttention ? &times.attention_ms
-                      : phase[i] == kGemm    ? &times.gemm_ms
-                      : phase[i] == kOther   ? &times.other_ms
+        double* sum = phase[i] == kAttention  ? &times.attention_ms
+                      : phase[i] == kGemm     ? &times.gemm_ms
+                      : phase[i] == kOther    ? &times.other_ms
                       : phase[i] == kSampling ? &times.sampling_ms
-                                             : &times.copy_ms;
+                                              : &times.copy_ms;
         *sum += ms;
       }
     }
@@ -348,8 +347,8 @@ struct LlamaCudaRunner::State {
   // step was slower with it (bench/results/skinny_gemm-h100-notes.md).
   bool on_skinny(const kernels::SkinnyGemmDims& dims, const void* x, const void* w,
                  bool lm_head) const {
-    const bool with_head = skinny_gemm == SkinnyGemmUse::kLmHead ||
-                           skinny_gemm == SkinnyGemmUse::kLmHeadAndWide;
+    const bool with_head =
+        skinny_gemm == SkinnyGemmUse::kLmHead || skinny_gemm == SkinnyGemmUse::kLmHeadAndWide;
     const bool skinny_shape =
         skinny_gemm == SkinnyGemmUse::kAll ||
         (skinny_gemm == SkinnyGemmUse::kWide && kernels::skinny_gemm_wide(dims)) ||
@@ -387,8 +386,8 @@ void LlamaCudaRunner::State::tune_gemms(const ModelConfig& c) {
   const int32_t intermediate = c.intermediate_size;
   // Random inputs (N(0, 1)-like: uniform with half-width sqrt(3)) for every row tuned.
   const int64_t rows_max = std::min(kMaxGraphRows, max_rows);
-  kernels::launch_random_uniform(rows_max * hidden, 11, std::sqrt(3.0f), 0.0f, dtype,
-                                 normed.data(), stream);
+  kernels::launch_random_uniform(rows_max * hidden, 11, std::sqrt(3.0f), 0.0f, dtype, normed.data(),
+                                 stream);
   kernels::launch_random_uniform(rows_max * q_size, 12, std::sqrt(3.0f), 0.0f, dtype, attn.data(),
                                  stream);
   kernels::launch_random_uniform(rows_max * intermediate, 13, std::sqrt(3.0f), 0.0f, dtype,
@@ -449,14 +448,16 @@ void LlamaCudaRunner::State::tune_gemms(const ModelConfig& c) {
                       result.candidates.size());
     }
     ++buckets;
-    spdlog::info("llama_cuda: GEMMs at {} rows, µs tuned (cuBLAS default): {}; a step's GEMMs "
-                 "{:.0f} -> {:.0f} µs; tuned in {:.0f} ms",
-                 rows, line, default_step_us, tuned_step_us, bucket_ms);
+    spdlog::info(
+        "llama_cuda: GEMMs at {} rows, µs tuned (cuBLAS default): {}; a step's GEMMs "
+        "{:.0f} -> {:.0f} µs; tuned in {:.0f} ms",
+        rows, line, default_step_us, tuned_step_us, bucket_ms);
   }
-  spdlog::info("llama_cuda: GEMMs tuned for {} row buckets ({} shapes, {} on a cuBLASLt "
-               "algorithm, the rest on cuBLAS's default) in {:.2f} s",
-               buckets, tuned_shapes, lt_shapes,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  spdlog::info(
+      "llama_cuda: GEMMs tuned for {} row buckets ({} shapes, {} on a cuBLASLt "
+      "algorithm, the rest on cuBLAS's default) in {:.2f} s",
+      buckets, tuned_shapes, lt_shapes,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
 void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch& launch) {
@@ -520,16 +521,15 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                    layer.k_cache.data(), layer.v_cache.data(), stream);
     mark(kOther);
     if (deft_kernels) {
-      kernels::launch_deft_attention(device_plan.view(), device_plan.shape(), dims, dtype,
-                                     q.data(), layer.k_cache.data(), layer.v_cache.data(),
-                                     partials.partial_out(), partials.partial_lse(), attn.data(),
-                                     stream, launch.stage2, launch.stage2_batch,
-                                     prefetch(layer.o_proj, hidden, q_size));
+      kernels::launch_deft_attention(
+          device_plan.view(), device_plan.shape(), dims, dtype, q.data(), layer.k_cache.data(),
+          layer.v_cache.data(), partials.partial_out(), partials.partial_lse(), attn.data(), stream,
+          launch.stage2, launch.stage2_batch, prefetch(layer.o_proj, hidden, q_size));
       // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
       // graph step: those have no prefill runs).
-      kernels::launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims,
-                                        dtype, q.data(), layer.k_cache.data(),
-                                        layer.v_cache.data(), prefill_scratch, attn.data(), stream);
+      kernels::launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims, dtype,
+                                        q.data(), layer.k_cache.data(), layer.v_cache.data(),
+                                        prefill_scratch, attn.data(), stream);
     } else {  // the generic kernel runs the plan's tasks and prefill runs
       kernels::launch_tree_attention_generic(device_plan.view(), dims, dtype, q.data(),
                                              layer.k_cache.data(), layer.v_cache.data(),
@@ -565,28 +565,26 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
 
   // Final norm of the logit rows only (gathered), then the LM head in chunks of rows.
   kernels::launch_rms_norm({.num_rows = logit_rows, .width = hidden, .eps = eps}, dtype,
-                           d_logit_rows, x, nullptr, norm.as<float>(), normed.data(), stream,
-                           {}, layers.empty() ? kernels::L2Discard{} : dead_after_mlp);
+                           d_logit_rows, x, nullptr, norm.as<float>(), normed.data(), stream, {},
+                           layers.empty() ? kernels::L2Discard{} : dead_after_mlp);
   mark(kOther);
   const void* head = c.tie_word_embeddings ? embed.data() : lm_head.data();
   const size_t row_bytes = kernels::dtype_bytes(dtype) * hidden;
-  if (launch.logits_out.empty() && !launch.sample && logit_rows > kLogitRowsPerChunk) {
-    std::fprintf(stderr, "llama_cuda: %d logit rows need a destination per chunk\n", logit_rows);
-    std::abort();
-  }
+  DEFT_CHECK(!launch.logits_out.empty() || launch.sample || logit_rows <= kLogitRowsPerChunk,
+             "llama_cuda: %d logit rows need a destination per chunk", logit_rows);
   for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
     const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
     gemm(static_cast<const char*>(normed.data()) + row_bytes * begin, head, count, hidden, vocab,
          logits.data(), true, false, /*lm_head=*/true);
     mark(kGemm);
     if (launch.sample) {
-      kernels::launch_sample_rows(
-          {.num_rows = count, .vocab_size = vocab, .row_stride = vocab}, logits.as<float>(),
-          launch.sampling_params + begin,
-          sampling_workspace.as<float>(), sampled.as<kernels::SampledRow>() + begin,
-          sampled_top.as<kernels::SampledTop>() +
-              static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
-          stream, /*drop_logits=*/true);
+      kernels::launch_sample_rows({.num_rows = count, .vocab_size = vocab, .row_stride = vocab},
+                                  logits.as<float>(), launch.sampling_params + begin,
+                                  sampling_workspace.as<float>(),
+                                  sampled.as<kernels::SampledRow>() + begin,
+                                  sampled_top.as<kernels::SampledTop>() +
+                                      static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
+                                  stream, /*drop_logits=*/true);
       mark(kSampling);
     } else if (!launch.logits_out.empty()) {
       DEFT_CUDA_CHECK(cudaMemcpyAsync(launch.logits_out.data() + static_cast<size_t>(begin) * vocab,
@@ -809,9 +807,9 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.gate_up.reset(rows * 2 * c.intermediate_size * e);
   s.act.reset(rows * c.intermediate_size * e);
   s.logits.reset(static_cast<size_t>(kLogitRowsPerChunk) * c.vocab_size * sizeof(float));
-  s.step_inputs_host.resize(step_params_offset(static_cast<int32_t>(rows),
-                                               static_cast<int32_t>(rows)) +
-                            rows * sizeof(kernels::RowSamplingParams));
+  s.step_inputs_host.resize(
+      step_params_offset(static_cast<int32_t>(rows), static_cast<int32_t>(rows)) +
+      rows * sizeof(kernels::RowSamplingParams));
   s.sampled.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_host.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_top.reset(rows * kernels::kSamplingMaxTopLogprobs * sizeof(kernels::SampledTop));
@@ -821,8 +819,8 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   // Padded rows of a graph step leave their attention rows as they were: start them finite.
   DEFT_CUDA_CHECK(cudaMemsetAsync(s.attn.data(), 0, s.attn.bytes(), s.stream));
   s.cublas_workspace.reset(kCublasWorkspaceBytes);
-  s.gemms = std::make_unique<GemmTuner>(s.stream, s.cublas_workspace.data(),
-                                        s.cublas_workspace.bytes());
+  s.gemms =
+      std::make_unique<GemmTuner>(s.stream, s.cublas_workspace.data(), s.cublas_workspace.bytes());
   // Before the KV pool takes the memory and any step runs: the activations are scratch now.
   s.gemms->set_wide_search(options.wide_gemm_search);
   if (options.tune_gemms) s.tune_gemms(c);
@@ -835,8 +833,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   }
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
                        s.attn.bytes() + s.gate_up.bytes() + s.act.bytes() + s.logits.bytes() +
-                       s.sampled.bytes() +
-                       s.sampled_top.bytes() + s.cublas_workspace.bytes() +
+                       s.sampled.bytes() + s.sampled_top.bytes() + s.cublas_workspace.bytes() +
                        (s.deft_kernels ? 2 * rows * (c.q_size() + c.num_attention_heads) * 4 : 0);
 
   // The KV pool from what is left.
@@ -914,11 +911,8 @@ void LlamaCudaRunner::set_skinny_gemm(SkinnyGemmUse use) {
 }
 int64_t LlamaCudaRunner::weight_prefetch() const { return state_->prefetch_bytes; }
 void LlamaCudaRunner::set_weight_prefetch(int64_t bytes_per_gemm) {
-  if (bytes_per_gemm < 0) {
-    std::fprintf(stderr, "set_weight_prefetch: %lld bytes\n",
-                 static_cast<long long>(bytes_per_gemm));
-    std::abort();
-  }
+  DEFT_CHECK(bytes_per_gemm >= 0, "set_weight_prefetch: %lld bytes",
+             static_cast<long long>(bytes_per_gemm));
   // Captured step graphs hold the kernels' arguments.
   const kernels::DeviceScope on_device(state_->device);
   if (state_->prefetch_bytes != bytes_per_gemm) state_->drop_graphs();
@@ -1039,11 +1033,10 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   if (rows == 0) return absl::OkStatus();
   bool any_top_logprobs = false;
   // Graph steps: decode-sized, no per-launch events (kPhases runs eagerly).
-  const bool graph_step =
-      s.use_graphs && s.timing != StepTiming::kPhases && rows <= kMaxGraphRows &&
-      gemm_row_bucket(rows) <= s.max_rows && logit_rows <= kMaxGraphRows &&
-      gemm_row_bucket(logit_rows) <= s.max_rows &&
-                          plan.prefill_runs.empty();
+  const bool graph_step = s.use_graphs && s.timing != StepTiming::kPhases &&
+                          rows <= kMaxGraphRows && gemm_row_bucket(rows) <= s.max_rows &&
+                          logit_rows <= kMaxGraphRows &&
+                          gemm_row_bucket(logit_rows) <= s.max_rows && plan.prefill_runs.empty();
   State::StepGraph* graph = nullptr;
   int32_t launch_rows = rows, launch_logit_rows = logit_rows;
   if (graph_step) {
@@ -1055,8 +1048,8 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
         .tasks = task_bucket(plan.num_tasks()),
         .row_slices =
             s.deft_kernels ? kernels::deft_attention_row_slices(shape.max_task_entries, s.dims) : 0,
-        .stage2_batch = stage2 ? kernels::deft_attention_stage2_batch(
-                                     shape, gemm_row_bucket(rows), s.dims, s.dtype)
+        .stage2_batch = stage2 ? kernels::deft_attention_stage2_batch(shape, gemm_row_bucket(rows),
+                                                                      s.dims, s.dtype)
                                : 0,
         .sample = sample,
         .wgmma_passes = s.deft_kernels && kernels::deft_attention_wgmma_passes(shape, s.dims)};
@@ -1067,8 +1060,8 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   const size_t params_offset = step_params_offset(launch_rows, launch_logit_rows);
   if (sample) {
     bool any_draw = false;
-    auto* params = reinterpret_cast<kernels::RowSamplingParams*>(
-        s.step_inputs_host.data() + params_offset);
+    auto* params =
+        reinterpret_cast<kernels::RowSamplingParams*>(s.step_inputs_host.data() + params_offset);
     for (int32_t i = 0; i < logit_rows; ++i) {
       const engine::SamplingParams& p = *sampling[i].params;
       params[i] = {.temperature = p.temperature,
@@ -1084,11 +1077,10 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     for (int32_t i = logit_rows; i < launch_logit_rows; ++i) {
       params[i] = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .top_logprobs = 0};
     }
-    const size_t workspace_bytes = kernels::sampling_workspace_bytes(
-        std::min(kLogitRowsPerChunk, logit_rows), vocab);
+    const size_t workspace_bytes =
+        kernels::sampling_workspace_bytes(std::min(kLogitRowsPerChunk, logit_rows), vocab);
     if (any_draw && s.sampling_workspace.bytes() < workspace_bytes) {
-      s.sampling_workspace.reset(
-          kernels::sampling_workspace_bytes(kLogitRowsPerChunk, vocab));
+      s.sampling_workspace.reset(kernels::sampling_workspace_bytes(kLogitRowsPerChunk, vocab));
     }
   }
 
@@ -1129,10 +1121,8 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                   .tasks = graph->key.tasks,
                   // 2x headroom: a growing tree recaptures after growing 2-4x, not each doubling.
                   .entries = std::max(capacity.entries, pow2_bucket(2 * view.num_entries)),
-                  .kv_indices =
-                      std::max(capacity.kv_indices, pow2_bucket(2 * view.num_kv_indices)),
-                  .mask_words =
-                      std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words)),
+                  .kv_indices = std::max(capacity.kv_indices, pow2_bucket(2 * view.num_kv_indices)),
+                  .mask_words = std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words)),
                   // Every task at the widest task's row slices, a CTA per KV head each (none
                   // without the DeFT kernels).
                   .stage1_ctas = graph->key.tasks * graph->key.row_slices * s.dims.num_kv_heads};
@@ -1180,8 +1170,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       cudaGraph_t captured = nullptr;
       DEFT_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
       // External: a record node of its own (a plain record in a capture only orders streams).
-      DEFT_CUDA_CHECK(
-          cudaEventRecordWithFlags(s.start_event(), s.stream, cudaEventRecordExternal));
+      DEFT_CUDA_CHECK(cudaEventRecordWithFlags(s.start_event(), s.stream, cudaEventRecordExternal));
       graph->plan.enqueue_copy(s.stream);
       s.launch_step(config_, launch);
       DEFT_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
@@ -1202,8 +1191,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
           graph->key.stage2_batch > 0
               ? absl::StrCat(", stage 2 (batch ", graph->key.stage2_batch, ")")
               : std::string(),
-          graph->key.sample ? ", sampling" : "",
-          graph->key.wgmma_passes ? ", wgmma passes" : "");
+          graph->key.sample ? ", sampling" : "", graph->key.wgmma_passes ? ", wgmma passes" : "");
     }
     DEFT_CUDA_CHECK(cudaGraphLaunch(graph->exec, s.stream));
     ++s.graph_stats.graph_steps;
@@ -1238,12 +1226,12 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     for (int32_t i = 0; i < logit_rows; ++i) {
       const kernels::SampledRow& row = rows_out[i];
       if (row.status != kernels::kSampledOk) {
-        return absl::InternalError(absl::StrCat(
-            "llama_cuda: logit row ", i, " (query row ", batch.logit_rows[i], "): ",
-            row.status == kernels::kSampledNonFiniteLogit
-                ? absl::StrCat("sampling: logit of token ", row.error_token, " is ",
-                               row.error_logit)
-                : std::string("sampling: every logit of the row is -inf")));
+        return absl::InternalError(
+            absl::StrCat("llama_cuda: logit row ", i, " (query row ", batch.logit_rows[i], "): ",
+                         row.status == kernels::kSampledNonFiniteLogit
+                             ? absl::StrCat("sampling: logit of token ", row.error_token, " is ",
+                                            row.error_logit)
+                             : std::string("sampling: every logit of the row is -inf")));
       }
       const engine::SamplingParams& p = *sampling[i].params;
       engine::SampledToken& token = sampled[i];
