@@ -54,11 +54,11 @@
 #include "bench/bench_result.h"
 #include "bench/device_read_bandwidth.h"
 #include "bench/llama3_8b_config.h"
+#include "bench/workload_trace.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/model_runner.h"
 #include "engine/sequence_tree.h"
-#include "engine/workload_trace.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
 #include "models/llama_cuda.h"
@@ -240,13 +240,13 @@ class Bench {
     return run;
   }
 
-  Run specdec(PlanKind kind, models::StepTiming timing, const engine::SpecDecTrace& trace,
+  Run specdec(PlanKind kind, models::StepTiming timing, const SpecDecTrace& trace,
               int prefix, int steps) {
     runner_.set_step_timing(models::StepTiming::kOff);
     KvCacheManager kv({.page_tokens = kPageTokens, .num_pages = kNumPages});
     SequenceTree tree(0, &kv);
     AttentionPlanner planner(planner_options(kind));
-    engine::SpecDecReplay replay(trace, tree, prefix);
+    SpecDecReplay replay(trace, tree, prefix);
     must(replay.status(), "specdec replay");
     prefill(tree, 0, prefix);
     const std::vector<int32_t>& accept = trace.accept_lengths.at(0);
@@ -363,8 +363,8 @@ int main(int argc, char** argv) {
   // Every mode but cublas runs the tuned cuBLASLt algorithms for its cuBLAS GEMMs.
   const bool any_tuned =
       std::count(gemm_modes.begin(), gemm_modes.end(), "cublas") < std::ssize(gemm_modes);
-  absl::StatusOr<engine::SpecDecTrace> trace =
-      engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
+  absl::StatusOr<SpecDecTrace> trace =
+      load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
   must(trace.status(), "trace");
 
   // Before the model and its KV pool take the memory.

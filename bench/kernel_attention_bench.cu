@@ -25,10 +25,10 @@
 #include "bench/bench_result.h"
 #include "bench/device_read_bandwidth.h"
 #include "bench/graph_timing.h"
+#include "bench/workload_trace.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/sequence_tree.h"
-#include "engine/workload_trace.h"
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
@@ -89,11 +89,11 @@ Snapshot fewshot(int prompt, int branches, int suffix) {
   return s;
 }
 
-Snapshot specdec(int prefix, const engine::SpecDecTrace& trace) {
+Snapshot specdec(int prefix, const SpecDecTrace& trace) {
   Snapshot s =
       new_snapshot("specdec_p" + std::to_string(prefix) + "_t" + std::to_string(trace.tree_size()),
                    prefix + trace.tree_size());
-  engine::SpecDecReplay replay(trace, *s.tree, prefix);
+  SpecDecReplay replay(trace, *s.tree, prefix);
   replay.build_token_tree(s.queries);
   must(replay.status());
   return s;
@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
   for (int t : {32, 64, 128, 256}) {
     const std::string path =
         args.workloads + "/speculative_decoding/apps_tree_size" + std::to_string(t) + ".json";
-    absl::StatusOr<engine::SpecDecTrace> trace = engine::load_specdec_trace(path);
+    absl::StatusOr<SpecDecTrace> trace = load_specdec_trace(path);
     if (!trace.ok()) {
       std::fprintf(stderr, "skipping t=%d: %s\n", t, trace.status().ToString().c_str());
       continue;

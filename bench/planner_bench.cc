@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "bench/bench_result.h"
+#include "bench/workload_trace.h"
 #include "engine/attention_planner.h"
-#include "engine/workload_trace.h"
 
 namespace deft::bench {
 namespace {
@@ -54,24 +54,24 @@ Snapshot fewshot(int prompt, int branches, int suffix) {
   return s;
 }
 
-Snapshot specdec(int prefix, int tree_size, const engine::SpecDecTrace& trace) {
+Snapshot specdec(int prefix, int tree_size, const SpecDecTrace& trace) {
   Snapshot s{"specdec_p" + std::to_string(prefix) + "_t" + std::to_string(tree_size),
              std::make_unique<KvCacheManager>(engine::KvCacheConfig{.num_pages = 1 << 14}), nullptr,
              {}};
   s.tree = std::make_unique<SequenceTree>(0, s.kv.get());
-  engine::SpecDecReplay replay(trace, *s.tree, prefix);
+  SpecDecReplay replay(trace, *s.tree, prefix);
   replay.build_token_tree(s.queries);
   return s;
 }
 
 // Replays a reasoning trace and keeps the step with the most tree tokens.
-Snapshot largest_reasoning_step(const std::string& name, const engine::ReasoningTrace& trace) {
+Snapshot largest_reasoning_step(const std::string& name, const ReasoningTrace& trace) {
   int32_t best_iteration = 0;
   int64_t best_tokens = -1;
   {
     KvCacheManager kv({.num_pages = 1 << 16});
     SequenceTree tree(0, &kv);
-    engine::ReasoningReplay replay(trace, tree);
+    ReasoningReplay replay(trace, tree);
     std::vector<QueryToken> queries;
     while (replay.step(queries)) {
       if (tree.total_tokens() > best_tokens) {
@@ -83,7 +83,7 @@ Snapshot largest_reasoning_step(const std::string& name, const engine::Reasoning
   Snapshot s{name, std::make_unique<KvCacheManager>(engine::KvCacheConfig{.num_pages = 1 << 16}),
              nullptr, {}};
   s.tree = std::make_unique<SequenceTree>(0, s.kv.get());
-  engine::ReasoningReplay replay(trace, *s.tree);
+  ReasoningReplay replay(trace, *s.tree);
   while (replay.step(s.queries) && replay.iteration() < best_iteration) {
   }
   return s;
@@ -114,14 +114,14 @@ int main(int argc, char** argv) {
   std::vector<Snapshot> snapshots;
   snapshots.push_back(fewshot(4000, 50, 400));
   const std::string workloads = DEFT_WORKLOADS_DIR;
-  if (auto trace = engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size256.json");
+  if (auto trace = load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size256.json");
       trace.ok()) {
     snapshots.push_back(specdec(6000, 256, *trace));
   } else {
     std::fprintf(stderr, "skipping speculative decoding: %s\n", trace.status().ToString().c_str());
   }
   for (const char* name : {"sorting128ToT", "docmergeToT", "keywordToT", "set128ToT"}) {
-    auto traces = engine::load_reasoning_traces(workloads + "/reasoning/" + name + ".json");
+    auto traces = load_reasoning_traces(workloads + "/reasoning/" + name + ".json");
     if (!traces.ok() || traces->empty()) {
       std::fprintf(stderr, "skipping %s: workload not found\n", name);
       continue;
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
        "build_token_tree + DeFT-Flatten plan (adaptive B, wave 396 / 8 / 4) + commit per step, "
        "1000 steps on one tree, 64 MiB swept (untimed) before each"}};
   std::vector<std::vector<double>> spec_samples(std::size(kSpecVariants));
-  if (auto trace = engine::load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
+  if (auto trace = load_specdec_trace(workloads + "/speculative_decoding/apps_tree_size64.json");
       trace.ok()) {
     for (size_t v = 0; v < std::size(kSpecVariants); ++v) {
       const SpecVariant variant = kSpecVariants[v];
@@ -192,7 +192,7 @@ int main(int argc, char** argv) {
           [trace = *trace, variant, &samples](benchmark::State& state) {
             KvCacheManager kv({.num_pages = 1 << 16});
             SequenceTree tree(0, &kv);
-            engine::SpecDecReplay replay(trace, tree, 6000);
+            SpecDecReplay replay(trace, tree, 6000);
             const std::vector<int32_t>& accept = trace.accept_lengths.at(0);
             std::vector<QueryToken> queries;
             AttentionPlanner planner({.wave = {.ctas = 396, .kv_heads = 8, .group_size = 4}});

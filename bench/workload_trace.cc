@@ -1,4 +1,4 @@
-#include "engine/workload_trace.h"
+#include "bench/workload_trace.h"
 
 #include <fstream>
 #include <map>
@@ -7,7 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
-namespace deft::engine {
+namespace deft::bench {
+
+using engine::TokenId;
 namespace {
 
 absl::StatusOr<nlohmann::json> read_json(const std::string& path) {
@@ -161,4 +163,4 @@ void SpecDecReplay::commit(int32_t accepted) {
   if (status_.ok()) status_ = tree_.append(prefix_, std::vector<TokenId>(accepted, 3));
 }
 
-}  // namespace deft::engine
+}  // namespace deft::bench

@@ -1,5 +1,6 @@
 // The DeFT paper's workload traces (../shared/workloads/, see its README) and their replay on a
-// SequenceTree: the tree topologies the planner sees step by step, without a model.
+// SequenceTree: the tree topologies the planner sees step by step, without a model. Support code
+// of the benchmarks and the workload replay test; the engine does not use it.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +11,11 @@
 #include "engine/attention_planner.h"
 #include "engine/sequence_tree.h"
 
-namespace deft::engine {
+namespace deft::bench {
+
+using engine::NodeId;
+using engine::QueryToken;
+using engine::SequenceTree;
 
 // One tree-of-thought record: node 0 is the prompt (prefilled before iteration 1); every other
 // node decodes one token per iteration during [start, end]; a childless node that ends before
@@ -82,4 +87,4 @@ class SpecDecReplay {
   absl::Status status_;
 };
 
-}  // namespace deft::engine
+}  // namespace deft::bench

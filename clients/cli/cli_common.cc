@@ -1,4 +1,4 @@
-#include "server/cli_common.h"
+#include "clients/cli/cli_common.h"
 
 #include <cstdio>
 

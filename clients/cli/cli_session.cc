@@ -1,4 +1,4 @@
-#include "server/cli_session.h"
+#include "clients/cli/cli_session.h"
 
 #include <cstdio>
 #include <fstream>
@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "server/cli_common.h"
-#include "server/cli_verify.h"
+#include "clients/cli/cli_common.h"
+#include "clients/cli/cli_verify.h"
 
 namespace deft::cli {
 

@@ -1,4 +1,4 @@
-#include "server/cli_tree.h"
+#include "clients/cli/cli_tree.h"
 
 #include <cstdio>
 #include <map>
@@ -6,7 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/cli_common.h"
+#include "clients/cli/cli_common.h"
 
 namespace deft::cli {
 namespace {

@@ -1,10 +1,10 @@
-#include "server/cli_verify.h"
+#include "clients/cli/cli_verify.h"
 
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/cli_session.h"
+#include "clients/cli/cli_session.h"
 
 namespace deft::cli {
 

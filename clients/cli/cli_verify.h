@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "clients/cli/cli_common.h"
 #include "deft/v1/deft.grpc.pb.h"
-#include "server/cli_common.h"
 
 namespace deft::cli {
 

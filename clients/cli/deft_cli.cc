@@ -20,12 +20,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "clients/cli/cli_common.h"
+#include "clients/cli/cli_session.h"
+#include "clients/cli/cli_tree.h"
+#include "clients/cli/cli_verify.h"
 #include "deft/v1/deft.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "server/cli_common.h"
-#include "server/cli_session.h"
-#include "server/cli_tree.h"
-#include "server/cli_verify.h"
 
 namespace {
 

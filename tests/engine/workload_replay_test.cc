@@ -5,11 +5,15 @@
 
 #include <filesystem>
 
+#include "bench/workload_trace.h"
 #include "engine/attention_planner.h"
-#include "engine/workload_trace.h"
 
 namespace deft::engine {
 namespace {
+
+using bench::load_reasoning_traces;
+using bench::ReasoningReplay;
+using bench::ReasoningTrace;
 
 const std::string kWorkloads = DEFT_WORKLOADS_DIR;
 

@@ -141,6 +141,15 @@ class RunnerHarness {
     runner_ = std::move(*runner);
   }
 
+  // The same harness on a checkpoint directory (e.g. the embedded default model).
+  RunnerHarness(const std::string& model_dir, int32_t num_pages, int32_t page_tokens)
+      : kv_({.page_tokens = page_tokens, .num_pages = num_pages}) {
+    absl::StatusOr<std::unique_ptr<LlamaCpuRunner>> runner =
+        LlamaCpuRunner::load(model_dir, kv_.num_slots());
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    runner_ = std::move(*runner);
+  }
+
   engine::KvCacheManager& kv() { return kv_; }
   LlamaCpuRunner& runner() { return *runner_; }
   int32_t vocab() const { return runner_->vocab_size(); }
