@@ -1,4 +1,5 @@
 #include "engine/branch_controller.h"
+#include "kernels/check.h"
 
 #include <algorithm>
 #include <cmath>
@@ -113,15 +114,12 @@ std::unique_ptr<BranchController> make_branch_controller(const BranchPolicyOptio
   const bool trigger_ok = (options.trigger == Trigger::kEveryTokens && options.every_tokens >= 1) ||
                           (options.trigger == Trigger::kDelimiter && !options.delimiter.empty()) ||
                           options.trigger == Trigger::kStepEndToken;
-  if (options.branch_factor < 1 || options.max_depth < 0 || options.max_depth > kMaxBranchDepth ||
-      options.keep_best < 0 || !trigger_ok) {
-    std::fprintf(stderr,
-                 "make_branch_controller: policy not validated (branch_factor %d, max_depth %d, "
-                 "keep_best %d, trigger %d, every_tokens %d, delimiter of %zu bytes)\n",
-                 options.branch_factor, options.max_depth, options.keep_best,
-                 static_cast<int>(options.trigger), options.every_tokens, options.delimiter.size());
-    std::abort();
-  }
+  DEFT_CHECK(options.branch_factor >= 1 && options.max_depth >= 0 &&
+                 options.max_depth <= kMaxBranchDepth && options.keep_best >= 0 && trigger_ok,
+             "make_branch_controller: policy not validated (branch_factor %d, max_depth %d, "
+             "keep_best %d, trigger %d, every_tokens %d, delimiter of %zu bytes)",
+             options.branch_factor, options.max_depth, options.keep_best,
+             static_cast<int>(options.trigger), options.every_tokens, options.delimiter.size());
   return std::make_unique<PolicyBranchController>(options);
 }
 

@@ -1,4 +1,5 @@
 #include "engine/draft_acceptance.h"
+#include "kernels/check.h"
 
 #include <algorithm>
 #include <cmath>
@@ -160,11 +161,8 @@ class TargetRow {
   void normalise() {
     double total = 0.0;
     for (double p : probabilities_) total += p;
-    if (!(total > 0.0)) {
-      // Cannot happen: a rejection needs p(t) < q <= 1, so mass remains elsewhere.
-      std::fprintf(stderr, "draft acceptance: target distribution lost all its mass\n");
-      std::abort();
-    }
+    // A rejection needs p(t) < q <= 1, so mass remains elsewhere.
+    DEFT_CHECK(total > 0.0, "draft acceptance: target distribution lost all its mass");
     for (double& p : probabilities_) p /= total;
     total_ = 0.0;
     for (double p : probabilities_) total_ += p;

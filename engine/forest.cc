@@ -1,4 +1,5 @@
 #include "engine/forest.h"
+#include "kernels/check.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -11,22 +12,17 @@ namespace {
 // place_prompt's split and branch can only fail when the tree's node ids run out (unreachable:
 // see kMaxFirstNodeId), and its callers' Work::start() cannot fail: a bug.
 [[noreturn]] void die_placing_prompt(const char* operation, const absl::Status& status) {
-  std::fprintf(stderr,
-               "Forest::place_prompt: %s failed (a bug: it cannot fail for a valid "
-               "prompt while node ids last): %s\n",
-               operation, status.ToString().c_str());
-  std::abort();
+  DEFT_FAIL("Forest::place_prompt: %s failed (it cannot fail for a valid prompt while node ids "
+            "last): %s",
+            operation, status.ToString().c_str());
 }
 
 }  // namespace
 
 Forest::Forest(KvCacheManager* kv, NodeId first_node_id)
     : kv_(kv), tree_(/*tree_id=*/0, kv, std::numeric_limits<NodeId>::max(), first_node_id) {
-  if (first_node_id < 1 || first_node_id > kMaxFirstNodeId) {
-    std::fprintf(stderr, "Forest: first node id %lld is outside [1, 2^62]\n",
-                 static_cast<long long>(first_node_id));
-    std::abort();
-  }
+  DEFT_CHECK(first_node_id >= 1 && first_node_id <= kMaxFirstNodeId,
+             "Forest: first node id %lld is outside [1, 2^62]", static_cast<long long>(first_node_id));
 }
 
 PromptPlacement Forest::place_prompt(std::span<const TokenId> prompt) {
@@ -92,11 +88,8 @@ int32_t Forest::holds(NodeId node) const {
 }
 
 void Forest::release(NodeId node) {
-  if (holds(node) <= 0) {
-    std::fprintf(stderr, "Forest: release of node %lld, which is not held\n",
-                 static_cast<long long>(node));
-    std::abort();
-  }
+  DEFT_CHECK(holds(node) > 0, "Forest: release of node %lld, which is not held",
+             static_cast<long long>(node));
   if (--holds_[node] == 0) holds_.erase(node);
   collect(node);
 }

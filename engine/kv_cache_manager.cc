@@ -1,4 +1,5 @@
 #include "engine/kv_cache_manager.h"
+#include "kernels/check.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -16,11 +17,9 @@ int64_t pages_for(int64_t num_tokens, int32_t page_tokens) {
 }  // namespace
 
 KvCacheManager::KvCacheManager(KvCacheConfig config) : config_(config) {
-  if (config.page_tokens <= 0 || config.num_pages < 0) {
-    std::fprintf(stderr, "KvCacheManager: bad config (page_tokens=%d, num_pages=%d)\n",
-                 config.page_tokens, config.num_pages);
-    std::abort();
-  }
+  DEFT_CHECK(config.page_tokens > 0 && config.num_pages >= 0,
+             "KvCacheManager: bad config (page_tokens=%d, num_pages=%d)", config.page_tokens,
+             config.num_pages);
   free_list_.reserve(config.num_pages);
   // Highest page last so that pages are handed out in ascending order (easier to read in logs).
   for (int32_t page = config.num_pages - 1; page >= 0; --page) free_list_.push_back(page);
@@ -91,16 +90,14 @@ void KvCacheManager::shrink(OwnerKey owner, int64_t num_tokens) {
 void KvCacheManager::move_front_pages(OwnerKey from, OwnerKey to, int64_t count) {
   if (count <= 0) return;
   auto it = owners_.find(from);
-  if (it == owners_.end() || static_cast<int64_t>(it->second.size()) < count ||
-      !pages(to).empty()) {
-    std::fprintf(
-        stderr, "KvCacheManager::move_front_pages: cannot move %lld pages %llx:%llx -> %llx:%llx\n",
-        static_cast<long long>(count), static_cast<unsigned long long>(absl::Uint128High64(from)),
-        static_cast<unsigned long long>(absl::Uint128Low64(from)),
-        static_cast<unsigned long long>(absl::Uint128High64(to)),
-        static_cast<unsigned long long>(absl::Uint128Low64(to)));
-    std::abort();
-  }
+  DEFT_CHECK(it != owners_.end() && static_cast<int64_t>(it->second.size()) >= count &&
+                 pages(to).empty(),
+             "KvCacheManager::move_front_pages: cannot move %lld pages %llx:%llx -> %llx:%llx",
+             static_cast<long long>(count),
+             static_cast<unsigned long long>(absl::Uint128High64(from)),
+             static_cast<unsigned long long>(absl::Uint128Low64(from)),
+             static_cast<unsigned long long>(absl::Uint128High64(to)),
+             static_cast<unsigned long long>(absl::Uint128Low64(to)));
   PageList& source = it->second;
   PageList head(source.begin(), source.begin() + count);
   source.erase(source.begin(), source.begin() + count);
@@ -119,13 +116,11 @@ std::span<const int32_t> KvCacheManager::pages(OwnerKey owner) const {
 int32_t KvCacheManager::slot(OwnerKey owner, int64_t token_index) const {
   std::span<const int32_t> owned = pages(owner);
   const int64_t page_index = token_index / config_.page_tokens;
-  if (token_index < 0 || page_index >= static_cast<int64_t>(owned.size())) {
-    std::fprintf(stderr, "KvCacheManager::slot: token %lld of owner %llx:%llx has no page\n",
-                 static_cast<long long>(token_index),
-                 static_cast<unsigned long long>(absl::Uint128High64(owner)),
-                 static_cast<unsigned long long>(absl::Uint128Low64(owner)));
-    std::abort();
-  }
+  DEFT_CHECK(token_index >= 0 && page_index < static_cast<int64_t>(owned.size()),
+             "KvCacheManager::slot: token %lld of owner %llx:%llx has no page",
+             static_cast<long long>(token_index),
+             static_cast<unsigned long long>(absl::Uint128High64(owner)),
+             static_cast<unsigned long long>(absl::Uint128Low64(owner)));
   return owned[page_index] * config_.page_tokens +
          static_cast<int32_t>(token_index % config_.page_tokens);
 }

@@ -1,6 +1,6 @@
 // The interface the engine drives a model through: one forward pass per engine step. The
 // engine decides what to compute (the step's AttentionPlan, the token of every query row, which
-// rows need logits); a backend (models/llama_cpu.h today, the CUDA runner later) executes it.
+// rows need logits); a backend (models/llama_cpu.h, models/llama_cuda.h) executes it.
 // Nothing here knows about a device, a weight format or a model family.
 #pragma once
 

@@ -1,4 +1,5 @@
 #include "engine/sequence_tree.h"
+#include "kernels/check.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -66,11 +67,8 @@ absl::Status SequenceTree::not_found(NodeId node) const {
 
 const TreeNode& SequenceTree::node(NodeId id) const {
   const auto it = nodes_.find(id);
-  if (it == nodes_.end()) {
-    std::fprintf(stderr, "SequenceTree %u: node %lld is not a live node\n", tree_id_,
-                 static_cast<long long>(id));
-    std::abort();
-  }
+  DEFT_CHECK(it != nodes_.end(), "SequenceTree %u: node %lld is not a live node", tree_id_,
+             static_cast<long long>(id));
   return *it->second;
 }
 
