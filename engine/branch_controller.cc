@@ -1,13 +1,11 @@
 #include "engine/branch_controller.h"
-#include "kernels/check.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/check.h"
 
 namespace deft::engine {
 namespace {

@@ -1,13 +1,11 @@
 #include "engine/draft_acceptance.h"
-#include "kernels/check.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/check.h"
 
 namespace deft::engine {
 namespace {

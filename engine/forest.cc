@@ -1,10 +1,9 @@
 #include "engine/forest.h"
-#include "kernels/check.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
+
+#include "kernels/check.h"
 
 namespace deft::engine {
 namespace {

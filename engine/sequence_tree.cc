@@ -1,11 +1,9 @@
 #include "engine/sequence_tree.h"
-#include "kernels/check.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/check.h"
 
 namespace deft::engine {
 
