@@ -1,8 +1,8 @@
 #include "engine/works/work.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
+
+#include "kernels/check.h"
 
 namespace deft::engine {
 
@@ -66,10 +66,8 @@ std::span<const RowSampling> StepContext::row_sampling() {
 
 absl::StatusOr<SampledToken> StepContext::next_sampled() {
   const size_t row = logit_cursor_;
-  if (row >= row_samples_.size() || row_samples_[row] == 0) {
-    std::fprintf(stderr, "StepContext: row %zu was not marked for sampling\n", row);
-    std::abort();
-  }
+  DEFT_CHECK(row < row_samples_.size() && row_samples_[row] != 0,
+             "StepContext: row %zu was not marked for sampling", row);
   if (!sampled.empty()) {
     ++logit_cursor_;
     return sampled[row];
@@ -79,10 +77,8 @@ absl::StatusOr<SampledToken> StepContext::next_sampled() {
 
 std::span<const float> StepContext::next_logits() {
   const size_t vocab = static_cast<size_t>(vocab_size);
-  if ((logit_cursor_ + 1) * vocab > logits.size()) {
-    std::fprintf(stderr, "StepContext: a work took more logit rows than the step has\n");
-    std::abort();
-  }
+  DEFT_CHECK((logit_cursor_ + 1) * vocab <= logits.size(),
+             "StepContext: a work took more logit rows than the step has");
   return logits.subspan(logit_cursor_++ * vocab, vocab);
 }
 
