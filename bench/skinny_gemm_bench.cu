@@ -4,9 +4,8 @@
 // residual, QKV / gate-up write bf16; the weight stream is the same). Floor = max(weight bytes /
 // 3.0 TB/s, 2 M N K / 7e14 FLOP/s) (BenchResult::floor_us; the bytes decide up to 128 rows).
 // Time = CUDA events around replays of a CUDA graph of 20 launches, weights rotated over at
-// least two copies and over 200 MB (> 4x the L2; --rotate-mb), median after warm-up. (Shapes over
-// 200 MB had a single copy until session 14; two copies or 8 GB measured the same,
-// bench/results/skinny_gemm-h100-notes.md.) Each skinny row is checked against cuBLAS's output
+// least two copies and over 200 MB (> 4x the L2; --rotate-mb), median after warm-up (one copy of
+// a shape over 200 MB, two copies or 8 GB measure the same). Each skinny row is checked against cuBLAS's output
 // (relative error < 1e-4; 8e-3 with bf16 y) before it is written. The skinny GEMM is a programmatic
 // dependent launch that reads its first weights while the launch before it runs: `skinny` rows
 // replay it back to back (as in a decode step, where the kernel before it lets it start early),

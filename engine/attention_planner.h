@@ -66,24 +66,24 @@ struct PlannerOptions {
 // query and chunk (16 KB at Llama-3-8B shapes) against 4 KB of KV per token, so larger chunks
 // cut partial traffic: 512; then B halves (down to 64) while chunks x ceil(queries / 16) (about
 // the CTAs per KV head) stays under 24, so that trees still fill the SMs. A tree of fewer than 8
-// chunks of 512 gets 512 when that gives at least 48, else 256. Fitted to the B sweeps on the
-// H100 (bench/results/kernel_attention-h100-*, notes rounds 3 and 6) and the end-to-end few-shot
-// tree (a 4000-token prompt and 20 short branches: 256): it picks the best measured B on every
-// paper snapshot of round 6's sweep.
+// chunks of 512 gets 512 when that gives at least 48, else 256. Fitted to the fixed-B sweep of
+// the H100 kernel bench (the `deft_flatten_b<B>` rows of bench/results/kernel_attention-h100-*.json)
+// and the end-to-end few-shot tree (a 4000-token prompt and 20 short branches: 256): it picks the
+// best measured B on every paper snapshot of that sweep.
 int32_t adaptive_chunk_tokens(int64_t num_queries, int64_t visible_tokens);
 //
 // With PlannerOptions::wave known, a Flatten tree whose chunks at that B need more than one wave
 // of stage-1 CTAs takes instead the B in [B, 2B] (multiples of 64 tokens) that minimises
 // waves x (tiles of the longest task + 2): the CTAs of 64-row passes beyond one wave start only
 // when others end, each chain a task's whole chunk. Only passes of more than 16 rows count (a
-// single query's 4-row passes are short; they fill in beside the others). Fitted to the B sweep
-// of bench/results/kernel_attention-h100-notes.md (round 8): e.g. a 6000-token prefix with a
-// 64-token tree, 416 CTAs of 8 tiles at B = 512 against 396 resident on an H100, takes B = 576
-// (384 CTAs of 9 tiles), 30.4 -> 26.1 us. A step of several trees gives each tree the share of
-// the wave its queries are of the step's. A grid that fits in one wave with every CTA counted (the
-// short passes too) takes instead the smallest B, down to 192, at which it still does: more,
-// shorter chains on the idle CTA slots (H100: specdec p6000 t32 512 -> 320, 20.9 -> 17.6 us;
-// few-shot b20 512 -> 448, 21.3 -> 19.7; bench/results/kernel_attention-h100-notes.md, round 22).
+// single query's 4-row passes are short; they fill in beside the others). E.g. a 6000-token
+// prefix with a 64-token tree, 416 CTAs of 8 tiles at B = 512 against 396 resident on an H100,
+// takes B = 576 (384 CTAs of 9 tiles), 30.4 -> 26.1 us. A step of several trees gives each tree
+// the share of the wave its queries are of the step's. A grid that fits in one wave with every
+// CTA counted (the short passes too) takes instead the smallest B, down to 192, at which it still
+// does: more, shorter chains on the idle CTA slots (H100: specdec p6000 t32 512 -> 320, 20.9 ->
+// 17.6 us; few-shot b20 512 -> 448, 21.3 -> 19.7). Measurements: "The chunk size B" in
+// bench/results/kernel_attention-h100-notes.md; the CTA grid itself: kernels/deft_schedule.h.
 
 // One query: token `token_index` of `node`.
 struct QueryToken {
