@@ -3,10 +3,13 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <memory>
+#include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,65 +27,20 @@
 #include "kernels/tree_attention_generic.h"
 #include "models/gemm_tuner.h"
 #include "models/llama_checkpoint.h"
+#include "models/step_graphs.h"
+#include "models/step_staging.h"
+#include "models/step_timer.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::models {
 
 using kernels::DeviceBuffer;
-using kernels::PinnedHostBuffer;
 
 namespace {
 
 constexpr double kMiB = 1048576.0;
-// Logit rows per LM-head GEMM: bounds the fp32 logits buffer (rows x vocab) whatever the step.
-constexpr int32_t kLogitRowsPerChunk = 256;
-
-// Where a step's sampling params start in State::step_inputs_host: after its four int32 arrays
-// (launch_rows x 3 + launch_logit_rows), 16-byte aligned.
-size_t step_params_offset(int32_t launch_rows, int32_t launch_logit_rows) {
-  const size_t ints = sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows);
-  return (ints + 15) / 16 * 16;
-}
-
-// ---- CUDA graphs ---------------------------------------------------------------------------
-// A decode step is ~130 launches of mostly small kernels (32 layers x RMSNorm, QKV GEMM,
-// bias + RoPE + KV write, attention stage 1/2, O GEMM, RMSNorm, gate/up GEMM, SiLU·mul, down
-// GEMM): ~1 ms of a Llama-3-8B step on the H100 was launch-bound (bench/results/e2e_step-*).
-// A graph replays the launches of one *bucket* of step shapes with fixed kernel parameters:
-//   - query rows and logit rows rounded up to a row bucket (gemm_row_bucket: 1, 2, 4, 8, then
-//     multiples of 8 up to 64, then 128 and 256: padding 20 rows to 32 cost ~170 µs of GEMM time
-//     per Llama-3-8B step, bench/results/gemm_tune-h100-notes.md); padded rows
-//     read token 0 at position 0, write their K/V into a spare slot past the pool (sink_slot)
-//     and see nothing in attention; padded logit rows repeat row 0 and sample greedily;
-//   - the plan's task count rounded up to a bucket (task_bucket: < 12.5 % of empty tasks, which
-//     stage 1's CTAs skip at once), stage 1's row slices (CTAs per task and KV head), whether
-//     stage 1 runs every pass on warpgroup MMAs (kernels::deft_attention_wgmma_passes) and
-//     whether stage 2 runs are part of the key; the plan is staged padded
-//     (DevicePlan::stage_padded) in the graph's own buffers, sized by power-of-two capacities
-//     that grow (and re-capture) when a step of the bucket needs more;
-//   - the copy of the step's inputs with its plan (one pinned-to-device copy, the graph's first
-//     node) and everything from the embedding through the LM head and the sampling kernel are
-//     captured; the downloads of logits / tokens stay outside (async copies after the launch).
-// The first step of a bucket runs the padded launches uncaptured (kernel loading, cuBLAS
-// heuristics, attribute setup happen outside any capture), the second captures and replays.
-// Padding changes the GEMMs' row counts, so a graph step's logits equal the eager step's within
-// bf16 rounding (cuBLAS may pick another kernel for another M), and equal bit for bit the
-// padded launches run uncaptured (tests/gpu/llama_cuda_graph_test.cc).
-constexpr int32_t kMaxGraphRows = 256;
-static_assert(kMaxGraphRows <= kLogitRowsPerChunk, "a graph step runs one LM-head chunk");
 // cuBLAS / cuBLASLt workspace set explicitly: captured GEMMs must not allocate.
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
-
-int32_t pow2_bucket(int32_t count) {
-  return count <= 1 ? count : static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(count)));
-}
-
-// Powers of two up to 16, then 8 buckets per octave.
-int32_t task_bucket(int32_t count) {
-  if (count <= 16) return pow2_bucket(count);
-  const int32_t step = static_cast<int32_t>(std::bit_floor(static_cast<uint32_t>(count))) / 8;
-  return (count + step - 1) / step * step;
-}
 
 DeviceBuffer upload(const void* data, size_t bytes) {
   DeviceBuffer buffer(std::max<size_t>(bytes, 16));
@@ -118,516 +76,6 @@ DeviceBuffer upload_16bit(std::initializer_list<const TensorView*> tensors, kern
 
 DeviceBuffer upload_fp32(const TensorView& tensor) {
   return upload_floats(tensor_to_floats(tensor));
-}
-
-}  // namespace
-
-struct LlamaCudaRunner::State {
-  struct Layer {
-    DeviceBuffer input_norm, post_norm;  // fp32 [hidden]
-    DeviceBuffer qkv;                    // [q + 2 kv][hidden]: q_proj, k_proj, v_proj rows
-    DeviceBuffer qkv_bias;               // fp32 [q + 2 kv]; empty without bias
-    DeviceBuffer o_proj;                 // [hidden][q]
-    DeviceBuffer o_bias;                 // fp32 [hidden]; empty without bias
-    DeviceBuffer gate_up;                // [2 intermediate][hidden]: gate_proj, up_proj rows
-    DeviceBuffer down;                   // [hidden][intermediate]
-    DeviceBuffer k_cache, v_cache;       // [num_kv_slots][kv_heads][head_dim]
-  };
-
-  int device = 0;  // LlamaCudaOptions::device: made current by every entry point (DeviceScope)
-  kernels::DType dtype = kernels::DType::kBf16;
-  cudaStream_t stream = nullptr;
-  std::unique_ptr<GemmTuner> gemms;  // every weight GEMM (made once the workspace exists)
-
-  DeviceBuffer embed;     // [vocab][hidden]
-  DeviceBuffer norm;      // fp32 [hidden]
-  DeviceBuffer lm_head;   // [vocab][hidden]; empty when tied to embed
-  DeviceBuffer inv_freq;  // fp32 [head_dim / 2]
-  std::vector<Layer> layers;
-
-  int32_t max_rows = 0;
-  DeviceBuffer residual;  // fp32 [rows][hidden]
-  DeviceBuffer normed;    // [rows][hidden]
-  DeviceBuffer qkv;       // [rows][q + 2 kv]
-  DeviceBuffer q;         // [rows][q]
-  DeviceBuffer attn;      // [rows][q]
-  DeviceBuffer gate_up;   // [rows][2 intermediate]
-  DeviceBuffer act;       // [rows][intermediate]
-  DeviceBuffer logits;    // fp32 [kLogitRowsPerChunk][vocab]
-  // A step's inputs, uploaded with its plan (DevicePlan::upload's extra, at the plan's
-  // extra()): tokens | positions | slots | logit rows (int32, each of the launch's padded
-  // size), then from step_params_offset() the logit rows' sampling params.
-  std::vector<unsigned char> step_inputs_host;
-  // forward_sampled: per logit row params in, SampledRow (+ top lists) out; the weights
-  // workspace is allocated on the first step that samples (kLogitRowsPerChunk rows).
-  DeviceBuffer sampled, sampled_top, sampling_workspace;
-  PinnedHostBuffer sampled_host, sampled_top_host;
-  kernels::DevicePlan plan;
-  kernels::DeftAttentionBuffers partials;
-  kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes
-  kernels::AttentionDims dims;
-  bool deft_kernels = false;
-  SkinnyGemmUse skinny_gemm = SkinnyGemmUse::kOff;  // set_skinny_gemm
-  int64_t prefetch_bytes = 0;                       // set_weight_prefetch: per GEMM
-  DeviceBuffer cublas_workspace;
-  int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
-
-  // CUDA graphs (see the top of this file).
-  struct GraphKey {
-    int32_t rows = 0, logit_rows = 0, tasks = 0, row_slices = 0;
-    // Stage 2's batch (kernels::deft_attention_stage2_batch): which stage-2 kernel the graph
-    // captured, chosen for the plan's most partials of a query; 0: the graph has no stage 2.
-    int32_t stage2_batch = 0;
-    // wgmma_passes: which stage-1 kernel the graph captured.
-    bool sample = false, wgmma_passes = false;
-    bool operator==(const GraphKey&) const = default;
-  };
-  struct StepGraph {
-    GraphKey key;
-    kernels::PlanCapacity capacity;
-    kernels::DevicePlan plan;  // this bucket's padded plan
-    cudaGraphExec_t exec = nullptr;
-    bool seen = false;  // its first step ran the padded launches uncaptured
-    // Buffers the graph was captured on, which may be reallocated since (the plan's staging and
-    // device buffers: the graph's first node copies the one to the other).
-    const void* partial_out = nullptr;
-    const void* workspace = nullptr;
-    const void* plan_staging = nullptr;
-    const void* plan_device = nullptr;
-    size_t plan_bytes = 0;
-    uint64_t last_used = 0;
-    void drop() {
-      if (exec != nullptr) DEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      exec = nullptr;
-    }
-    ~StepGraph() {
-      if (exec != nullptr) cudaGraphExecDestroy(exec);
-    }
-  };
-  bool use_graphs = true;
-  int32_t max_graphs = 32;
-  uint64_t graph_clock = 0;
-  std::vector<std::unique_ptr<StepGraph>> graphs;
-  CudaGraphStats graph_stats;
-
-  // The bucket's graph entry, made (evicting the least recently used) when new.
-  StepGraph& graph_for(const GraphKey& key) {
-    ++graph_clock;
-    for (const std::unique_ptr<StepGraph>& graph : graphs) {
-      if (graph->key == key) {
-        graph->last_used = graph_clock;
-        return *graph;
-      }
-    }
-    if (static_cast<int32_t>(graphs.size()) >= std::max(max_graphs, 1)) {
-      const auto oldest = std::min_element(
-          graphs.begin(), graphs.end(),
-          [](const auto& a, const auto& b) { return a->last_used < b->last_used; });
-      DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-      graphs.erase(oldest);
-    }
-    graphs.push_back(std::make_unique<StepGraph>());
-    graphs.back()->key = key;
-    graphs.back()->last_used = graph_clock;
-    graph_stats.cached_graphs = static_cast<int32_t>(graphs.size());
-    return *graphs.back();
-  }
-  void drop_graphs() {
-    DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    graphs.clear();
-    graph_stats.cached_graphs = 0;
-  }
-
-  // One step's launches, embedding through the LM head (and sampling): eager, or captured.
-  struct StepLaunch {
-    int32_t rows = 0;  // launch sizes (a graph bucket's, or the step's own)
-    int32_t logit_rows = 0;
-    const unsigned char* inputs = nullptr;  // device: the step's inputs (step_inputs_host)
-    const kernels::RowSamplingParams* sampling_params = nullptr;  // device, in inputs
-    const kernels::DevicePlan* plan = nullptr;
-    kernels::DeftStage2 stage2 = kernels::DeftStage2::kIfMerging;
-    int32_t stage2_batch = 0;  // 0: launch_deft_attention picks for the plan
-    bool sample = false;
-    // Eager forward(): each LM-head chunk's logits are copied here (more than one chunk of
-    // rows); empty: they stay in `logits` (at most one chunk).
-    std::span<float> logits_out;
-  };
-  void launch_step(const ModelConfig& c, const StepLaunch& launch);
-
-  size_t weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
-
-  // Step timing (set_step_timing): events[i] ends interval i, which belongs to phase[i].
-  enum Phase { kAttention, kGemm, kOther, kCopy, kSampling };
-  StepTiming timing = StepTiming::kOff;
-  std::vector<cudaEvent_t> events;
-  std::vector<Phase> phase;
-  int32_t marks = 0;
-  StepTimes times;
-
-  void mark_start() {
-    marks = 0;
-    if (timing != StepTiming::kOff) record(kCopy);
-  }
-  // A graph step's start mark is the graph's first node (start_event(), recorded on every
-  // replay whatever the timing), not a call before the launch.
-  cudaEvent_t start_event() {
-    if (events.empty()) {
-      cudaEvent_t event;
-      DEFT_CUDA_CHECK(cudaEventCreate(&event));
-      events.push_back(event);
-      phase.push_back(kCopy);
-    }
-    return events[0];
-  }
-  // mark_start() for a step whose graph records start_event() itself.
-  void mark_started_in_graph() {
-    start_event();
-    marks = timing != StepTiming::kOff ? 1 : 0;
-    phase[0] = kCopy;
-  }
-  // The work launched since the previous mark was of `p` (kPhases only).
-  void mark(Phase p) {
-    if (timing == StepTiming::kPhases) record(p);
-  }
-  void mark_end(Phase p) {
-    if (timing != StepTiming::kOff) record(p);
-  }
-  void record(Phase p) {
-    if (marks == static_cast<int32_t>(events.size())) {
-      cudaEvent_t event;
-      DEFT_CUDA_CHECK(cudaEventCreate(&event));
-      events.push_back(event);
-      phase.push_back(p);
-    }
-    phase[marks] = p;
-    DEFT_CUDA_CHECK(cudaEventRecord(events[marks], stream));
-    ++marks;
-  }
-  // After the stream synchronised.
-  void collect_times() {
-    times = StepTimes{};
-    if (timing == StepTiming::kOff || marks < 2) return;
-    float ms = 0;
-    DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, events[0], events[marks - 1]));
-    times.total_ms = ms;
-    if (timing == StepTiming::kPhases) {
-      for (int32_t i = 1; i < marks; ++i) {
-        DEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
-        double* sum = phase[i] == kAttention  ? &times.attention_ms
-                      : phase[i] == kGemm     ? &times.gemm_ms
-                      : phase[i] == kOther    ? &times.other_ms
-                      : phase[i] == kSampling ? &times.sampling_ms
-                                              : &times.copy_ms;
-        *sum += ms;
-      }
-    }
-    times.valid = true;
-  }
-
-  State() { DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~State() {
-    if (stream != nullptr) cudaStreamSynchronize(stream);
-    graphs.clear();
-    for (cudaEvent_t event : events) cudaEventDestroy(event);
-    gemms.reset();
-    if (stream != nullptr) {
-      kernels::skinny_gemm_release(stream);
-      cudaStreamDestroy(stream);
-    }
-  }
-  State(const State&) = delete;
-  State& operator=(const State&) = delete;
-
-  // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
-  // On the cuBLASLt algorithm tuned for the shape's row bucket (tune_gemms), else cuBLAS's
-  // default. With skinny_gemm set, steps of up to kSkinnyGemmMaxRows rows (decode) stream the
-  // weights (all, the wide shapes', the LM head's, or the LM head's and in steps of more than
-  // kSkinnyWideAboveRows rows the wide shapes': the default, LlamaCudaOptions::skinny_lm_head)
-  // through kernels/skinny_gemm.h. For the other layer GEMMs it is off: on the H100 the e2e
-  // step was slower with it (bench/results/skinny_gemm-h100-notes.md).
-  bool on_skinny(const kernels::SkinnyGemmDims& dims, const void* x, const void* w,
-                 bool lm_head) const {
-    const bool with_head =
-        skinny_gemm == SkinnyGemmUse::kLmHead || skinny_gemm == SkinnyGemmUse::kLmHeadAndWide;
-    const bool skinny_shape =
-        skinny_gemm == SkinnyGemmUse::kAll ||
-        (skinny_gemm == SkinnyGemmUse::kWide && kernels::skinny_gemm_wide(dims)) ||
-        (with_head && lm_head) ||
-        (skinny_gemm == SkinnyGemmUse::kLmHeadAndWide && dims.rows > kSkinnyWideAboveRows &&
-         kernels::skinny_gemm_wide(dims));
-    return skinny_shape && dims.rows <= kernels::kSkinnyGemmMaxRows &&
-           kernels::skinny_gemm_supported(dims, x, w) && kernels::skinny_gemm_available();
-  }
-  void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
-            bool y_fp32, bool accumulate, bool lm_head = false) const {
-    const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
-    if (on_skinny(dims, x, w, lm_head)) {
-      kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
-      return;
-    }
-    gemms->gemm({.rows = rows,
-                 .in = in,
-                 .out = out,
-                 .dtype = dtype,
-                 .y_fp32 = y_fp32,
-                 .accumulate = accumulate},
-                x, w, y);
-  }
-  // Measures the decode GEMMs of every graph row bucket (see GemmTuner) on the layers'
-  // weights, with the activation buffers as scratch (call before any step).
-  void tune_gemms(const ModelConfig& c);
-};
-
-void LlamaCudaRunner::State::tune_gemms(const ModelConfig& c) {
-  const auto start = std::chrono::steady_clock::now();
-  const int32_t hidden = c.hidden_size;
-  const int32_t q_size = c.q_size();
-  const int32_t qkv_width = q_size + 2 * c.kv_size();
-  const int32_t intermediate = c.intermediate_size;
-  // Random inputs (N(0, 1)-like: uniform with half-width sqrt(3)) for every row tuned.
-  const int64_t rows_max = std::min(kMaxGraphRows, max_rows);
-  kernels::launch_random_uniform(rows_max * hidden, 11, std::sqrt(3.0f), 0.0f, dtype, normed.data(),
-                                 stream);
-  kernels::launch_random_uniform(rows_max * q_size, 12, std::sqrt(3.0f), 0.0f, dtype, attn.data(),
-                                 stream);
-  kernels::launch_random_uniform(rows_max * intermediate, 13, std::sqrt(3.0f), 0.0f, dtype,
-                                 act.data(), stream);
-  DEFT_CUDA_CHECK(cudaMemsetAsync(residual.data(), 0, residual.bytes(), stream));
-  std::vector<const void*> qkv_w, o_w, gate_up_w, down_w;
-  for (const Layer& layer : layers) {
-    qkv_w.push_back(layer.qkv.data());
-    o_w.push_back(layer.o_proj.data());
-    gate_up_w.push_back(layer.gate_up.data());
-    down_w.push_back(layer.down.data());
-  }
-  const std::vector<const void*> head_w = {c.tie_word_embeddings ? embed.data() : lm_head.data()};
-  const double num_layers = static_cast<double>(layers.size());
-  int32_t buckets = 0, tuned_shapes = 0, lt_shapes = 0;
-  for (int32_t rows = 1; rows <= rows_max; rows = gemm_row_bucket(rows + 1)) {
-    struct Job {
-      const char* name;
-      GemmShape shape;
-      const std::vector<const void*>* weights;
-      const void* x;
-      void* y;
-      double per_step;  // launches per decode step
-    };
-    const auto shape = [&](int32_t in, int32_t out, bool y_fp32, bool accumulate) {
-      return GemmShape{.rows = rows,
-                       .in = in,
-                       .out = out,
-                       .dtype = dtype,
-                       .y_fp32 = y_fp32,
-                       .accumulate = accumulate};
-    };
-    std::vector<Job> jobs = {
-        {"qkv", shape(hidden, qkv_width, false, false), &qkv_w, normed.data(), qkv.data(),
-         num_layers},
-        {"o", shape(q_size, hidden, true, true), &o_w, attn.data(), residual.data(), num_layers},
-        {"gate_up", shape(hidden, 2 * intermediate, false, false), &gate_up_w, normed.data(),
-         gate_up.data(), num_layers},
-        {"down", shape(intermediate, hidden, true, true), &down_w, act.data(), residual.data(),
-         num_layers}};
-    if (rows <= kLogitRowsPerChunk) {
-      jobs.push_back({"lm_head", shape(hidden, c.vocab_size, true, false), &head_w, normed.data(),
-                      logits.data(), 1.0});
-    }
-    std::string line;
-    double default_step_us = 0, tuned_step_us = 0, bucket_ms = 0;
-    for (const Job& job : jobs) {
-      const GemmTuneResult result = gemms->tune(job.shape, *job.weights, job.x, job.y);
-      default_step_us += job.per_step * result.default_us;
-      tuned_step_us += job.per_step * result.chosen_us();
-      bucket_ms += result.tuning_ms;
-      ++tuned_shapes;
-      lt_shapes += result.chosen >= 0;
-      absl::StrAppend(&line, line.empty() ? "" : "; ", job.name, " ",
-                      absl::StrFormat("%.1f", result.chosen_us()), " (",
-                      absl::StrFormat("%.1f", result.default_us), ") ",
-                      result.chosen >= 0 ? result.chosen_algo() : "default", " of ",
-                      result.candidates.size());
-    }
-    ++buckets;
-    spdlog::info(
-        "llama_cuda: GEMMs at {} rows, µs tuned (cuBLAS default): {}; a step's GEMMs "
-        "{:.0f} -> {:.0f} µs; tuned in {:.0f} ms",
-        rows, line, default_step_us, tuned_step_us, bucket_ms);
-  }
-  spdlog::info(
-      "llama_cuda: GEMMs tuned for {} row buckets ({} shapes, {} on a cuBLASLt "
-      "algorithm, the rest on cuBLAS's default) in {:.2f} s",
-      buckets, tuned_shapes, lt_shapes,
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-}
-
-void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch& launch) {
-  const int32_t rows = launch.rows;
-  const int32_t logit_rows = launch.logit_rows;
-  const int32_t hidden = c.hidden_size;
-  const int32_t q_size = c.q_size();
-  const int32_t qkv_width = q_size + 2 * c.kv_size();
-  const int32_t intermediate = c.intermediate_size;
-  const int32_t vocab = c.vocab_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  const int32_t* d_tokens = reinterpret_cast<const int32_t*>(launch.inputs);
-  const int32_t* d_positions = d_tokens + rows;
-  const int32_t* d_slots = d_tokens + 2 * rows;
-  const int32_t* d_logit_rows = d_tokens + 3 * rows;
-  const kernels::DevicePlan& device_plan = *launch.plan;
-
-  float* x = residual.as<float>();
-  kernels::launch_embedding(rows, hidden, dtype, d_tokens, embed.data(), x, stream);
-  const kernels::QkvRopeDims qkv_dims{.num_tokens = rows,
-                                      .num_q_heads = c.num_attention_heads,
-                                      .num_kv_heads = c.num_key_value_heads,
-                                      .head_dim = c.head_dim};
-  const kernels::RmsNormDims norm_dims{.num_rows = rows, .width = hidden, .eps = eps};
-  const size_t e = kernels::dtype_bytes(dtype);
-  // The next GEMM's weights (out rows of in elements) for the small kernel before it to warm
-  // L2: the first prefetch_bytes / out bytes of every row (whole 128-byte lines, at least one),
-  // where each of the GEMM's CTAs starts reading.
-  const auto prefetch = [&](const DeviceBuffer& weights, int64_t out, int64_t in) {
-    if (prefetch_bytes == 0 || rows > kernels::kSkinnyGemmMaxRows) {
-      return kernels::WeightPrefetch{};
-    }
-    const int64_t row_bytes = in * static_cast<int64_t>(e);
-    const int64_t per_row = std::clamp<int64_t>(prefetch_bytes / out / 128 * 128, 128, row_bytes);
-    return kernels::WeightPrefetch{.base = weights.data(),
-                                   .rows = out,
-                                   .row_bytes = row_bytes,
-                                   .bytes_per_row = static_cast<int32_t>(per_row)};
-  };
-  // Activations read for the last time by a cuBLAS GEMM (the down projection's input, the
-  // attention's output) or earlier (the QKV GEMM's output, Q): the RMSNorm after that GEMM drops
-  // them from L2, so their write-back does not take DRAM time from the next GEMMs' weight
-  // streams. Each is rewritten whole before it is read again.
-  const kernels::L2Discard dead_after_mlp =
-      kernels::L2Discard{}.add(act.data(), int64_t{rows} * intermediate * e);
-  const kernels::L2Discard dead_after_attention =
-      kernels::L2Discard{}
-          .add(attn.data(), int64_t{rows} * q_size * e)
-          .add(q.data(), int64_t{rows} * q_size * e)
-          .add(qkv.data(), int64_t{rows} * qkv_width * e);
-  for (size_t l = 0; l < layers.size(); ++l) {
-    Layer& layer = layers[l];
-    kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, nullptr, layer.input_norm.as<float>(),
-                             normed.data(), stream, prefetch(layer.qkv, qkv_width, hidden),
-                             l > 0 ? dead_after_mlp : kernels::L2Discard{});
-    mark(kOther);
-    gemm(normed.data(), layer.qkv.data(), rows, hidden, qkv_width, qkv.data(), false, false);
-    mark(kGemm);
-    kernels::launch_qkv_rope_write(qkv_dims, dtype, d_positions, d_slots, inv_freq.as<float>(),
-                                   qkv.data(), layer.qkv_bias.as<float>(), q.data(),
-                                   layer.k_cache.data(), layer.v_cache.data(), stream);
-    mark(kOther);
-    if (deft_kernels) {
-      kernels::launch_deft_attention(
-          device_plan.view(), device_plan.shape(), dims, dtype, q.data(), layer.k_cache.data(),
-          layer.v_cache.data(), partials.partial_out(), partials.partial_lse(), attn.data(), stream,
-          launch.stage2, launch.stage2_batch, prefetch(layer.o_proj, hidden, q_size));
-      // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
-      // graph step: those have no prefill runs).
-      kernels::launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims, dtype,
-                                        q.data(), layer.k_cache.data(), layer.v_cache.data(),
-                                        prefill_scratch, attn.data(), stream);
-    } else {  // the generic kernel runs the plan's tasks and prefill runs
-      kernels::launch_tree_attention_generic(device_plan.view(), dims, dtype, q.data(),
-                                             layer.k_cache.data(), layer.v_cache.data(),
-                                             attn.data(), stream);
-    }
-    mark(kAttention);
-    gemm(attn.data(), layer.o_proj.data(), rows, q_size, hidden, x, true, true);
-    mark(kGemm);
-    // The O projection's bias (Llama with attention_bias) is folded into the residual here.
-    kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, layer.o_bias.as<float>(),
-                             layer.post_norm.as<float>(), normed.data(), stream,
-                             prefetch(layer.gate_up, 2 * int64_t{intermediate}, hidden),
-                             dead_after_attention);
-    mark(kOther);
-    if (on_skinny({.rows = rows, .in = hidden, .out = 2 * intermediate}, normed.data(),
-                  layer.gate_up.data(), false)) {
-      // gate/up on the skinny GEMM: SiLU·mul in its epilogue, no gate/up round trip.
-      kernels::launch_skinny_gemm_swiglu(rows, hidden, intermediate, dtype, normed.data(),
-                                         layer.gate_up.data(), act.data(), stream);
-      mark(kGemm);
-    } else {
-      gemm(normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, gate_up.data(),
-           false, false);
-      mark(kGemm);
-      kernels::launch_silu_mul(rows, intermediate, dtype, gate_up.data(), act.data(), stream,
-                               prefetch(layer.down, hidden, intermediate));
-      mark(kOther);
-    }
-    gemm(act.data(), layer.down.data(), rows, intermediate, hidden, x, true, true);
-    mark(kGemm);
-  }
-  if (logit_rows == 0) return;
-
-  // Final norm of the logit rows only (gathered), then the LM head in chunks of rows.
-  kernels::launch_rms_norm({.num_rows = logit_rows, .width = hidden, .eps = eps}, dtype,
-                           d_logit_rows, x, nullptr, norm.as<float>(), normed.data(), stream, {},
-                           layers.empty() ? kernels::L2Discard{} : dead_after_mlp);
-  mark(kOther);
-  const void* head = c.tie_word_embeddings ? embed.data() : lm_head.data();
-  const size_t row_bytes = kernels::dtype_bytes(dtype) * hidden;
-  DEFT_CHECK(!launch.logits_out.empty() || launch.sample || logit_rows <= kLogitRowsPerChunk,
-             "llama_cuda: %d logit rows need a destination per chunk", logit_rows);
-  for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
-    const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
-    gemm(static_cast<const char*>(normed.data()) + row_bytes * begin, head, count, hidden, vocab,
-         logits.data(), true, false, /*lm_head=*/true);
-    mark(kGemm);
-    if (launch.sample) {
-      kernels::launch_sample_rows({.num_rows = count, .vocab_size = vocab, .row_stride = vocab},
-                                  logits.as<float>(), launch.sampling_params + begin,
-                                  sampling_workspace.as<float>(),
-                                  sampled.as<kernels::SampledRow>() + begin,
-                                  sampled_top.as<kernels::SampledTop>() +
-                                      static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
-                                  stream, /*drop_logits=*/true);
-      mark(kSampling);
-    } else if (!launch.logits_out.empty()) {
-      DEFT_CUDA_CHECK(cudaMemcpyAsync(launch.logits_out.data() + static_cast<size_t>(begin) * vocab,
-                                      logits.data(), sizeof(float) * count * vocab,
-                                      cudaMemcpyDeviceToHost, stream));
-      mark(kCopy);
-    }
-  }
-}
-
-LlamaCudaRunner::LlamaCudaRunner() = default;
-LlamaCudaRunner::~LlamaCudaRunner() {
-  if (state_ == nullptr) return;
-  const kernels::DeviceScope on_device(state_->device);
-  state_.reset();
-}
-
-namespace {
-
-// Index of the first slot outside [0, limit), or -1. Runs on every step before any launch (a
-// speculative step's plan holds ~6000 slots), so the common case is one pass of unsigned
-// compares in blocks of 8 (a negative slot compares as >= 2^31), which -O2 vectorises with
-// baseline SSE2: 0.56 us for 6064 slots on the development machine, against 5.5 us for the
-// min / max pass it replaces (SSE2 has no int32 min or max). Only a plan that fails it is
-// searched again for the slot to name.
-int64_t first_slot_outside(std::span<const int32_t> slots, int32_t limit) {
-  const auto bound = static_cast<uint32_t>(std::max(limit, 0));
-  constexpr size_t kBlock = 8;
-  uint32_t outside[kBlock] = {};
-  size_t i = 0;
-  for (; i + kBlock <= slots.size(); i += kBlock) {
-    for (size_t k = 0; k < kBlock; ++k) {
-      outside[k] |= static_cast<uint32_t>(slots[i + k]) >= bound;
-    }
-  }
-  uint32_t any = 0;
-  for (; i < slots.size(); ++i) any |= static_cast<uint32_t>(slots[i]) >= bound;
-  for (uint32_t o : outside) any |= o;
-  if (any == 0) return -1;
-  for (size_t j = 0; j < slots.size(); ++j) {
-    if (static_cast<uint32_t>(slots[j]) >= bound) return static_cast<int64_t>(j);
-  }
-  return -1;
 }
 
 absl::Status check_options(const LlamaCudaOptions& options) {
@@ -668,6 +116,394 @@ kernels::DType model_dtype(const ModelConfig& config) {
 }
 
 }  // namespace
+
+// Logit rows per LM-head GEMM: bounds the fp32 logits buffer (rows x vocab) whatever the step.
+inline constexpr int32_t kLogitRowsPerChunk = 256;
+static_assert(kMaxGraphRows <= kLogitRowsPerChunk, "a graph step runs one LM-head chunk");
+
+struct LlamaCudaRunner::State {
+  using DeviceBuffer = kernels::DeviceBuffer;
+  using PinnedHostBuffer = kernels::PinnedHostBuffer;
+
+  struct Layer {
+    DeviceBuffer input_norm, post_norm;  // fp32 [hidden]
+    DeviceBuffer qkv;                    // [q + 2 kv][hidden]: q_proj, k_proj, v_proj rows
+    DeviceBuffer qkv_bias;               // fp32 [q + 2 kv]; empty without bias
+    DeviceBuffer o_proj;                 // [hidden][q]
+    DeviceBuffer o_bias;                 // fp32 [hidden]; empty without bias
+    DeviceBuffer gate_up;                // [2 intermediate][hidden]: gate_proj, up_proj rows
+    DeviceBuffer down;                   // [hidden][intermediate]
+    DeviceBuffer k_cache, v_cache;       // [num_kv_slots][kv_heads][head_dim]
+  };
+
+  int device = 0;  // LlamaCudaOptions::device: made current by every entry point (DeviceScope)
+  kernels::DType dtype = kernels::DType::kBf16;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<GemmTuner> gemms;  // every weight GEMM (made once the workspace exists)
+
+  DeviceBuffer embed;     // [vocab][hidden]
+  DeviceBuffer norm;      // fp32 [hidden]
+  DeviceBuffer lm_head;   // [vocab][hidden]; empty when tied to embed
+  DeviceBuffer inv_freq;  // fp32 [head_dim / 2]
+  std::vector<Layer> layers;
+
+  int32_t max_rows = 0;
+  DeviceBuffer residual;  // fp32 [rows][hidden]
+  DeviceBuffer normed;    // [rows][hidden]
+  DeviceBuffer qkv;       // [rows][q + 2 kv]
+  DeviceBuffer q;         // [rows][q]
+  DeviceBuffer attn;      // [rows][q]
+  DeviceBuffer gate_up;   // [rows][2 intermediate]
+  DeviceBuffer act;       // [rows][intermediate]
+  DeviceBuffer logits;    // fp32 [kLogitRowsPerChunk][vocab]
+  // A step's inputs, uploaded with its plan (models/step_staging.h).
+  StepInputs inputs;
+  // forward_sampled: per logit row params in, SampledRow (+ top lists) out; the weights
+  // workspace is allocated on the first step that samples (kLogitRowsPerChunk rows).
+  DeviceBuffer sampled, sampled_top, sampling_workspace;
+  PinnedHostBuffer sampled_host, sampled_top_host;
+  kernels::DevicePlan plan;  // an eager step's plan (a graph step's is its graph's)
+  kernels::DeftAttentionBuffers partials;
+  kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes
+  kernels::AttentionDims dims;
+  bool deft_kernels = false;
+  SkinnyGemmUse skinny_gemm = SkinnyGemmUse::kOff;  // set_skinny_gemm
+  int64_t prefetch_bytes = 0;                       // set_weight_prefetch: per GEMM
+  DeviceBuffer cublas_workspace;
+  int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
+
+  bool use_graphs = true;
+  StepGraphCache graphs;  // models/step_graphs.h
+  StepTimer timer;        // set_step_timing
+
+  size_t weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
+
+  // One step's launches, embedding through the LM head (and sampling): eager, or captured.
+  struct StepLaunch {
+    int32_t rows = 0;  // launch sizes (a graph bucket's, or the step's own)
+    int32_t logit_rows = 0;
+    StepInputsView inputs;  // device: the step's inputs
+    const kernels::DevicePlan* plan = nullptr;
+    kernels::DeftStage2 stage2 = kernels::DeftStage2::kIfMerging;
+    int32_t stage2_batch = 0;  // 0: launch_deft_attention picks for the plan
+    bool sample = false;
+    // Eager forward(): each LM-head chunk's logits are copied here (more than one chunk of
+    // rows); empty: they stay in `logits` (at most one chunk).
+    std::span<float> logits_out;
+  };
+  // The forward pass (llama_cuda.cc).
+  void launch_step(const ModelConfig& c, const StepLaunch& launch);
+
+  State() : stream(new_stream()), timer(stream) {}
+  ~State() {
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    graphs.clear();
+    gemms.reset();
+    if (stream != nullptr) {
+      kernels::skinny_gemm_release(stream);
+      cudaStreamDestroy(stream);
+    }
+  }
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+
+  // Drops the captured graphs (they hold kernels and arguments a setting change replaces).
+  void drop_graphs() {
+    DEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    graphs.clear();
+  }
+
+  // y[rows][out] (= or +=) x[rows][in] * w[out][in]^T, fp32 accumulation; y is `dtype` or fp32.
+  // On the cuBLASLt algorithm tuned for the shape's row bucket (tune_gemms), else cuBLAS's
+  // default. With skinny_gemm set, steps of up to kSkinnyGemmMaxRows rows (decode) stream the
+  // weights (all, the wide shapes', the LM head's, or the LM head's and in steps of more than
+  // kSkinnyWideAboveRows rows the wide shapes': the default, LlamaCudaOptions::skinny_lm_head)
+  // through kernels/skinny_gemm.h. For the other layer GEMMs it is off: on the H100 the e2e
+  // step was slower with it (bench/results/skinny_gemm-h100-notes.md).
+  bool on_skinny(const kernels::SkinnyGemmDims& dims, const void* x, const void* w,
+                 bool lm_head) const {
+    const bool with_head =
+        skinny_gemm == SkinnyGemmUse::kLmHead || skinny_gemm == SkinnyGemmUse::kLmHeadAndWide;
+    const bool skinny_shape =
+        skinny_gemm == SkinnyGemmUse::kAll ||
+        (skinny_gemm == SkinnyGemmUse::kWide && kernels::skinny_gemm_wide(dims)) ||
+        (with_head && lm_head) ||
+        (skinny_gemm == SkinnyGemmUse::kLmHeadAndWide && dims.rows > kSkinnyWideAboveRows &&
+         kernels::skinny_gemm_wide(dims));
+    return skinny_shape && dims.rows <= kernels::kSkinnyGemmMaxRows &&
+           kernels::skinny_gemm_supported(dims, x, w) && kernels::skinny_gemm_available();
+  }
+  void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
+            bool y_fp32, bool accumulate, bool lm_head = false) const {
+    const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
+    if (on_skinny(dims, x, w, lm_head)) {
+      kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
+      return;
+    }
+    gemms->gemm({.rows = rows,
+                 .in = in,
+                 .out = out,
+                 .dtype = dtype,
+                 .y_fp32 = y_fp32,
+                 .accumulate = accumulate},
+                x, w, y);
+  }
+  // Measures the decode GEMMs of every graph row bucket (see GemmTuner) on the layers'
+  // weights, with the activation buffers as scratch (call before any step; llama_cuda_load.cc).
+  void tune_gemms(const ModelConfig& c);
+
+ private:
+  static cudaStream_t new_stream() {
+    cudaStream_t created = nullptr;
+    DEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }
+};
+
+void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch& launch) {
+  const int32_t rows = launch.rows;
+  const int32_t logit_rows = launch.logit_rows;
+  const int32_t hidden = c.hidden_size;
+  const int32_t q_size = c.q_size();
+  const int32_t qkv_width = q_size + 2 * c.kv_size();
+  const int32_t intermediate = c.intermediate_size;
+  const int32_t vocab = c.vocab_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int32_t* d_tokens = launch.inputs.tokens;
+  const int32_t* d_positions = launch.inputs.positions;
+  const int32_t* d_slots = launch.inputs.slots;
+  const int32_t* d_logit_rows = launch.inputs.logit_rows;
+  const kernels::DevicePlan& device_plan = *launch.plan;
+
+  float* x = residual.as<float>();
+  kernels::launch_embedding(rows, hidden, dtype, d_tokens, embed.data(), x, stream);
+  const kernels::QkvRopeDims qkv_dims{.num_tokens = rows,
+                                      .num_q_heads = c.num_attention_heads,
+                                      .num_kv_heads = c.num_key_value_heads,
+                                      .head_dim = c.head_dim};
+  const kernels::RmsNormDims norm_dims{.num_rows = rows, .width = hidden, .eps = eps};
+  const size_t e = kernels::dtype_bytes(dtype);
+  // The next GEMM's weights (out rows of in elements) for the small kernel before it to warm
+  // L2: the first prefetch_bytes / out bytes of every row (whole 128-byte lines, at least one),
+  // where each of the GEMM's CTAs starts reading.
+  const auto prefetch = [&](const DeviceBuffer& weights, int64_t out, int64_t in) {
+    if (prefetch_bytes == 0 || rows > kernels::kSkinnyGemmMaxRows) {
+      return kernels::WeightPrefetch{};
+    }
+    const int64_t row_bytes = in * static_cast<int64_t>(e);
+    const int64_t per_row = std::clamp<int64_t>(prefetch_bytes / out / 128 * 128, 128, row_bytes);
+    return kernels::WeightPrefetch{.base = weights.data(),
+                                   .rows = out,
+                                   .row_bytes = row_bytes,
+                                   .bytes_per_row = static_cast<int32_t>(per_row)};
+  };
+  // Activations read for the last time by a cuBLAS GEMM (the down projection's input, the
+  // attention's output) or earlier (the QKV GEMM's output, Q): the RMSNorm after that GEMM drops
+  // them from L2, so their write-back does not take DRAM time from the next GEMMs' weight
+  // streams. Each is rewritten whole before it is read again.
+  const kernels::L2Discard dead_after_mlp =
+      kernels::L2Discard{}.add(act.data(), int64_t{rows} * intermediate * e);
+  const kernels::L2Discard dead_after_attention =
+      kernels::L2Discard{}
+          .add(attn.data(), int64_t{rows} * q_size * e)
+          .add(q.data(), int64_t{rows} * q_size * e)
+          .add(qkv.data(), int64_t{rows} * qkv_width * e);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    Layer& layer = layers[l];
+    kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, nullptr, layer.input_norm.as<float>(),
+                             normed.data(), stream, prefetch(layer.qkv, qkv_width, hidden),
+                             l > 0 ? dead_after_mlp : kernels::L2Discard{});
+    timer.mark(StepPhase::kOther);
+    gemm(normed.data(), layer.qkv.data(), rows, hidden, qkv_width, qkv.data(), false, false);
+    timer.mark(StepPhase::kGemm);
+    kernels::launch_qkv_rope_write(qkv_dims, dtype, d_positions, d_slots, inv_freq.as<float>(),
+                                   qkv.data(), layer.qkv_bias.as<float>(), q.data(),
+                                   layer.k_cache.data(), layer.v_cache.data(), stream);
+    timer.mark(StepPhase::kOther);
+    if (deft_kernels) {
+      kernels::launch_deft_attention(
+          device_plan.view(), device_plan.shape(), dims, dtype, q.data(), layer.k_cache.data(),
+          layer.v_cache.data(), partials.partial_out(), partials.partial_lse(), attn.data(), stream,
+          launch.stage2, launch.stage2_batch, prefetch(layer.o_proj, hidden, q_size));
+      // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
+      // graph step: those have no prefill runs).
+      kernels::launch_prefill_attention(device_plan.view(), device_plan.prefill_runs(), dims, dtype,
+                                        q.data(), layer.k_cache.data(), layer.v_cache.data(),
+                                        prefill_scratch, attn.data(), stream);
+    } else {  // the generic kernel runs the plan's tasks and prefill runs
+      kernels::launch_tree_attention_generic(device_plan.view(), dims, dtype, q.data(),
+                                             layer.k_cache.data(), layer.v_cache.data(),
+                                             attn.data(), stream);
+    }
+    timer.mark(StepPhase::kAttention);
+    gemm(attn.data(), layer.o_proj.data(), rows, q_size, hidden, x, true, true);
+    timer.mark(StepPhase::kGemm);
+    // The O projection's bias (Llama with attention_bias) is folded into the residual here.
+    kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, layer.o_bias.as<float>(),
+                             layer.post_norm.as<float>(), normed.data(), stream,
+                             prefetch(layer.gate_up, 2 * int64_t{intermediate}, hidden),
+                             dead_after_attention);
+    timer.mark(StepPhase::kOther);
+    if (on_skinny({.rows = rows, .in = hidden, .out = 2 * intermediate}, normed.data(),
+                  layer.gate_up.data(), false)) {
+      // gate/up on the skinny GEMM: SiLU·mul in its epilogue, no gate/up round trip.
+      kernels::launch_skinny_gemm_swiglu(rows, hidden, intermediate, dtype, normed.data(),
+                                         layer.gate_up.data(), act.data(), stream);
+      timer.mark(StepPhase::kGemm);
+    } else {
+      gemm(normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, gate_up.data(),
+           false, false);
+      timer.mark(StepPhase::kGemm);
+      kernels::launch_silu_mul(rows, intermediate, dtype, gate_up.data(), act.data(), stream,
+                               prefetch(layer.down, hidden, intermediate));
+      timer.mark(StepPhase::kOther);
+    }
+    gemm(act.data(), layer.down.data(), rows, intermediate, hidden, x, true, true);
+    timer.mark(StepPhase::kGemm);
+  }
+  if (logit_rows == 0) return;
+
+  // Final norm of the logit rows only (gathered), then the LM head in chunks of rows.
+  kernels::launch_rms_norm({.num_rows = logit_rows, .width = hidden, .eps = eps}, dtype,
+                           d_logit_rows, x, nullptr, norm.as<float>(), normed.data(), stream, {},
+                           layers.empty() ? kernels::L2Discard{} : dead_after_mlp);
+  timer.mark(StepPhase::kOther);
+  const void* head = c.tie_word_embeddings ? embed.data() : lm_head.data();
+  const size_t row_bytes = kernels::dtype_bytes(dtype) * hidden;
+  DEFT_CHECK(!launch.logits_out.empty() || launch.sample || logit_rows <= kLogitRowsPerChunk,
+             "llama_cuda: %d logit rows need a destination per chunk", logit_rows);
+  for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
+    const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
+    gemm(static_cast<const char*>(normed.data()) + row_bytes * begin, head, count, hidden, vocab,
+         logits.data(), true, false, /*lm_head=*/true);
+    timer.mark(StepPhase::kGemm);
+    if (launch.sample) {
+      kernels::launch_sample_rows({.num_rows = count, .vocab_size = vocab, .row_stride = vocab},
+                                  logits.as<float>(), launch.inputs.sampling_params + begin,
+                                  sampling_workspace.as<float>(),
+                                  sampled.as<kernels::SampledRow>() + begin,
+                                  sampled_top.as<kernels::SampledTop>() +
+                                      static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
+                                  stream, /*drop_logits=*/true);
+      timer.mark(StepPhase::kSampling);
+    } else if (!launch.logits_out.empty()) {
+      DEFT_CUDA_CHECK(cudaMemcpyAsync(launch.logits_out.data() + static_cast<size_t>(begin) * vocab,
+                                      logits.data(), sizeof(float) * count * vocab,
+                                      cudaMemcpyDeviceToHost, stream));
+      timer.mark(StepPhase::kCopy);
+    }
+  }
+}
+
+namespace {
+
+// Index of the first slot outside [0, limit), or -1. Runs on every step before any launch (a
+// speculative step's plan holds ~6000 slots), so the common case is one pass of unsigned
+// compares in blocks of 8 (a negative slot compares as >= 2^31), which -O2 vectorises with
+// baseline SSE2: 0.56 us for 6064 slots on the development machine, against 5.5 us for the
+// min / max pass it replaces (SSE2 has no int32 min or max). Only a plan that fails it is
+// searched again for the slot to name.
+int64_t first_slot_outside(std::span<const int32_t> slots, int32_t limit) {
+  const auto bound = static_cast<uint32_t>(std::max(limit, 0));
+  constexpr size_t kBlock = 8;
+  uint32_t outside[kBlock] = {};
+  size_t i = 0;
+  for (; i + kBlock <= slots.size(); i += kBlock) {
+    for (size_t k = 0; k < kBlock; ++k) {
+      outside[k] |= static_cast<uint32_t>(slots[i + k]) >= bound;
+    }
+  }
+  uint32_t any = 0;
+  for (; i < slots.size(); ++i) any |= static_cast<uint32_t>(slots[i]) >= bound;
+  for (uint32_t o : outside) any |= o;
+  if (any == 0) return -1;
+  for (size_t j = 0; j < slots.size(); ++j) {
+    if (static_cast<uint32_t>(slots[j]) >= bound) return static_cast<int64_t>(j);
+  }
+  return -1;
+}
+
+// A step the kernels can trust: the plan's rows match the batch's, tokens are in the vocabulary,
+// written slots and read KV slots in the pool, logit rows among the query rows, prefill runs
+// inside the plan, and (forward()) `logits_size` fits the logit rows.
+absl::Status check_step(const engine::StepBatch& batch, size_t logits_size, bool sample,
+                        int32_t vocab, int32_t max_rows, int64_t num_kv_slots) {
+  if (batch.plan == nullptr) return absl::InvalidArgumentError("llama_cuda: step without a plan");
+  const engine::AttentionPlan& plan = *batch.plan;
+  const int32_t rows = plan.num_queries;
+  if (static_cast<int64_t>(batch.tokens.size()) != rows ||
+      static_cast<int64_t>(plan.query_position.size()) != rows ||
+      static_cast<int64_t>(plan.query_slot.size()) != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("llama_cuda: the plan has ", rows, " query rows but the step carries ",
+                     batch.tokens.size(), " tokens, ", plan.query_position.size(),
+                     " positions and ", plan.query_slot.size(), " slots"));
+  }
+  if (rows > max_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "llama_cuda: the step has ", rows, " query rows, more than max_batch_rows ", max_rows));
+  }
+  for (int32_t r = 0; r < rows; ++r) {
+    if (batch.tokens[r] < 0 || batch.tokens[r] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("llama_cuda: row ", r, " has token ",
+                                                     batch.tokens[r],
+                                                     ", outside the vocabulary [0, ", vocab, ")"));
+    }
+    if (plan.query_slot[r] < 0 || plan.query_slot[r] >= num_kv_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("llama_cuda: row ", r, " writes KV slot ",
+                                                     plan.query_slot[r], ", outside [0, ",
+                                                     num_kv_slots, ")"));
+    }
+    if (plan.query_position[r] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("llama_cuda: row ", r, " has position ", plan.query_position[r]));
+    }
+  }
+  const int32_t logit_rows = static_cast<int32_t>(batch.logit_rows.size());
+  if (logit_rows > max_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "llama_cuda: ", logit_rows, " logit rows, more than max_batch_rows ", max_rows));
+  }
+  for (int32_t i = 0; i < logit_rows; ++i) {
+    if (batch.logit_rows[i] < 0 || batch.logit_rows[i] >= rows) {
+      return absl::InvalidArgumentError(absl::StrCat("llama_cuda: logit row ", i, " is ",
+                                                     batch.logit_rows[i], ", outside the ", rows,
+                                                     " query rows"));
+    }
+  }
+  if (!sample && logits_size != static_cast<size_t>(logit_rows) * vocab) {
+    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: logits hold ", logits_size,
+                                                   " floats, expected ", logit_rows, " rows x ",
+                                                   vocab));
+  }
+  // The kernels trust the plan; a slot outside the pool would read out of bounds.
+  if (const int64_t at = first_slot_outside(plan.kv_slots, num_kv_slots); at >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: the plan reads KV slot ",
+                                                   plan.kv_slots[at], " (index ", at,
+                                                   "), outside [0, ", num_kv_slots, ")"));
+  }
+  for (const kernels::PrefillRun& run : plan.prefill_runs) {
+    if (run.num_rows <= 0 || run.row_begin < 0 || run.row_begin + run.num_rows > rows ||
+        run.prefix_tokens < 0 || run.kv_begin < 0 ||
+        int64_t{run.kv_begin} + run.prefix_tokens + run.num_rows >
+            static_cast<int64_t>(plan.kv_slots.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "llama_cuda: prefill run (rows ", run.row_begin, " + ", run.num_rows, ", keys ",
+          run.kv_begin, " + ", run.prefix_tokens, " + ", run.num_rows, ") outside the plan's ",
+          rows, " rows and ", plan.kv_slots.size(), " KV indices"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+LlamaCudaRunner::LlamaCudaRunner() = default;
+LlamaCudaRunner::~LlamaCudaRunner() {
+  if (state_ == nullptr) return;
+  const kernels::DeviceScope on_device(state_->device);
+  state_.reset();
+}
 
 absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::load(
     const std::filesystem::path& model_dir, const LlamaCudaOptions& options) {
@@ -807,9 +643,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.gate_up.reset(rows * 2 * c.intermediate_size * e);
   s.act.reset(rows * c.intermediate_size * e);
   s.logits.reset(static_cast<size_t>(kLogitRowsPerChunk) * c.vocab_size * sizeof(float));
-  s.step_inputs_host.resize(
-      step_params_offset(static_cast<int32_t>(rows), static_cast<int32_t>(rows)) +
-      rows * sizeof(kernels::RowSamplingParams));
+  s.inputs.reserve(s.max_rows);
   s.sampled.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_host.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_top.reset(rows * kernels::kSamplingMaxTopLogprobs * sizeof(kernels::SampledTop));
@@ -826,7 +660,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   if (options.tune_gemms) s.tune_gemms(c);
   s.use_graphs = options.cuda_graphs;
   s.prefetch_bytes = options.weight_prefetch_bytes;
-  s.max_graphs = options.max_cuda_graphs;
+  s.graphs.set_max_graphs(options.max_cuda_graphs);
   if (options.skinny_lm_head && kernels::skinny_gemm_available()) {
     s.skinny_gemm = SkinnyGemmUse::kLmHeadAndWide;
     kernels::skinny_gemm_reserve(s.stream);  // before any graph capture
@@ -890,11 +724,93 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   return absl::OkStatus();
 }
 
+void LlamaCudaRunner::State::tune_gemms(const ModelConfig& c) {
+  const auto start = std::chrono::steady_clock::now();
+  const int32_t hidden = c.hidden_size;
+  const int32_t q_size = c.q_size();
+  const int32_t qkv_width = q_size + 2 * c.kv_size();
+  const int32_t intermediate = c.intermediate_size;
+  // Random inputs (N(0, 1)-like: uniform with half-width sqrt(3)) for every row tuned.
+  const int64_t rows_max = std::min(kMaxGraphRows, max_rows);
+  kernels::launch_random_uniform(rows_max * hidden, 11, std::sqrt(3.0f), 0.0f, dtype, normed.data(),
+                                 stream);
+  kernels::launch_random_uniform(rows_max * q_size, 12, std::sqrt(3.0f), 0.0f, dtype, attn.data(),
+                                 stream);
+  kernels::launch_random_uniform(rows_max * intermediate, 13, std::sqrt(3.0f), 0.0f, dtype,
+                                 act.data(), stream);
+  DEFT_CUDA_CHECK(cudaMemsetAsync(residual.data(), 0, residual.bytes(), stream));
+  std::vector<const void*> qkv_w, o_w, gate_up_w, down_w;
+  for (const Layer& layer : layers) {
+    qkv_w.push_back(layer.qkv.data());
+    o_w.push_back(layer.o_proj.data());
+    gate_up_w.push_back(layer.gate_up.data());
+    down_w.push_back(layer.down.data());
+  }
+  const std::vector<const void*> head_w = {c.tie_word_embeddings ? embed.data() : lm_head.data()};
+  const double num_layers = static_cast<double>(layers.size());
+  int32_t buckets = 0, tuned_shapes = 0, lt_shapes = 0;
+  for (int32_t rows = 1; rows <= rows_max; rows = gemm_row_bucket(rows + 1)) {
+    struct Job {
+      const char* name;
+      GemmShape shape;
+      const std::vector<const void*>* weights;
+      const void* x;
+      void* y;
+      double per_step;  // launches per decode step
+    };
+    const auto shape = [&](int32_t in, int32_t out, bool y_fp32, bool accumulate) {
+      return GemmShape{.rows = rows,
+                       .in = in,
+                       .out = out,
+                       .dtype = dtype,
+                       .y_fp32 = y_fp32,
+                       .accumulate = accumulate};
+    };
+    std::vector<Job> jobs = {
+        {"qkv", shape(hidden, qkv_width, false, false), &qkv_w, normed.data(), qkv.data(),
+         num_layers},
+        {"o", shape(q_size, hidden, true, true), &o_w, attn.data(), residual.data(), num_layers},
+        {"gate_up", shape(hidden, 2 * intermediate, false, false), &gate_up_w, normed.data(),
+         gate_up.data(), num_layers},
+        {"down", shape(intermediate, hidden, true, true), &down_w, act.data(), residual.data(),
+         num_layers}};
+    if (rows <= kLogitRowsPerChunk) {
+      jobs.push_back({"lm_head", shape(hidden, c.vocab_size, true, false), &head_w, normed.data(),
+                      logits.data(), 1.0});
+    }
+    std::string line;
+    double default_step_us = 0, tuned_step_us = 0, bucket_ms = 0;
+    for (const Job& job : jobs) {
+      const GemmTuneResult result = gemms->tune(job.shape, *job.weights, job.x, job.y);
+      default_step_us += job.per_step * result.default_us;
+      tuned_step_us += job.per_step * result.chosen_us();
+      bucket_ms += result.tuning_ms;
+      ++tuned_shapes;
+      lt_shapes += result.chosen >= 0;
+      absl::StrAppend(&line, line.empty() ? "" : "; ", job.name, " ",
+                      absl::StrFormat("%.1f", result.chosen_us()), " (",
+                      absl::StrFormat("%.1f", result.default_us), ") ",
+                      result.chosen >= 0 ? result.chosen_algo() : "default", " of ",
+                      result.candidates.size());
+    }
+    ++buckets;
+    spdlog::info(
+        "llama_cuda: GEMMs at {} rows, µs tuned (cuBLAS default): {}; a step's GEMMs "
+        "{:.0f} -> {:.0f} µs; tuned in {:.0f} ms",
+        rows, line, default_step_us, tuned_step_us, bucket_ms);
+  }
+  spdlog::info(
+      "llama_cuda: GEMMs tuned for {} row buckets ({} shapes, {} on a cuBLASLt "
+      "algorithm, the rest on cuBLAS's default) in {:.2f} s",
+      buckets, tuned_shapes, lt_shapes,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+}
+
 size_t LlamaCudaRunner::weight_bytes() const { return state_->weight_bytes; }
 size_t LlamaCudaRunner::activation_bytes() const { return state_->activation_bytes; }
 size_t LlamaCudaRunner::kv_cache_bytes() const { return state_->kv_bytes; }
 bool LlamaCudaRunner::uses_deft_kernels() const { return state_->deft_kernels; }
-void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timing = timing; }
+void LlamaCudaRunner::set_step_timing(StepTiming timing) { state_->timer.set_mode(timing); }
 void LlamaCudaRunner::set_gemm_tuning(bool on) {
   const kernels::DeviceScope on_device(state_->device);
   // Captured step graphs hold the other GEMM kernels.
@@ -919,20 +835,21 @@ void LlamaCudaRunner::set_weight_prefetch(int64_t bytes_per_gemm) {
   state_->prefetch_bytes = bytes_per_gemm;
 }
 void LlamaCudaRunner::time_attention(bool on) {
-  state_->timing = on ? StepTiming::kPhases : StepTiming::kOff;
+  state_->timer.set_mode(on ? StepTiming::kPhases : StepTiming::kOff);
 }
 double LlamaCudaRunner::last_attention_seconds() const {
-  return state_->times.valid && state_->timing == StepTiming::kPhases
-             ? state_->times.attention_ms * 1e-3
+  const StepTimer& timer = state_->timer;
+  return timer.times().valid && timer.mode() == StepTiming::kPhases
+             ? timer.times().attention_ms * 1e-3
              : -1.0;
 }
-const StepTimes& LlamaCudaRunner::last_step_times() const { return state_->times; }
+const StepTimes& LlamaCudaRunner::last_step_times() const { return state_->timer.times(); }
 void LlamaCudaRunner::set_cuda_graphs(bool on) {
   const kernels::DeviceScope on_device(state_->device);
   state_->use_graphs = on;
   if (!on) state_->drop_graphs();
 }
-const CudaGraphStats& LlamaCudaRunner::cuda_graph_stats() const { return state_->graph_stats; }
+const CudaGraphStats& LlamaCudaRunner::cuda_graph_stats() const { return state_->graphs.stats(); }
 
 engine::AttentionWave LlamaCudaRunner::attention_wave() const {
   const State& s = *state_;
@@ -962,186 +879,61 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                                        std::span<engine::SampledToken> sampled) {
   const kernels::DeviceScope on_device(state_->device);
   const bool sample = !sampling.empty();
-  if (batch.plan == nullptr) return absl::InvalidArgumentError("llama_cuda: step without a plan");
-  const engine::AttentionPlan& plan = *batch.plan;
-  const int32_t rows = plan.num_queries;
   const int32_t vocab = config_.vocab_size;
   State& s = *state_;
-  if (static_cast<int64_t>(batch.tokens.size()) != rows ||
-      static_cast<int64_t>(plan.query_position.size()) != rows ||
-      static_cast<int64_t>(plan.query_slot.size()) != rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("llama_cuda: the plan has ", rows, " query rows but the step carries ",
-                     batch.tokens.size(), " tokens, ", plan.query_position.size(),
-                     " positions and ", plan.query_slot.size(), " slots"));
+  if (absl::Status status =
+          check_step(batch, logits.size(), sample, vocab, s.max_rows, info_.num_kv_slots);
+      !status.ok()) {
+    return status;
   }
-  if (rows > s.max_rows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "llama_cuda: the step has ", rows, " query rows, more than max_batch_rows ", s.max_rows));
-  }
-  for (int32_t r = 0; r < rows; ++r) {
-    if (batch.tokens[r] < 0 || batch.tokens[r] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("llama_cuda: row ", r, " has token ",
-                                                     batch.tokens[r],
-                                                     ", outside the vocabulary [0, ", vocab, ")"));
-    }
-    if (plan.query_slot[r] < 0 || plan.query_slot[r] >= info_.num_kv_slots) {
-      return absl::InvalidArgumentError(absl::StrCat("llama_cuda: row ", r, " writes KV slot ",
-                                                     plan.query_slot[r], ", outside [0, ",
-                                                     info_.num_kv_slots, ")"));
-    }
-    if (plan.query_position[r] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("llama_cuda: row ", r, " has position ", plan.query_position[r]));
-    }
-  }
+  const engine::AttentionPlan& plan = *batch.plan;
+  const int32_t rows = plan.num_queries;
   const int32_t logit_rows = static_cast<int32_t>(batch.logit_rows.size());
-  if (logit_rows > s.max_rows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "llama_cuda: ", logit_rows, " logit rows, more than max_batch_rows ", s.max_rows));
-  }
-  for (int32_t i = 0; i < logit_rows; ++i) {
-    if (batch.logit_rows[i] < 0 || batch.logit_rows[i] >= rows) {
-      return absl::InvalidArgumentError(absl::StrCat("llama_cuda: logit row ", i, " is ",
-                                                     batch.logit_rows[i], ", outside the ", rows,
-                                                     " query rows"));
-    }
-  }
-  if (!sample && logits.size() != static_cast<size_t>(logit_rows) * vocab) {
-    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: logits hold ", logits.size(),
-                                                   " floats, expected ", logit_rows, " rows x ",
-                                                   vocab));
-  }
-  // The kernels trust the plan; a slot outside the pool would read out of bounds.
-  if (const int64_t at = first_slot_outside(plan.kv_slots, info_.num_kv_slots); at >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: the plan reads KV slot ",
-                                                   plan.kv_slots[at], " (index ", at,
-                                                   "), outside [0, ", info_.num_kv_slots, ")"));
-  }
-  for (const kernels::PrefillRun& run : plan.prefill_runs) {
-    if (run.num_rows <= 0 || run.row_begin < 0 || run.row_begin + run.num_rows > rows ||
-        run.prefix_tokens < 0 || run.kv_begin < 0 ||
-        int64_t{run.kv_begin} + run.prefix_tokens + run.num_rows >
-            static_cast<int64_t>(plan.kv_slots.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "llama_cuda: prefill run (rows ", run.row_begin, " + ", run.num_rows, ", keys ",
-          run.kv_begin, " + ", run.prefix_tokens, " + ", run.num_rows, ") outside the plan's ",
-          rows, " rows and ", plan.kv_slots.size(), " KV indices"));
-    }
-  }
-  s.times = StepTimes{};
+  s.timer.clear_times();
   if (rows == 0) return absl::OkStatus();
-  bool any_top_logprobs = false;
+
   // Graph steps: decode-sized, no per-launch events (kPhases runs eagerly).
-  const bool graph_step = s.use_graphs && s.timing != StepTiming::kPhases &&
-                          rows <= kMaxGraphRows && gemm_row_bucket(rows) <= s.max_rows &&
-                          logit_rows <= kMaxGraphRows &&
-                          gemm_row_bucket(logit_rows) <= s.max_rows && plan.prefill_runs.empty();
-  State::StepGraph* graph = nullptr;
+  const bool graph_step = s.use_graphs && s.timer.mode() != StepTiming::kPhases &&
+                          fits_step_graph(rows, logit_rows, s.max_rows, !plan.prefill_runs.empty());
+  StepGraph* graph = nullptr;
   int32_t launch_rows = rows, launch_logit_rows = logit_rows;
   if (graph_step) {
-    const kernels::PlanShape shape = kernels::plan_shape(plan.view());
-    const bool stage2 = s.deft_kernels && plan.num_entries() > rows;
-    const State::GraphKey key{
-        .rows = gemm_row_bucket(rows),
-        .logit_rows = gemm_row_bucket(logit_rows),
-        .tasks = task_bucket(plan.num_tasks()),
-        .row_slices =
-            s.deft_kernels ? kernels::deft_attention_row_slices(shape.max_task_entries, s.dims) : 0,
-        .stage2_batch = stage2 ? kernels::deft_attention_stage2_batch(shape, gemm_row_bucket(rows),
-                                                                      s.dims, s.dtype)
-                               : 0,
-        .sample = sample,
-        .wgmma_passes = s.deft_kernels && kernels::deft_attention_wgmma_passes(shape, s.dims)};
-    graph = &s.graph_for(key);
-    launch_rows = key.rows;
-    launch_logit_rows = key.logit_rows;
+    graph = &s.graphs.entry(
+        step_graph_key(plan.view(), logit_rows, sample, s.dims, s.dtype, s.deft_kernels), s.stream);
+    launch_rows = graph->key.rows;
+    launch_logit_rows = graph->key.logit_rows;
   }
-  const size_t params_offset = step_params_offset(launch_rows, launch_logit_rows);
+  StepSamplingNeeds needs;
   if (sample) {
-    bool any_draw = false;
-    auto* params =
-        reinterpret_cast<kernels::RowSamplingParams*>(s.step_inputs_host.data() + params_offset);
-    for (int32_t i = 0; i < logit_rows; ++i) {
-      const engine::SamplingParams& p = *sampling[i].params;
-      params[i] = {.temperature = p.temperature,
-                   .top_k = p.top_k,
-                   .top_p = p.top_p,
-                   .top_logprobs = p.top_logprobs,
-                   .seed = p.seed,
-                   .step = sampling[i].step};
-      any_draw |= p.temperature != 0.0f && p.top_k != 1;
-      any_top_logprobs |= p.top_logprobs > 0;
-    }
-    // Padded logit rows sample greedily (no workspace, no top list).
-    for (int32_t i = logit_rows; i < launch_logit_rows; ++i) {
-      params[i] = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .top_logprobs = 0};
-    }
+    needs = s.inputs.stage_sampling(sampling, launch_rows, launch_logit_rows);
     const size_t workspace_bytes =
         kernels::sampling_workspace_bytes(std::min(kLogitRowsPerChunk, logit_rows), vocab);
-    if (any_draw && s.sampling_workspace.bytes() < workspace_bytes) {
+    if (needs.any_draw && s.sampling_workspace.bytes() < workspace_bytes) {
       s.sampling_workspace.reset(kernels::sampling_workspace_bytes(kLogitRowsPerChunk, vocab));
     }
   }
 
-  // Step inputs (layout: State::step_inputs_host), uploaded with the plan in one copy.
   // A bucket's steps after its first start their timing inside the graph.
-  const bool start_in_graph = graph != nullptr && graph->seen;
-  if (start_in_graph) {
-    s.mark_started_in_graph();
+  if (graph != nullptr && graph->seen) {
+    s.timer.mark_started_in_graph();
   } else {
-    s.mark_start();
+    s.timer.mark_start();
   }
-  int32_t* host = reinterpret_cast<int32_t*>(s.step_inputs_host.data());
-  std::copy(batch.tokens.begin(), batch.tokens.end(), host);
-  std::fill(host + rows, host + launch_rows, 0);
-  std::copy(plan.query_position.begin(), plan.query_position.end(), host + launch_rows);
-  std::fill(host + launch_rows + rows, host + 2 * launch_rows, 0);
-  std::copy(plan.query_slot.begin(), plan.query_slot.end(), host + 2 * launch_rows);
-  std::fill(host + 2 * launch_rows + rows, host + 3 * launch_rows, s.sink_slot);
-  std::copy(batch.logit_rows.begin(), batch.logit_rows.end(), host + 3 * launch_rows);
-  std::fill(host + 3 * launch_rows + logit_rows, host + 3 * launch_rows + launch_logit_rows, 0);
-  const size_t input_bytes =
-      sample ? params_offset + sizeof(kernels::RowSamplingParams) * launch_logit_rows
-             : sizeof(int32_t) * (3 * static_cast<size_t>(launch_rows) + launch_logit_rows);
-  const std::span<const unsigned char> inputs(s.step_inputs_host.data(), input_bytes);
+  // The step's inputs, uploaded with the plan in one copy.
+  const std::span<const unsigned char> inputs =
+      s.inputs.stage_rows(batch, launch_rows, launch_logit_rows, s.sink_slot, sample);
   State::StepLaunch launch{.rows = launch_rows,
                            .logit_rows = launch_logit_rows,
                            .plan = &s.plan,
                            .stage2 = kernels::DeftStage2::kIfMerging,
                            .sample = sample};
   if (graph != nullptr) {
-    // The bucket's padded plan; capacities grow to powers of two with 2x headroom (the captured
-    // graph, which holds the old buffer's pointers, is dropped then).
-    kernels::PlanCapacity& capacity = graph->capacity;
     const kernels::AttentionPlanView view = plan.view();
-    if (!capacity.holds(view) || capacity.queries != launch_rows ||
-        capacity.tasks != graph->key.tasks) {
-      capacity = {.queries = launch_rows,
-                  .tasks = graph->key.tasks,
-                  // 2x headroom: a growing tree recaptures after growing 2-4x, not each doubling.
-                  .entries = std::max(capacity.entries, pow2_bucket(2 * view.num_entries)),
-                  .kv_indices = std::max(capacity.kv_indices, pow2_bucket(2 * view.num_kv_indices)),
-                  .mask_words = std::max(capacity.mask_words, pow2_bucket(2 * view.num_mask_words)),
-                  // Every task at the widest task's row slices, a CTA per KV head each (none
-                  // without the DeFT kernels).
-                  .stage1_ctas = graph->key.tasks * graph->key.row_slices * s.dims.num_kv_heads};
-      graph->drop();
-    }
-    // Staged only: the copy to the device is a node of the graph (no CUDA call before the
-    // launch; the previous step's copy is done, as every step ends with a stream
-    // synchronisation).
-    graph->plan.stage_padded(view, s.dims, capacity, inputs);
+    graph->stage(view, s.dims, inputs);
     // Partials for a power-of-two entry count, so they are reallocated (and graphs recaptured)
     // rarely.
     if (s.deft_kernels) s.partials.reserve(pow2_bucket(view.num_entries), s.dims);
-    if (graph->exec != nullptr && (graph->partial_out != s.partials.partial_out() ||
-                                   graph->workspace != s.sampling_workspace.data() ||
-                                   graph->plan_staging != graph->plan.staging() ||
-                                   graph->plan_device != graph->plan.extra() ||
-                                   graph->plan_bytes != graph->plan.staged_bytes())) {
-      graph->drop();
-    }
+    graph->bind_buffers(s.partials.partial_out(), s.sampling_workspace.data());
     launch.plan = &graph->plan;
     launch.stage2 =
         graph->key.stage2_batch > 0 ? kernels::DeftStage2::kAlways : kernels::DeftStage2::kNever;
@@ -1151,50 +943,14 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
     launch.logits_out = sample ? std::span<float>() : logits;
   }
-  launch.inputs = launch.plan->extra();
-  launch.sampling_params =
-      reinterpret_cast<const kernels::RowSamplingParams*>(launch.inputs + params_offset);
-  s.mark(State::kCopy);
+  launch.inputs = step_inputs_view(launch.plan->extra(), launch_rows, launch_logit_rows);
+  s.timer.mark(StepPhase::kCopy);
 
   if (graph == nullptr) {
     s.launch_step(config_, launch);
-    ++s.graph_stats.eager_steps;
-  } else if (graph->exec == nullptr && !graph->seen) {
-    graph->seen = true;
-    graph->plan.enqueue_copy(s.stream);
-    s.launch_step(config_, launch);
-    ++s.graph_stats.eager_steps;
+    s.graphs.count_eager_step();
   } else {
-    if (graph->exec == nullptr) {
-      const auto capture_start = std::chrono::steady_clock::now();
-      cudaGraph_t captured = nullptr;
-      DEFT_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
-      // External: a record node of its own (a plain record in a capture only orders streams).
-      DEFT_CUDA_CHECK(cudaEventRecordWithFlags(s.start_event(), s.stream, cudaEventRecordExternal));
-      graph->plan.enqueue_copy(s.stream);
-      s.launch_step(config_, launch);
-      DEFT_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
-      DEFT_CUDA_CHECK(cudaGraphInstantiate(&graph->exec, captured, 0));
-      DEFT_CUDA_CHECK(cudaGraphDestroy(captured));
-      graph->partial_out = s.partials.partial_out();
-      graph->workspace = s.sampling_workspace.data();
-      graph->plan_staging = graph->plan.staging();
-      graph->plan_device = graph->plan.extra();
-      graph->plan_bytes = graph->plan.staged_bytes();
-      ++s.graph_stats.captures;
-      s.graph_stats.capture_us += std::chrono::duration<double, std::micro>(
-                                      std::chrono::steady_clock::now() - capture_start)
-                                      .count();
-      spdlog::debug(
-          "llama_cuda: captured the graph of {} rows, {} logit rows, {} tasks, {} row slices{}{}{}",
-          graph->key.rows, graph->key.logit_rows, graph->key.tasks, graph->key.row_slices,
-          graph->key.stage2_batch > 0
-              ? absl::StrCat(", stage 2 (batch ", graph->key.stage2_batch, ")")
-              : std::string(),
-          graph->key.sample ? ", sampling" : "", graph->key.wgmma_passes ? ", wgmma passes" : "");
-    }
-    DEFT_CUDA_CHECK(cudaGraphLaunch(graph->exec, s.stream));
-    ++s.graph_stats.graph_steps;
+    s.graphs.run(*graph, s.stream, s.timer, [&] { s.launch_step(config_, launch); });
   }
 
   if (logit_rows > 0) {
@@ -1202,24 +958,24 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
       DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data(), s.logits.data(),
                                       sizeof(float) * static_cast<size_t>(logit_rows) * vocab,
                                       cudaMemcpyDeviceToHost, s.stream));
-      s.mark(State::kCopy);
+      s.timer.mark(StepPhase::kCopy);
     }
     if (sample) {
       DEFT_CUDA_CHECK(cudaMemcpyAsync(s.sampled_host.data(), s.sampled.data(),
                                       sizeof(kernels::SampledRow) * logit_rows,
                                       cudaMemcpyDeviceToHost, s.stream));
-      if (any_top_logprobs) {
+      if (needs.any_top_logprobs) {
         DEFT_CUDA_CHECK(cudaMemcpyAsync(
             s.sampled_top_host.data(), s.sampled_top.data(),
             sizeof(kernels::SampledTop) * kernels::kSamplingMaxTopLogprobs * logit_rows,
             cudaMemcpyDeviceToHost, s.stream));
       }
-      s.mark(State::kCopy);
+      s.timer.mark(StepPhase::kCopy);
     }
   }
-  s.mark_end(State::kCopy);
+  s.timer.mark_end(StepPhase::kCopy);
   DEFT_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-  s.collect_times();
+  s.timer.collect_times();
   if (sample) {
     const auto* rows_out = s.sampled_host.as<kernels::SampledRow>();
     const auto* tops = s.sampled_top_host.as<kernels::SampledTop>();

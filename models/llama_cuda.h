@@ -18,7 +18,7 @@
 // graphs: one per bucket of the step's shape (rows and logit rows rounded up to powers of two,
 // the plan's task count to a bucket), the step's inputs and plan padded to the bucket in
 // preallocated buffers so the captured kernel parameters hold for every step of the bucket
-// (llama_cuda.cc, "CUDA graphs"). Larger steps and StepTiming::kPhases launch one by one.
+// (models/step_graphs.h). Larger steps and StepTiming::kPhases launch one by one.
 #pragma once
 
 #include <filesystem>
