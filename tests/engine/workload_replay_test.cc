@@ -12,8 +12,11 @@ namespace deft::engine {
 namespace {
 
 using bench::load_reasoning_traces;
+using bench::load_specdec_trace;
 using bench::ReasoningReplay;
 using bench::ReasoningTrace;
+using bench::SpecDecReplay;
+using bench::SpecDecTrace;
 
 const std::string kWorkloads = DEFT_WORKLOADS_DIR;
 
