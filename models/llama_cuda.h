@@ -58,17 +58,18 @@ struct LlamaCudaOptions {
   bool wide_gemm_search = false;
   // Decode steps' LM head (<= 64 logit rows) on the skinny GEMM (kernels/skinny_gemm.h) where
   // the GPU runs it (sm_90a), cuBLAS otherwise: few-shot steps 20-60 µs faster than with
-  // cuBLASLt on the H100, speculative ones 11 µs slower to 53 µs faster
-  // (bench/results/e2e_step-h100-notes.md, session 15); and gate/up too in steps of more than
-  // 32 rows (LlamaCudaRunner::SkinnyGemmUse::kLmHeadAndWide, session 20). false: cuBLAS(Lt)
+  // cuBLASLt on the H100, speculative ones 11 µs slower to 53 µs faster; and gate/up too in steps
+  // of more than 32 rows (LlamaCudaRunner::SkinnyGemmUse::kLmHeadAndWide;
+  // bench/results/skinny_gemm-h100-notes.md, "Where the runner uses it"). false: cuBLAS(Lt)
   // for every GEMM.
   bool skinny_lm_head = true;
   // Decode steps (<= kernels::kSkinnyGemmMaxRows rows): the RMSNorms and SiLU·mul before the
   // QKV, gate/up and down GEMMs, and DeFT attention's stage 2 before the O projection, pull
   // about this many bytes of that GEMM's weights into L2 while they run, the first bytes of
   // every weight row (kernels::WeightPrefetch), so the GEMM's weight stream starts before it
-  // does; 0: none. 4 MiB: the H100's speculative step 30-65 µs faster, few-shot 25-35 µs
-  // (bench/results/e2e_step-h100-notes.md, session 19; the O projection's, session 20).
+  // does (a cuBLAS GEMM cannot start early itself); 0: none. 4 MiB: on the H100, 2-6 MiB are
+  // within ~20 µs a step of each other, 8-16 MiB lose in the small kernels what the GEMMs gain,
+  // 32 MiB is slower (bench/results/e2e_step-h100-notes.md).
   int64_t weight_prefetch_bytes = int64_t{4} << 20;
 };
 
@@ -148,9 +149,9 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   // more than kSkinnyWideAboveRows rows (the default, LlamaCudaOptions::skinny_lm_head), or all.
   // Benchmarks compare.
   enum class SkinnyGemmUse { kOff, kWide, kLmHead, kLmHeadAndWide, kAll };
-  // kLmHeadAndWide's threshold: on the H100 (session 20) gate/up on the skinny GEMM made the
-  // 64-row speculative step ~20 µs faster and the few-shot step (20 rows, run as 32) ~90 µs
-  // slower (bench/results/e2e_step-h100-notes.md).
+  // kLmHeadAndWide's threshold: on the H100 gate/up on the skinny GEMM makes the 64-row
+  // speculative step ~20 µs faster and the few-shot step (20 rows, run as 32) ~90 µs slower
+  // (bench/results/skinny_gemm-h100-notes.md, bench/results/e2e_step-h100-notes.md).
   static constexpr int32_t kSkinnyWideAboveRows = 32;
   void set_skinny_gemm(SkinnyGemmUse use);
   // LlamaCudaOptions::weight_prefetch_bytes for the next steps. Benchmarks compare.
