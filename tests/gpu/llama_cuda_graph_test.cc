@@ -1,4 +1,4 @@
-// CUDA graphs of the CUDA runner (models/llama_cuda.cc, "CUDA graphs"): two runners on the same
+// CUDA graphs of the CUDA runner (models/step_graphs.h): two runners on the same
 // weights, one replaying graphs (the default) and one launching eagerly (cuda_graphs = false),
 // run the same plans step after step and must agree:
 //   - logits of every row within bf16 noise (padding changes the GEMMs' row counts, so cuBLAS
