@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "engine/works/session_work.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::engine {
@@ -84,7 +85,9 @@ void Scheduler::session_command(uint64_t id, SessionCommand command) {
   if (it == sessions_.end() || it->second->closing()) {
     const absl::Status status =
         absl::NotFoundError(absl::StrCat("no open session ", id));
-    if (command.reply != nullptr) command.reply->finish(status);
+    if (const std::shared_ptr<VerifyReply> reply = command.verify_reply(); reply != nullptr) {
+      reply->finish(status);
+    }
     return;
   }
   it->second->enqueue(std::move(command));
@@ -136,11 +139,12 @@ void Scheduler::prepare() {
 void Scheduler::pump_sessions() {
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     Session& session = *it->second;
-    // next_work() runs immediate commands (a close among them) and starts at most one work; a
-    // refused work answers its command with the error (submit aborts it).
+    // next_command() runs immediate commands (a close among them) and hands over at most one
+    // that needs forward passes; a refused work answers its command with the error (submit
+    // aborts it).
     if (!session.busy() && !session.closing()) {
-      if (std::unique_ptr<Work> work = session.next_work(forest_); work != nullptr) {
-        (void)submit(std::move(work));
+      if (std::optional<SessionCommand> command = session.next_command(forest_)) {
+        (void)submit(make_session_work(it->second, std::move(*command)));
       }
     }
     if (session.closing() && !session.busy()) {

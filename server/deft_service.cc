@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "engine/draft_acceptance.h"
@@ -394,59 +395,58 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTr
 // ---- TreeSession --------------------------------------------------------------------------
 
 engine::SessionCommand DeftService::session_command(const v1::SessionRequest& request) const {
-  using Kind = engine::SessionCommand::Kind;
   engine::SessionCommand command;
   command.request_id = request.request_id();
   const auto tokens = [&](const v1::Prompt& prompt, const std::string& field, bool add_bos) {
     absl::StatusOr<std::vector<engine::TokenId>> ids = prompt_tokens(prompt, field, add_bos);
-    if (ids.ok()) {
-      command.tokens = std::move(*ids);
-    } else {
+    if (!ids.ok()) {
       command.invalid = ids.status();
+      return std::vector<engine::TokenId>();
     }
+    return std::move(*ids);
   };
   switch (request.command_case()) {
     case v1::SessionRequest::kCreate:
-      command.kind = Kind::kCreate;
-      tokens(request.create().prompt(), "create.prompt", /*add_bos=*/true);
+      command.op = engine::CreateCommand{
+          .prompt = tokens(request.create().prompt(), "create.prompt", /*add_bos=*/true)};
       break;
     case v1::SessionRequest::kExtend:
-      command.kind = Kind::kExtend;
-      command.node = request.extend().node();
-      tokens(request.extend().content(), "extend.content", /*add_bos=*/false);
+      command.op = engine::ExtendCommand{
+          .node = request.extend().node(),
+          .tokens = tokens(request.extend().content(), "extend.content", /*add_bos=*/false)};
       break;
     case v1::SessionRequest::kDecode: {
-      command.kind = Kind::kDecode;
-      command.nodes.assign(request.decode().nodes().begin(), request.decode().nodes().end());
-      if (static_cast<int32_t>(command.nodes.size()) > config_.max_branches) {
+      engine::DecodeCommand decode;
+      decode.nodes.assign(request.decode().nodes().begin(), request.decode().nodes().end());
+      if (static_cast<int32_t>(decode.nodes.size()) > config_.max_branches) {
         command.invalid = absl::InvalidArgumentError(
-            absl::StrCat("decode.nodes lists ", command.nodes.size(), " nodes; the limit is ",
+            absl::StrCat("decode.nodes lists ", decode.nodes.size(), " nodes; the limit is ",
                          config_.max_branches, " (max_branches)"));
-        break;
+      } else {
+        command.invalid = sampling(request.decode().sampling(), "decode.sampling", &decode.sampling,
+                                   &decode.limits, &decode.max_tokens);
       }
-      command.invalid = sampling(request.decode().sampling(), "decode.sampling", &command.sampling,
-                                 &command.limits, &command.max_tokens);
+      command.op = std::move(decode);
       break;
     }
     case v1::SessionRequest::kBranch:
-      command.kind = Kind::kBranch;
-      command.node = request.branch().node();
-      command.k = request.branch().k();
+      command.op =
+          engine::BranchCommand{.node = request.branch().node(), .k = request.branch().k()};
       break;
     case v1::SessionRequest::kPrune:
-      command.kind = Kind::kPrune;
-      command.node = request.prune().node();
+      command.op = engine::PruneCommand{.node = request.prune().node()};
       break;
     case v1::SessionRequest::kScore:
-      command.kind = Kind::kScore;
-      command.node = request.score().node();
-      tokens(request.score().continuation(), "score.continuation", /*add_bos=*/false);
+      command.op =
+          engine::ScoreCommand{.node = request.score().node(),
+                               .continuation = tokens(request.score().continuation(),
+                                                      "score.continuation", /*add_bos=*/false)};
       break;
     case v1::SessionRequest::kClose:
-      command.kind = Kind::kClose;
+      command.op = engine::CloseCommand{};
       break;
     case v1::SessionRequest::COMMAND_NOT_SET:
-      command.kind = Kind::kPrune;  // answered with the error below, in order
+      // The op is left default: the session answers the error below, in order.
       command.invalid = absl::InvalidArgumentError(
           "the SessionRequest has no command (set create, extend, decode, branch, prune, score "
           "or close)");
@@ -533,7 +533,7 @@ grpc::Status DeftService::tree_session(
   bool closed = false;
   while (!client_gone.load() && stream->Read(&request)) {
     engine::SessionCommand command = session_command(request);
-    closed = command.kind == engine::SessionCommand::Kind::kClose && command.invalid.ok();
+    closed = std::holds_alternative<engine::CloseCommand>(command.op) && command.invalid.ok();
     engine_.session_command(session, std::move(command));
     if (closed) break;
   }
@@ -542,7 +542,7 @@ grpc::Status DeftService::tree_session(
     engine_.close_session(session);
   } else if (!closed) {
     // Half-close: the commands already sent still run, then the session closes.
-    engine_.session_command(session, {.kind = engine::SessionCommand::Kind::kClose});
+    engine_.session_command(session, {.op = engine::CloseCommand{}});
   }
   writer.join();
   spdlog::debug("TreeSession: session {} closed", session);
@@ -561,8 +561,7 @@ grpc::Status DeftService::Verify(grpc::ServerContext* context, const v1::VerifyR
 
 grpc::Status DeftService::verify(grpc::ServerContext* context, const v1::VerifyRequest& request,
                                  v1::VerifyResponse* response) {
-  engine::SessionCommand command;
-  command.kind = engine::SessionCommand::Kind::kVerify;
+  engine::VerifyCommand command;
   command.node = request.node();
   command.tokens.assign(request.tokens().begin(), request.tokens().end());
   command.parents.assign(request.parents().begin(), request.parents().end());

@@ -101,9 +101,10 @@ void EngineThread::close_session(uint64_t session) {
   (void)post([session](engine::Scheduler& scheduler) { scheduler.close_session(session); });
 }
 
-void EngineThread::verify(uint64_t session, engine::SessionCommand command) {
+void EngineThread::verify(uint64_t session, engine::VerifyCommand command) {
   std::shared_ptr<engine::VerifyReply> reply = command.reply;
-  auto shared = std::make_shared<engine::SessionCommand>(std::move(command));
+  auto shared =
+      std::make_shared<engine::SessionCommand>(engine::SessionCommand{.op = std::move(command)});
   if (!post([session, shared](engine::Scheduler& scheduler) {
         scheduler.session_command(session, std::move(*shared));
       })) {

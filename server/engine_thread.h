@@ -66,7 +66,7 @@ class EngineThread {
   void session_command(uint64_t session, engine::SessionCommand command);
   void close_session(uint64_t session);
   // A Verify: answered through command.reply (NOT_FOUND for an unknown session).
-  void verify(uint64_t session, engine::SessionCommand command);
+  void verify(uint64_t session, engine::VerifyCommand command);
 
   // Stops admitting (queued requests end with UNAVAILABLE), lets live ones run for up to
   // `grace`, then ends the rest (UNAVAILABLE; branches finish kCancelled). Returns at once;

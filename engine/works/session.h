@@ -3,14 +3,17 @@
 // its end, so a decode, a branch's children, a score or a verify can start from any node
 // without recomputing it. Commands run in order, one at a time: branch, prune and close at
 // once on the engine thread; create, extend, decode, score and verify as Works under the
-// scheduler. A bad command answers an error event and changes nothing.
+// scheduler. A bad command is answered with an error (a verify's through its reply) and changes
+// nothing.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
+#include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -51,35 +54,74 @@ struct VerifyOutcome {
 };
 using VerifyReply = EventQueue<VerifyOutcome>;
 
-struct SessionCommand {
-  enum class Kind : uint8_t { kCreate, kExtend, kDecode, kBranch, kPrune, kScore, kClose, kVerify };
-  Kind kind = Kind::kClose;
-  uint64_t request_id = 0;
+// The commands of a session, one struct per kind. Token ids, sampling parameters and a verify's
+// draft tree are the caller's to check before queueing (a malformed request carries its error
+// in SessionCommand::invalid); nodes and limits are checked in the session's turn
+// (Session::next_command).
+struct CreateCommand {
+  std::vector<TokenId> prompt;
+};
+struct ExtendCommand {
+  NodeId node = -1;  // a leaf of the session
+  std::vector<TokenId> tokens;
+};
+struct DecodeCommand {
+  std::vector<NodeId> nodes;  // distinct leaves of the session, decoded together
+  SamplingParams sampling;
+  int32_t max_tokens = 0;
+  StreamLimits limits;
+};
+struct BranchCommand {
   NodeId node = -1;
-  std::vector<NodeId> nodes;         // decode
-  std::vector<TokenId> tokens;       // create: prompt; extend: content; score: continuation;
-                                     // verify: drafted tokens (validated ids)
-  int32_t k = 0;                     // branch
-  SamplingParams sampling;           // decode, verify
-  int32_t max_tokens = 0;            // decode
-  StreamLimits limits;               // decode
-  std::vector<int32_t> parents;      // verify
-  std::vector<float> draft_probs;    // verify
-  std::shared_ptr<VerifyReply> reply;  // verify
-  // Not OK: the request was malformed; the session answers this error in its turn.
-  absl::Status invalid;
+  int32_t k = 0;
+};
+struct PruneCommand {
+  NodeId node = -1;
+};
+struct ScoreCommand {
+  NodeId node = -1;
+  std::vector<TokenId> continuation;
+};
+struct CloseCommand {};
+// A drafted token tree under `node` (engine/draft_acceptance.h's DraftTree), answered through
+// `reply` (never null), not the session's events.
+struct VerifyCommand {
+  NodeId node = -1;
+  std::vector<TokenId> tokens;
+  std::vector<int32_t> parents;
+  std::vector<float> draft_probs;
+  SamplingParams sampling;
+  std::shared_ptr<VerifyReply> reply;
 };
 
-class Session : public std::enable_shared_from_this<Session> {
+struct SessionCommand {
+  uint64_t request_id = 0;
+  // Not OK: the request was malformed; the session answers this error in its turn.
+  absl::Status invalid;
+  std::variant<CreateCommand, ExtendCommand, DecodeCommand, BranchCommand, PruneCommand,
+               ScoreCommand, CloseCommand, VerifyCommand>
+      op;
+
+  // A verify's reply; null for the other commands (they answer through the session's events).
+  std::shared_ptr<VerifyReply> verify_reply() const {
+    const auto* verify = std::get_if<VerifyCommand>(&op);
+    return verify != nullptr ? verify->reply : nullptr;
+  }
+};
+
+class Session {
  public:
   Session(uint64_t id, std::shared_ptr<SessionEvents> events, const SessionLimits& limits,
           const Tokenizer& tokenizer, int32_t page_tokens);
 
   uint64_t id() const { return id_; }
   void enqueue(SessionCommand command) { commands_.push_back(std::move(command)); }
-  // Runs queued commands until one needs forward passes, which is returned as a work (the
-  // session is busy until that work ends); null when none is left.
-  std::unique_ptr<Work> next_work(Forest& forest);
+  // Runs queued commands until one needs forward passes: branch, prune and close run here, a
+  // malformed or refused command is answered with its error. Returns that command (create,
+  // extend, decode, score or verify), checked against the session's nodes and limits, and marks
+  // the session busy until its work calls command_done(); nullopt when none is left or the
+  // session is busy or closing. engine/works/session_work.h makes its work.
+  std::optional<SessionCommand> next_command(Forest& forest);
   bool busy() const { return busy_; }
   bool closing() const { return closing_; }
   // The client went away: stop after the running command (which the scheduler cancels).
@@ -105,8 +147,20 @@ class Session : public std::enable_shared_from_this<Session> {
   void error(uint64_t request_id, const absl::Status& status);
 
  private:
-  void branch(const SessionCommand& command, Forest& forest);
-  void prune(const SessionCommand& command, Forest& forest);
+  // OK when a command of forward passes may start: its nodes are the session's, a grown node
+  // is a leaf, the session has room for new nodes and no path passes the model's context.
+  absl::Status check(const CreateCommand& create) const;
+  absl::Status check(const ExtendCommand& extend, const SequenceTree& tree) const;
+  absl::Status check(const DecodeCommand& decode, const SequenceTree& tree) const;
+  absl::Status check(const ScoreCommand& score, const SequenceTree& tree) const;
+  absl::Status check(const VerifyCommand& verify, const SequenceTree& tree) const;
+  absl::Status check_leaf(NodeId node, const char* field, const SequenceTree& tree) const;
+  absl::Status check_context(int64_t tokens, const char* what) const;
+  absl::Status check_room(int64_t new_nodes) const;
+  void branch(uint64_t request_id, const BranchCommand& command, Forest& forest);
+  void prune(uint64_t request_id, const PruneCommand& command, Forest& forest);
+  // Answers a command with an error: a verify through its reply, the others as an event.
+  void fail(const SessionCommand& command, const absl::Status& status);
 
   uint64_t id_;
   std::shared_ptr<SessionEvents> events_;

@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "engine/works/verify_work.h"
+#include "kernels/check.h"
 
 namespace deft::engine {
 namespace {
@@ -22,18 +24,23 @@ Logits copy_row(std::span<const float> row) {
 // leaf): prefilled in chunks under the step budget; the node keeps the last row's logits.
 class PrefillWork final : public SessionWork {
  public:
-  using SessionWork::SessionWork;
+  PrefillWork(std::shared_ptr<Session> session, uint64_t request_id, CreateCommand create)
+      : SessionWork(std::move(session), request_id),
+        create_(true),
+        tokens_(std::move(create.prompt)) {}
+  PrefillWork(std::shared_ptr<Session> session, uint64_t request_id, ExtendCommand extend)
+      : SessionWork(std::move(session), request_id),
+        create_(false),
+        extend_node_(extend.node),
+        tokens_(std::move(extend.tokens)) {}
 
   int64_t pending_pages(const Forest& forest) const override {
-    const auto total = static_cast<int64_t>(command_.tokens.size());
+    const auto total = static_cast<int64_t>(tokens_.size());
     if (node_ < 0) {
-      if (command_.kind == SessionCommand::Kind::kCreate) {
-        return pages_for(total, session_->page_tokens());
-      }
-      const TreeNode& node = forest.tree().node(command_.node);
-      return pages_for(static_cast<int64_t>(node.tokens.size()) + total,
-                       session_->page_tokens()) -
-             forest.node_pages(command_.node);
+      if (create_) return pages_for(total, session_->page_tokens());
+      const TreeNode& node = forest.tree().node(extend_node_);
+      return pages_for(static_cast<int64_t>(node.tokens.size()) + total, session_->page_tokens()) -
+             forest.node_pages(extend_node_);
     }
     const TreeNode& node = forest.tree().node(node_);
     return pages_for(static_cast<int64_t>(node.tokens.size()) + total - next_,
@@ -43,25 +50,25 @@ class PrefillWork final : public SessionWork {
   int64_t max_step_rows() const override { return 1; }
 
   void start(Forest& forest) override {
-    if (command_.kind == SessionCommand::Kind::kCreate) {
-      const PromptPlacement placement = forest.place_prompt(command_.tokens);
+    if (create_) {
+      const PromptPlacement placement = forest.place_prompt(tokens_);
       node_ = placement.node;
       next_ = placement.shared;
     } else {
-      node_ = command_.node;
+      node_ = extend_node_;
       next_ = 0;
     }
   }
 
   absl::Status add_rows(StepContext& step) override {
-    return step.add_chunk(node_, command_.tokens, &next_, &in_step_);
+    return step.add_chunk(node_, tokens_, &next_, &in_step_);
   }
 
   absl::Status take_logits(StepContext& step) override {
     if (!in_step_) return absl::OkStatus();
     Logits logits = copy_row(step.next_logits());
-    SessionEvent event{.request_id = command_.request_id, .node = node_};
-    if (command_.kind == SessionCommand::Kind::kCreate) {
+    SessionEvent event{.request_id = request_id_, .node = node_};
+    if (create_) {
       session_->adopt(node_, std::move(logits));  // the placement's hold becomes the session's
       event.kind = SessionEvent::Kind::kCreated;
     } else {
@@ -79,7 +86,7 @@ class PrefillWork final : public SessionWork {
   void release_held(Forest& forest) override {
     // A created node not yet handed to the session; an extended node keeps its new tokens
     // (their KV is valid, but its logits are stale: drop them by truncating the run).
-    if (command_.kind == SessionCommand::Kind::kCreate) {
+    if (create_) {
       if (node_ >= 0) forest.release(node_);
     } else if (node_ >= 0 && next_ > 0 && forest.tree().contains(node_)) {
       const TreeNode& node = forest.tree().node(node_);
@@ -88,6 +95,9 @@ class PrefillWork final : public SessionWork {
   }
 
  private:
+  bool create_;  // create: a new node for the prompt; extend: a run onto extend_node_
+  NodeId extend_node_ = -1;
+  std::vector<TokenId> tokens_;  // the prompt or the appended run
   NodeId node_ = -1;
   int64_t next_ = 0;  // tokens of the run appended so far (create: from the shared prefix)
   bool in_step_ = false;
@@ -98,8 +108,8 @@ class PrefillWork final : public SessionWork {
 // model so the node's KV and logits always cover all its tokens.
 class DecodeWork final : public SessionWork {
  public:
-  DecodeWork(std::shared_ptr<Session> session, SessionCommand command)
-      : SessionWork(std::move(session), std::move(command)) {
+  DecodeWork(std::shared_ptr<Session> session, uint64_t request_id, DecodeCommand command)
+      : SessionWork(std::move(session), request_id), command_(std::move(command)) {
     for (NodeId node : command_.nodes) {
       nodes_.push_back({.node = node,
                         .seed = branch_seed(command_.sampling.seed, static_cast<uint64_t>(node)),
@@ -140,7 +150,7 @@ class DecodeWork final : public SessionWork {
           *sampled, live_node.stream->generated() + 1 >= command_.max_tokens);
       live_node.ending = delta.finish != FinishReason::kNone;
       ++step.generated;
-      session_->events().push({.request_id = command_.request_id,
+      session_->events().push({.request_id = request_id_,
                                .kind = SessionEvent::Kind::kDecoded,
                                .node = live_node.node,
                                .delta = std::move(delta)});
@@ -171,7 +181,7 @@ class DecodeWork final : public SessionWork {
     (void)forest;
     for (Live& live_node : nodes_) {
       if (live_node.done) continue;
-      session_->events().push({.request_id = command_.request_id,
+      session_->events().push({.request_id = request_id_,
                                .kind = SessionEvent::Kind::kDecoded,
                                .node = live_node.node,
                                .delta = live_node.stream->end(FinishReason::kCancelled)});
@@ -186,6 +196,7 @@ class DecodeWork final : public SessionWork {
     bool ending = false;  // its last sampled token ended it; done once that token ran
     bool done = false;
   };
+  DecodeCommand command_;
   std::vector<Live> nodes_;
   bool in_step_ = false;
 };
@@ -194,10 +205,11 @@ class DecodeWork final : public SessionWork {
 // token i's log-probability comes from the row before it (the node's own logits for i = 0).
 class ScoreWork final : public SessionWork {
  public:
-  using SessionWork::SessionWork;
+  ScoreWork(std::shared_ptr<Session> session, uint64_t request_id, ScoreCommand command)
+      : SessionWork(std::move(session), request_id), command_(std::move(command)) {}
 
   int64_t pending_pages(const Forest& forest) const override {
-    const auto total = static_cast<int64_t>(command_.tokens.size());
+    const auto total = static_cast<int64_t>(command_.continuation.size());
     if (child_ < 0) return pages_for(total, session_->page_tokens());
     return pages_for(total, session_->page_tokens()) - forest.node_pages(child_);
   }
@@ -210,17 +222,18 @@ class ScoreWork final : public SessionWork {
       if (!child.ok()) return child.status();
       child_ = *child;
       const std::vector<float>& logits = *session_->node_logits(command_.node);
-      logprobs_.push_back(raw_logprob(logits, command_.tokens[0]));
+      logprobs_.push_back(raw_logprob(logits, command_.continuation[0]));
     }
     // Every token but the last needs its row's logits (for the next token's log-probability).
-    const auto total = static_cast<int64_t>(command_.tokens.size());
+    const auto total = static_cast<int64_t>(command_.continuation.size());
     const int64_t count = std::min(total - 1 - next_, step.budget);
     if (count <= 0) {
       if (next_ == total - 1) finish_score(step.forest);
       return absl::OkStatus();
     }
-    if (absl::Status status = step.add_run(
-            child_, std::span(command_.tokens).subspan(next_, count), StepContext::Logits::kAll);
+    if (absl::Status status =
+            step.add_run(child_, std::span(command_.continuation).subspan(next_, count),
+                         StepContext::Logits::kAll);
         !status.ok()) {
       return status;
     }
@@ -231,10 +244,12 @@ class ScoreWork final : public SessionWork {
   absl::Status take_logits(StepContext& step) override {
     for (int64_t i = 0; i < rows_; ++i) {
       ++next_;
-      logprobs_.push_back(raw_logprob(step.next_logits(), command_.tokens[next_]));
+      logprobs_.push_back(raw_logprob(step.next_logits(), command_.continuation[next_]));
     }
     rows_ = 0;
-    if (next_ == static_cast<int64_t>(command_.tokens.size()) - 1) finish_score(step.forest);
+    if (next_ == static_cast<int64_t>(command_.continuation.size()) - 1) {
+      finish_score(step.forest);
+    }
     return absl::OkStatus();
   }
 
@@ -250,7 +265,7 @@ class ScoreWork final : public SessionWork {
     release_held(forest);
     double total = 0.0;
     for (float logprob : logprobs_) total += logprob;
-    session_->events().push({.request_id = command_.request_id,
+    session_->events().push({.request_id = request_id_,
                              .kind = SessionEvent::Kind::kScored,
                              .node = command_.node,
                              .logprob = total,
@@ -258,6 +273,7 @@ class ScoreWork final : public SessionWork {
     done();
   }
 
+  ScoreCommand command_;
   NodeId child_ = -1;
   int64_t next_ = 0;  // continuation tokens run so far
   int64_t rows_ = 0;  // rows added this step
@@ -268,11 +284,7 @@ class ScoreWork final : public SessionWork {
 
 void SessionWork::abort(const absl::Status& status, Forest& forest) {
   release_held(forest);
-  if (command_.reply != nullptr) {
-    command_.reply->finish(status);
-  } else {
-    session_->error(command_.request_id, status);
-  }
+  answer_error(status);
   finished_ = true;
   session_->command_done();
 }
@@ -285,14 +297,26 @@ float raw_logprob(std::span<const float> logits, TokenId token) {
   return static_cast<float>(static_cast<double>(logits[token]) - max_logit - std::log(sum));
 }
 
-std::unique_ptr<Work> make_prefill_work(std::shared_ptr<Session> session, SessionCommand command) {
-  return std::make_unique<PrefillWork>(std::move(session), std::move(command));
-}
-std::unique_ptr<Work> make_decode_work(std::shared_ptr<Session> session, SessionCommand command) {
-  return std::make_unique<DecodeWork>(std::move(session), std::move(command));
-}
-std::unique_ptr<Work> make_score_work(std::shared_ptr<Session> session, SessionCommand command) {
-  return std::make_unique<ScoreWork>(std::move(session), std::move(command));
+std::unique_ptr<Work> make_session_work(std::shared_ptr<Session> session, SessionCommand command) {
+  const uint64_t request_id = command.request_id;
+  if (auto* create = std::get_if<CreateCommand>(&command.op)) {
+    return std::make_unique<PrefillWork>(std::move(session), request_id, std::move(*create));
+  }
+  if (auto* extend = std::get_if<ExtendCommand>(&command.op)) {
+    return std::make_unique<PrefillWork>(std::move(session), request_id, std::move(*extend));
+  }
+  if (auto* decode = std::get_if<DecodeCommand>(&command.op)) {
+    return std::make_unique<DecodeWork>(std::move(session), request_id, std::move(*decode));
+  }
+  if (auto* score = std::get_if<ScoreCommand>(&command.op)) {
+    return std::make_unique<ScoreWork>(std::move(session), request_id, std::move(*score));
+  }
+  if (auto* verify = std::get_if<VerifyCommand>(&command.op)) {
+    return make_verify_work(std::move(session), request_id, std::move(*verify));
+  }
+  DEFT_FAIL("session %llu, request %llu: command %zu runs in the session, not as a work",
+            static_cast<unsigned long long>(session->id()),
+            static_cast<unsigned long long>(request_id), command.op.index());
 }
 
 }  // namespace deft::engine

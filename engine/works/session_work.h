@@ -1,22 +1,28 @@
 // The works behind a tree session's commands that need forward passes: create and extend
 // (prefill a run onto a node), decode (generate in place on leaves), score (the log-probability
-// of a continuation, kept nowhere) and verify (engine/verify_work.h). Each ends by telling its
-// session the command is done.
+// of a continuation, kept nowhere) and verify (engine/works/verify_work.h). Each ends by telling
+// its session the command is done.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <span>
 
 #include "engine/works/session.h"
 #include "engine/works/work.h"
 
 namespace deft::engine {
 
+// The work of a command that Session::next_command returned (create, extend, decode, score or
+// verify). Any other command is a bug and aborts: branch, prune and close run in the session.
+std::unique_ptr<Work> make_session_work(std::shared_ptr<Session> session, SessionCommand command);
+
 // Base of the session works: cancellation follows the session, an abort answers the command
-// with an error (a verify through its reply) and frees what the work held.
+// with an error and frees what the work held.
 class SessionWork : public Work {
  public:
-  SessionWork(std::shared_ptr<Session> session, SessionCommand command)
-      : session_(std::move(session)), command_(std::move(command)) {}
+  SessionWork(std::shared_ptr<Session> session, uint64_t request_id)
+      : session_(std::move(session)), request_id_(request_id) {}
   bool finished() const override { return finished_; }
   bool cancelled() const override { return session_->closing(); }
   void abort(const absl::Status& status, Forest& forest) override;
@@ -24,22 +30,17 @@ class SessionWork : public Work {
  protected:
   // Frees the work's own holds (temporary nodes).
   virtual void release_held(Forest& forest) { (void)forest; }
+  // Answers the command with `status`: an error event unless the command has its own reply.
+  virtual void answer_error(const absl::Status& status) { session_->error(request_id_, status); }
   void done() {
     finished_ = true;
     session_->command_done();
   }
-  Session& session() { return *session_; }
-  const SessionCommand& command() const { return command_; }
 
   std::shared_ptr<Session> session_;
-  SessionCommand command_;
+  uint64_t request_id_;
   bool finished_ = false;
 };
-
-std::unique_ptr<Work> make_prefill_work(std::shared_ptr<Session> session, SessionCommand command);
-std::unique_ptr<Work> make_decode_work(std::shared_ptr<Session> session, SessionCommand command);
-std::unique_ptr<Work> make_score_work(std::shared_ptr<Session> session, SessionCommand command);
-std::unique_ptr<Work> make_verify_work(std::shared_ptr<Session> session, SessionCommand command);
 
 // Raw log-softmax of `token` in a logits row.
 float raw_logprob(std::span<const float> logits, TokenId token);

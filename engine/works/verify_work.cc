@@ -1,12 +1,8 @@
-// verify: speculative decoding over the network. The drafted token tree runs under the
-// session node in one step (one tree-attention pass: each entry sees the node's path and its
-// own drafted ancestors); engine/draft_acceptance.h picks the accepted path from the target
-// logits; the accepted path's KV is kept as a chain under the node (its last node becomes a
-// session node with the logits after it) and every other drafted entry is freed.
-//
 // Entries are laid out as nodes of the forest: a maximal chain of drafted entries (each the
 // only child of the one before) shares one node, so a Medusa-style tree of t entries costs far
 // fewer than t pages, and the accepted path ends inside at most one node, which is truncated.
+#include "engine/works/verify_work.h"
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -22,8 +18,8 @@ int64_t pages_for(int64_t tokens, int32_t page_tokens) {
 
 class VerifyWork final : public SessionWork {
  public:
-  VerifyWork(std::shared_ptr<Session> session, SessionCommand command)
-      : SessionWork(std::move(session), std::move(command)) {
+  VerifyWork(std::shared_ptr<Session> session, uint64_t request_id, VerifyCommand command)
+      : SessionWork(std::move(session), request_id), command_(std::move(command)) {
     const size_t n = command_.tokens.size();
     children_.assign(n, 0);
     for (int32_t parent : command_.parents) {
@@ -126,8 +122,10 @@ class VerifyWork final : public SessionWork {
     for (auto it = created_.rbegin(); it != created_.rend(); ++it) forest.release(*it);
     created_.clear();
   }
+  void answer_error(const absl::Status& status) override { command_.reply->finish(status); }
 
  private:
+  VerifyCommand command_;
   std::vector<int32_t> children_;  // drafted children per entry
   std::vector<NodeId> node_of_;    // the node holding each entry
   std::vector<int32_t> index_of_;  // the entry's token index in that node
@@ -137,8 +135,9 @@ class VerifyWork final : public SessionWork {
 
 }  // namespace
 
-std::unique_ptr<Work> make_verify_work(std::shared_ptr<Session> session, SessionCommand command) {
-  return std::make_unique<VerifyWork>(std::move(session), std::move(command));
+std::unique_ptr<Work> make_verify_work(std::shared_ptr<Session> session, uint64_t request_id,
+                                       VerifyCommand command) {
+  return std::make_unique<VerifyWork>(std::move(session), request_id, std::move(command));
 }
 
 }  // namespace deft::engine

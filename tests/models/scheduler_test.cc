@@ -151,16 +151,15 @@ TEST_F(SchedulerTest, SessionCommandsMatchGenerate) {
     });
     return seen.back();
   };
-  SessionEvent created = command({.kind = SessionCommand::Kind::kCreate, .request_id = 1,
-                                  .tokens = prompt});
+  SessionEvent created = command({.request_id = 1, .op = CreateCommand{.prompt = prompt}});
   ASSERT_EQ(created.kind, SessionEvent::Kind::kCreated) << created.error;
   const NodeId root = created.node;
 
   // decode == Generate (greedy).
   const std::vector<std::vector<TokenId>> expected = generate_alone(prompt, 1, 12);
-  SessionEvent decoded = command({.kind = SessionCommand::Kind::kDecode, .request_id = 2,
-                                  .nodes = {root}, .sampling = {.temperature = 0.0f},
-                                  .max_tokens = 12});
+  SessionEvent decoded = command(
+      {.request_id = 2,
+       .op = DecodeCommand{.nodes = {root}, .sampling = {.temperature = 0.0f}, .max_tokens = 12}});
   std::vector<TokenId> decoded_ids;
   for (const SessionEvent& e : seen) {
     if (e.request_id == 2) decoded_ids.insert(decoded_ids.end(), e.delta.ids.begin(), e.delta.ids.end());
@@ -168,39 +167,38 @@ TEST_F(SchedulerTest, SessionCommandsMatchGenerate) {
   EXPECT_EQ(decoded_ids, expected[0]);
 
   // score of that continuation from a branch == the logprobs greedy decoding reported.
-  SessionEvent branched = command({.kind = SessionCommand::Kind::kBranch, .request_id = 3,
-                                   .node = root, .k = 2});
+  SessionEvent branched = command({.request_id = 3, .op = BranchCommand{.node = root, .k = 2}});
   ASSERT_EQ(branched.kind, SessionEvent::Kind::kBranched) << branched.error;
   ASSERT_EQ(branched.children.size(), 2u);
   // The decoded root is inner now: extending it is refused, nothing changes.
-  SessionEvent refused = command({.kind = SessionCommand::Kind::kExtend, .request_id = 4,
-                                  .node = root, .tokens = {5}});
+  SessionEvent refused =
+      command({.request_id = 4, .op = ExtendCommand{.node = root, .tokens = {5}}});
   EXPECT_EQ(refused.kind, SessionEvent::Kind::kError);
   EXPECT_EQ(refused.error.code(), absl::StatusCode::kFailedPrecondition);
-  SessionEvent unknown = command({.kind = SessionCommand::Kind::kPrune, .request_id = 5,
-                                  .node = 12345});
+  SessionEvent unknown = command({.request_id = 5, .op = PruneCommand{.node = 12345}});
   EXPECT_EQ(unknown.error.code(), absl::StatusCode::kNotFound);
 
   // extend a child with text, then decode == Generate on prompt + decoded + text.
   const NodeId child = branched.children[0];
   std::vector<TokenId> more = encode(" there was a tree");
   more.erase(more.begin());  // no BOS inside
-  SessionEvent extended = command({.kind = SessionCommand::Kind::kExtend, .request_id = 6,
-                                   .node = child, .tokens = more});
+  SessionEvent extended =
+      command({.request_id = 6, .op = ExtendCommand{.node = child, .tokens = more}});
   ASSERT_EQ(extended.kind, SessionEvent::Kind::kExtended) << extended.error;
   EXPECT_EQ(extended.length,
             static_cast<int64_t>(prompt.size() + decoded_ids.size() + more.size()));
   std::vector<TokenId> full = prompt;
   full.insert(full.end(), decoded_ids.begin(), decoded_ids.end());
   full.insert(full.end(), more.begin(), more.end());
-  SessionEvent scored = command({.kind = SessionCommand::Kind::kScore, .request_id = 7,
-                                 .node = branched.children[1], .tokens = more});
+  SessionEvent scored = command(
+      {.request_id = 7, .op = ScoreCommand{.node = branched.children[1], .continuation = more}});
   ASSERT_EQ(scored.kind, SessionEvent::Kind::kScored) << scored.error;
   EXPECT_EQ(scored.token_logprobs.size(), more.size());
   EXPECT_LT(scored.logprob, 0.0);
   const std::vector<std::vector<TokenId>> expected_more = generate_alone(full, 1, 6);
-  command({.kind = SessionCommand::Kind::kDecode, .request_id = 8, .nodes = {child},
-           .sampling = {.temperature = 0.0f}, .max_tokens = 6});
+  command(
+      {.request_id = 8,
+       .op = DecodeCommand{.nodes = {child}, .sampling = {.temperature = 0.0f}, .max_tokens = 6}});
   std::vector<TokenId> more_ids;
   for (const SessionEvent& e : seen) {
     if (e.request_id == 8) more_ids.insert(more_ids.end(), e.delta.ids.begin(), e.delta.ids.end());
@@ -211,13 +209,12 @@ TEST_F(SchedulerTest, SessionCommandsMatchGenerate) {
   const int32_t used = scheduler_->kv().used_pages();
   auto other_events = std::make_shared<SessionEvents>();
   ASSERT_TRUE(scheduler_->open_session(2, other_events).ok());
-  scheduler_->session_command(2, {.kind = SessionCommand::Kind::kCreate, .request_id = 1,
-                                  .tokens = prompt});
+  scheduler_->session_command(2, {.request_id = 1, .op = CreateCommand{.prompt = prompt}});
   run_until(*scheduler_, [&] { return !scheduler_->has_live() && scheduler_->queued() == 0; });
   EXPECT_LE(scheduler_->kv().used_pages(), used + 1);
   scheduler_->close_session(2);
-  command({.kind = SessionCommand::Kind::kPrune, .request_id = 9, .node = child});
-  command({.kind = SessionCommand::Kind::kClose, .request_id = 10});
+  command({.request_id = 9, .op = PruneCommand{.node = child}});
+  command({.request_id = 10, .op = CloseCommand{}});
   run_until(*scheduler_, [&] { return scheduler_->sessions() == 0; });
   EXPECT_EQ(scheduler_->kv().used_pages(), 0);
   EXPECT_TRUE(scheduler_->forest().tree().check_invariants());
@@ -229,8 +226,7 @@ TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
   ASSERT_EQ(greedy.size(), 10u);
   auto events = std::make_shared<SessionEvents>();
   ASSERT_TRUE(scheduler_->open_session(3, events).ok());
-  scheduler_->session_command(3, {.kind = SessionCommand::Kind::kCreate, .request_id = 1,
-                                  .tokens = prompt});
+  scheduler_->session_command(3, {.request_id = 1, .op = CreateCommand{.prompt = prompt}});
   run_until(*scheduler_, [&] { return !scheduler_->has_live() && scheduler_->queued() == 0; });
   std::vector<SessionEvent> batch;
   events->next(batch, std::chrono::milliseconds(0));
@@ -238,8 +234,7 @@ TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
   const NodeId node = batch[0].node;
 
   // A chain of the first 8 greedy tokens, with a wrong sibling at every level.
-  SessionCommand verify{.kind = SessionCommand::Kind::kVerify, .node = node,
-                        .sampling = {.temperature = 0.0f}};
+  VerifyCommand verify{.node = node, .sampling = {.temperature = 0.0f}};
   int32_t parent = -1;
   for (int i = 0; i < 8; ++i) {
     verify.tokens.push_back((greedy[i] + 7) % 512);  // wrong
@@ -250,7 +245,7 @@ TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
   }
   auto reply = std::make_shared<VerifyReply>();
   verify.reply = reply;
-  scheduler_->session_command(3, std::move(verify));
+  scheduler_->session_command(3, {.op = std::move(verify)});
   run_until(*scheduler_, [&] { return reply->finished(); });
   std::vector<VerifyOutcome> outcome;
   reply->next(outcome, std::chrono::milliseconds(0));
@@ -259,9 +254,10 @@ TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
   EXPECT_EQ(outcome[0].bonus_token, greedy[8]);
 
   // The committed leaf continues exactly like plain greedy decoding.
-  scheduler_->session_command(3, {.kind = SessionCommand::Kind::kDecode, .request_id = 2,
-                                  .nodes = {outcome[0].node},
-                                  .sampling = {.temperature = 0.0f}, .max_tokens = 2});
+  scheduler_->session_command(
+      3, {.request_id = 2,
+          .op = DecodeCommand{
+              .nodes = {outcome[0].node}, .sampling = {.temperature = 0.0f}, .max_tokens = 2}});
   run_until(*scheduler_, [&] { return !scheduler_->has_live() && scheduler_->queued() == 0; });
   std::vector<TokenId> next;
   batch.clear();
@@ -346,46 +342,48 @@ TEST_F(SchedulerTest, RandomCommandsKeepTheForestConsistentAndFreeEverything) {
     SessionCommand command{.request_id = static_cast<uint64_t>(round)};
     switch (pick(9)) {
       case 0:
-        command.kind = SessionCommand::Kind::kCreate;
-        command.tokens = encode(texts[static_cast<size_t>(pick(3))]);
+        command.op = CreateCommand{.prompt = encode(texts[static_cast<size_t>(pick(3))])};
         break;
-      case 1:
-        command.kind = SessionCommand::Kind::kExtend;
-        command.node = node();
-        command.tokens = {static_cast<TokenId>(3 + pick(500)), static_cast<TokenId>(3 + pick(500))};
+      case 1: {
+        ExtendCommand extend{.node = node()};
+        extend.tokens = {static_cast<TokenId>(3 + pick(500)), static_cast<TokenId>(3 + pick(500))};
+        command.op = std::move(extend);
         break;
-      case 2:
-        command.kind = SessionCommand::Kind::kDecode;
-        command.nodes = {node()};
-        if (pick(2) == 0) command.nodes.push_back(node());
-        command.sampling = {.temperature = pick(2) == 0 ? 0.0f : 1.0f, .seed = 7};
-        command.max_tokens = 1 + pick(4);
+      }
+      case 2: {
+        DecodeCommand decode{.nodes = {node()}};
+        if (pick(2) == 0) decode.nodes.push_back(node());
+        decode.sampling = {.temperature = pick(2) == 0 ? 0.0f : 1.0f, .seed = 7};
+        decode.max_tokens = 1 + pick(4);
+        command.op = std::move(decode);
         break;
-      case 3:
-        command.kind = SessionCommand::Kind::kBranch;
-        command.node = node();
-        command.k = pick(4);  // 0 is invalid
+      }
+      case 3: {
+        BranchCommand branch{.node = node()};
+        branch.k = pick(4);  // 0 is invalid
+        command.op = branch;
         break;
+      }
       case 4:
-        command.kind = SessionCommand::Kind::kPrune;
-        command.node = node();
+        command.op = PruneCommand{.node = node()};
         break;
-      case 5:
-        command.kind = SessionCommand::Kind::kScore;
-        command.node = node();
-        command.tokens = {static_cast<TokenId>(3 + pick(500))};
+      case 5: {
+        ScoreCommand score{.node = node()};
+        score.continuation = {static_cast<TokenId>(3 + pick(500))};
+        command.op = std::move(score);
         break;
+      }
       case 6: {
-        command.kind = SessionCommand::Kind::kVerify;
-        command.node = node();
+        VerifyCommand verify{.node = node()};
         const int entries = 1 + pick(6);
         for (int i = 0; i < entries; ++i) {
-          command.tokens.push_back(static_cast<TokenId>(3 + pick(500)));
-          command.parents.push_back(i == 0 ? -1 : pick(i + 1) - 1);
+          verify.tokens.push_back(static_cast<TokenId>(3 + pick(500)));
+          verify.parents.push_back(i == 0 ? -1 : pick(i + 1) - 1);
         }
-        command.sampling = {.temperature = 0.0f};
-        command.reply = std::make_shared<VerifyReply>();
-        replies.push_back(command.reply);
+        verify.sampling = {.temperature = 0.0f};
+        verify.reply = std::make_shared<VerifyReply>();
+        replies.push_back(verify.reply);
+        command.op = std::move(verify);
         break;
       }
       case 7: {
