@@ -15,7 +15,7 @@ else
 fi
 
 echo "== build (release with debug info) =="
-DEFT_BUILD_DIR=$root/build "$root/scripts/build.sh"
+DEFT_BUILD_DIR=$root/build "$root/scripts/build.sh" -DDEFT_ENABLE_CUDA=ON
 echo "== test suite =="
 (cd "$root/build" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 

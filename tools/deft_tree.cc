@@ -69,7 +69,8 @@ struct Flags {
 };
 
 void print_usage(FILE* out) {
-  std::fprintf(out,
+  std::fprintf(
+      out,
       "usage: deft-tree [flags]\n"
       "Runs one tree job in-process (the engine's scheduler on the CPU or CUDA backend) and\n"
       "prints the tree. It does not connect to deft-server; use deft-cli for that.\n\n"
@@ -199,12 +200,18 @@ class TokenPrinter {
 
 std::string end_label(deft::engine::FinishReason finish) {
   switch (finish) {
-    case deft::engine::FinishReason::kEos: return " <eos>";
-    case deft::engine::FinishReason::kLength: return " <max>";
-    case deft::engine::FinishReason::kStop: return " <stop>";
-    case deft::engine::FinishReason::kPruned: return " <pruned>";
-    case deft::engine::FinishReason::kCancelled: return " <cancelled>";
-    case deft::engine::FinishReason::kNone: break;
+    case deft::engine::FinishReason::kEos:
+      return " <eos>";
+    case deft::engine::FinishReason::kLength:
+      return " <max>";
+    case deft::engine::FinishReason::kStop:
+      return " <stop>";
+    case deft::engine::FinishReason::kPruned:
+      return " <pruned>";
+    case deft::engine::FinishReason::kCancelled:
+      return " <cancelled>";
+    case deft::engine::FinishReason::kNone:
+      break;
   }
   return "";
 }
@@ -353,14 +360,15 @@ int main(int argc, char** argv) {
       !status.ok()) {
     return fail(status, 2);
   }
-  if (absl::Status status = deft::engine::validate_sampling_params(job.sampling, config->vocab_size);
+  if (absl::Status status =
+          deft::engine::validate_sampling_params(job.sampling, config->vocab_size);
       !status.ok()) {
     return fail(status, 2);
   }
   if (job.max_tokens < 1) {
-    return fail(absl::InvalidArgumentError(absl::StrCat("--max-tokens must be >= 1, got ",
-                                                        job.max_tokens)),
-                2);
+    return fail(
+        absl::InvalidArgumentError(absl::StrCat("--max-tokens must be >= 1, got ", job.max_tokens)),
+        2);
   }
   const int64_t context = static_cast<int64_t>(job.prompt.size()) + job.max_tokens;
   if (context > config->max_position_embeddings) {
@@ -374,8 +382,8 @@ int main(int argc, char** argv) {
       deft::engine::tree_search_bounds(job, flags.page_tokens);
   const int64_t pages = flags.kv_pages > 0 ? flags.kv_pages : bounds.pages;
   if (pages > std::numeric_limits<int32_t>::max()) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-                    "the tree may need ", pages, " KV pages; narrow --branch / --depth")),
+    return fail(absl::InvalidArgumentError(absl::StrCat("the tree may need ", pages,
+                                                        " KV pages; narrow --branch / --depth")),
                 2);
   }
   absl::StatusOr<std::unique_ptr<deft::engine::ModelRunner>> runner =
@@ -397,19 +405,25 @@ int main(int argc, char** argv) {
   const std::vector<TreeSearchNode>& nodes = result->nodes;
   std::vector<std::vector<int32_t>> children(nodes.size());
   int64_t generated = 0;
-  int32_t leaves = 0;
+  int32_t leaves = 0, pruned = 0;
   for (const TreeSearchNode& node : nodes) {
     if (node.parent >= 0) children[node.parent].push_back(node.id);
     if (node.id != 0) generated += static_cast<int64_t>(node.tokens.size());
   }
-  for (size_t id = 1; id < nodes.size(); ++id) leaves += children[id].empty();
+  for (size_t id = 1; id < nodes.size(); ++id) {
+    if (nodes[id].finish == deft::engine::FinishReason::kPruned) {
+      ++pruned;
+    } else {
+      leaves += children[id].empty();
+    }
+  }
   const TokenPrinter printer(tokenizer->get());
   print_node(nodes, children, result->best_path, 0, printer, flags.show_ids, "");
   std::printf(
-      "summary: model %s, backend %s, plan %s, %zu nodes, %d leaves, %lld prompt + %lld "
-      "generated tokens in %lld steps, %.3f s (%.0f tokens/s, forward %.3f s), KV peak %lld "
-      "pages of %d tokens\n",
-      model_dir.c_str(), flags.backend.c_str(), flags.plan.c_str(), nodes.size(), leaves,
+      "summary: model %s, backend %s, plan %s, %zu nodes, %d leaves, %d pruned, %lld prompt + "
+      "%lld generated tokens in %lld steps, %.3f s (%.0f tokens/s, forward %.3f s), KV peak "
+      "%lld pages of %d tokens\n",
+      model_dir.c_str(), flags.backend.c_str(), flags.plan.c_str(), nodes.size(), leaves, pruned,
       static_cast<long long>(prompt_tokens), static_cast<long long>(generated),
       static_cast<long long>(stats.steps), stats.seconds,
       stats.seconds > 0 ? static_cast<double>(generated) / stats.seconds : 0.0,

@@ -132,8 +132,8 @@ TEST_F(TreeSearchTest, EveryBranchMatchesItsPathDecodedAlone) {
 
 TEST_F(TreeSearchTest, PlanKindsGiveTheSameTree) {
   const std::vector<std::vector<TokenId>> reference = tokens_of(run(small_job()));
-  for (PlanKind kind : {PlanKind::kDeftNode, PlanKind::kDeftNodeChunk, PlanKind::kSequence,
-                        PlanKind::kDenseMask}) {
+  for (PlanKind kind :
+       {PlanKind::kDeftNode, PlanKind::kDeftNodeChunk, PlanKind::kSequence, PlanKind::kDenseMask}) {
     EXPECT_EQ(tokens_of(run(small_job(), kind)), reference) << plan_kind_name(kind);
   }
 }
