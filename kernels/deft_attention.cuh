@@ -50,7 +50,7 @@ inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the P
 // KV tiles in the shared-memory ring. 3 stages (2 CTAs per SM instead of 3) measured 4-35 %
 // slower on every snapshot of bench/kernel_attention_bench (H100, 2026-11-23).
 inline constexpr int kStages = 2;
-inline constexpr int kStage2Warps = 4;    // heads per stage-2 CTA
+inline constexpr int kStage2Warps = 4;  // heads per stage-2 CTA
 inline constexpr int kStage2Threads = kStage2Warps * 32;
 
 // Shared memory of stage 1: two stages of (K tile, V tile, mask words). A tile is kHeadDim / 64
@@ -285,20 +285,583 @@ __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
   return ones << lo;
 }
 
+// What a stage-1 CTA reads of its task, once (block-uniform).
+struct Stage1Task {
+  int task;
+  int kv_head;
+  int kv_begin;  // its run is kv_slots[kv_begin .. kv_begin + run_tokens)
+  int run_tokens;
+  int entry_begin;  // its entries start here
+  int mask_begin;   // its mask words start here (masked tasks)
+  bool masked;
+  int group;          // GQA group size
+  int num_rows;       // entries x group
+  int num_tiles;      // KV tiles of kKvTileTokens
+  int rows_per_pass;  // 16, 32 or 64
+  int num_passes;
+  int q_row_stride;  // elements between queries' rows of q and out
+};
+
+// A row pass over the CTA's warps (block-uniform except the warp's own fields).
+struct Stage1Pass {
+  int row0;  // the task's rows [row0, row0 + rows)
+  int rows;
+  int row_warps;       // warps that split the rows, 16 each (1, 2 or 4)
+  int kv_splits;       // warps that split each tile's tokens (4 / row_warps)
+  int warp_row_block;  // this warp's 16 rows
+  int warp_split;      // this warp's share of a tile's tokens
+  bool warp_has_rows;
+  bool use_wgmma;   // all 4 warps on rows, warpgroup MMAs (sm_90a)
+  uint64_t bits;    // mask bits of the pass's entries
+  int full_tokens;  // leading tokens every row of the pass sees (scan_pass_mask)
+};
+
+// A thread's two rows of an MMA fragment (lane_row and lane_row + 8 of its warp's 16).
+struct FragmentRows {
+  int row_a;  // task rows
+  int row_b;
+  bool row_a_valid;
+  bool row_b_valid;
+  int bit_a;  // their mask bits; 64: past the task, sees nothing
+  int bit_b;
+};
+
+// The online softmax state of a thread's two fragment rows: O [kHeadDim / 8 blocks][4] (the
+// m16n8 accumulator layout), exponent bases (scaled scores, base 2) and its share of the running
+// denominators.
+template <int kOBlocks>
+struct RowsState {
+  float (&o_acc)[kOBlocks][4];
+  float& max_a;
+  float& max_b;
+  float& sum_a;
+  float& sum_b;
+};
+
+// Which scores of a thread's two rows are visible in a pass.
+struct ScoreMask {
+  int run_tokens;   // tokens at or past it are padding
+  int full_tokens;  // tokens before it are seen by every row of the pass
+  bool masked;      // per-token mask words apply
+  int bit_a;        // FragmentRows' mask bits
+  int bit_b;
+  int lane_col;  // "threadID_in_group" of the fragment layouts
+};
+
+/// \brief Reads the CTA's task from the plan and picks its pass height (rows a pass).
+/// Few rows spread every tile's tokens over the warps instead of leaving warps idle: a pass of at
+/// most 16 rows is one warp's (4 warps x 16 tokens of each tile), of at most 32 two warps'. Each
+/// pass picks its own warp layout (pass_layout), so a short last pass (e.g. 16 of 80 rows) splits
+/// its tiles' tokens too instead of leaving 3 warps computing padding rows (the 64-row step is
+/// bound by the SM's exp, MMA and shared-memory pipes, so wasted rows cost every CTA on the SM).
+/// kWgmmaOnly pads every pass to 64 rows all the same: without the mma.sync code it measured
+/// faster on every tree (deft_attention_wgmma_passes).
+template <int kHeadDim, bool kWgmmaOnly>
+__device__ __forceinline__ Stage1Task load_task(const Stage1Params& params, const Stage1Cta& cta) {
+  const AttentionPlanView& plan = params.plan;
+  Stage1Task task;
+  task.task = cta.task;
+  task.kv_head = cta.kv_head;
+  task.kv_begin = plan.task_kv_begin[task.task];
+  task.run_tokens = plan.task_kv_end[task.task] - task.kv_begin;
+  task.entry_begin = plan.task_entry_begin[task.task];
+  const int num_entries = plan.task_entry_begin[task.task + 1] - task.entry_begin;
+  task.mask_begin = plan.task_mask_begin[task.task];
+  task.masked = task.mask_begin >= 0;
+  task.group = params.group_size;
+  task.num_rows = num_entries * task.group;
+  task.num_tiles = (task.run_tokens + kKvTileTokens - 1) / kKvTileTokens;
+  task.rows_per_pass =
+      kWgmmaOnly ? kStage1Warps * kMmaRows
+                 : (task.num_rows <= kMmaRows
+                        ? kMmaRows
+                        : (task.num_rows <= 2 * kMmaRows ? 2 * kMmaRows : kStage1Warps * kMmaRows));
+  task.num_passes = (task.num_rows + task.rows_per_pass - 1) / task.rows_per_pass;
+  task.q_row_stride = params.num_q_heads * kHeadDim;
+  return task;
+}
+
+/// \brief Row pass `pass`: its rows and how they lie over the warps (full_tokens: the run's).
+template <bool kWgmmaOnly>
+__device__ __forceinline__ Stage1Pass pass_layout(const Stage1Task& task, int pass, int warp) {
+  Stage1Pass p;
+  p.row0 = pass * task.rows_per_pass;
+  p.rows = min(task.rows_per_pass, task.num_rows - p.row0);
+  p.row_warps =
+      kWgmmaOnly ? kStage1Warps : (p.rows <= kMmaRows ? 1 : (p.rows <= 2 * kMmaRows ? 2 : 4));
+  p.kv_splits = kStage1Warps / p.row_warps;
+  p.warp_row_block = warp % p.row_warps;
+  p.warp_split = warp / p.row_warps;
+  // With 4 row warps and 33-48 rows, the fourth warp has no row: it skips the math (but takes
+  // part in the warpgroup MMAs of the 64-row path).
+  p.warp_has_rows = p.warp_row_block * kMmaRows < p.rows;
+  // 64-row passes (all 4 warps on rows) run on warpgroup MMAs where compiled for sm_90a.
+  p.use_wgmma = DEFT_HAS_WGMMA && p.row_warps == kStage1Warps;
+  // Entries (mask bits) this pass covers: a tile none of them sees is skipped.
+  p.bits = task.masked ? bit_range(p.row0 / task.group, (p.row0 + p.rows - 1) / task.group)
+                       : ~uint64_t{0};
+  p.full_tokens = task.run_tokens;
+  return p;
+}
+
+/// \brief Finds the tiles some row of the pass sees and the tokens every row of it sees.
+/// Masked tasks: a bit a tile in shared memory (Smem::kNeededOffset, [kNeededWords] words), a
+/// warp's 32 tokens lying in one tile; returns how many leading tokens every row of the pass sees
+/// (an unmasked task: all of its run). Steps within those skip the per-element mask tests as
+/// unmasked ones do (the top of a token tree that all of a group's queries share; a masked tile
+/// costs about two unmasked ones). Block-wide: every thread calls it (barriers).
+template <typename Smem>
+__device__ __forceinline__ int scan_pass_mask(const AttentionPlanView& plan, const Stage1Task& task,
+                                              uint64_t pass_bits, unsigned char* smem, int warp,
+                                              int lane) {
+  uint32_t* needed = reinterpret_cast<uint32_t*>(smem + Smem::kNeededOffset);
+  int* const full_end = reinterpret_cast<int*>(smem + Smem::kFullEndOffset);
+  int full_tokens = task.run_tokens;
+  if (task.masked) {
+    const int scan_tokens = min(task.run_tokens, Smem::kNeededTiles * kKvTileTokens);
+    if (threadIdx.x < Smem::kNeededWords) needed[threadIdx.x] = 0;
+    if (threadIdx.x == 0) *full_end = scan_tokens;
+    __syncthreads();
+    for (int base = warp * 32; base < scan_tokens; base += kStage1Threads) {
+      const int token = base + lane;
+      const uint64_t bits =
+          token < scan_tokens ? plan.mask_words[task.mask_begin + token] & pass_bits : pass_bits;
+      const bool seen = token < scan_tokens && bits != 0;
+      const uint32_t partly = __ballot_sync(0xffffffffu, bits != pass_bits);
+      if (__any_sync(0xffffffffu, seen) && lane == 0) {
+        const int t = base / kKvTileTokens;
+        atomicOr(needed + t / 32, 1u << (t % 32));
+      }
+      if (partly != 0 && lane == 0) atomicMin(full_end, base + __ffs(partly) - 1);
+    }
+    __syncthreads();
+    full_tokens = *full_end;
+  }
+  return full_tokens;
+}
+
+/// \brief The first tile at or after `tile` that some row of the pass sees; num_tiles if none.
+/// Reads scan_pass_mask's bits (tiles past Smem::kNeededTiles count as seen). Block-uniform.
+template <typename Smem>
+__device__ __forceinline__ int next_needed_tile(const Stage1Task& task, const unsigned char* smem,
+                                                int tile) {
+  if (!task.masked) return min(tile, task.num_tiles);
+  const uint32_t* needed = reinterpret_cast<const uint32_t*>(smem + Smem::kNeededOffset);
+  for (; tile < task.num_tiles; ++tile) {
+    if (tile >= Smem::kNeededTiles || ((needed[tile / 32] >> (tile % 32)) & 1)) return tile;
+  }
+  return task.num_tiles;
+}
+
+/// \brief Resolves each row's destination once a pass: row_target [pass rows] in shared memory.
+/// ~query when the row's query has a single partial (the final output row), else its entry (the
+/// partial's row). Once a row, not per output element in the epilogue: those dependent plan loads
+/// made short CTAs latency-bound.
+template <typename Smem>
+__device__ __forceinline__ void resolve_row_targets(const AttentionPlanView& plan,
+                                                    const Stage1Task& task, const Stage1Pass& pass,
+                                                    unsigned char* smem) {
+  int32_t* row_target = reinterpret_cast<int32_t*>(smem + Smem::kRowTargetOffset);
+  if (threadIdx.x < pass.rows) {
+    const int entry = task.entry_begin + (pass.row0 + threadIdx.x) / task.group;
+    const int query = plan.entry_query[entry];
+    const bool single_partial =
+        plan.query_entry_begin[query + 1] - plan.query_entry_begin[query] == 1;
+    row_target[threadIdx.x] = single_partial ? ~query : entry;
+  }
+}
+
+// This thread's part of the KV gather: a tile's slots go into a slot ring in shared memory a tile
+// ahead of its K, V (and mask words) into the stage's swizzled tiles. Each thread copies the
+// 16-byte chunk copy_part of head kv_head in the slots of tile tokens copy_token, copy_token +
+// kTokenStride, ... Those tokens are 8k rows apart, so their swizzled destinations are copy_dst +
+// 8k rows (the swizzle pattern repeats every 8 rows), and a slot's source is slot * slot_bytes +
+// part_offset bytes into the cache (slot_bytes: a slot's K or V row, all KV heads). Built a
+// pass: the slot ring's address is the pass's.
+template <typename T, int kHeadDim>
+struct KvTileLoader {
+  using Smem = Stage1Smem<kHeadDim>;
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
+  static constexpr int kTokenStride = kStage1Threads / kChunksPerRow;
+  static constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
+  static_assert(kKvTileTokens % kTokenStride == 0 && kTokenStride % 8 == 0, "tile rows per thread");
+  // The slot ring is a tile ahead: the pipeline reads a stage's slots one iteration after their
+  // copy was issued, and its wait for all but kStages - 2 groups covers that only with two stages.
+  static_assert(kStages == 2, "the slot ring is one tile ahead");
+
+  const Stage1Params& params;
+  const Stage1Task& task;
+  unsigned char* smem;
+  int32_t* slot_ring;
+  int copy_part;
+  int copy_token;
+  int part_offset;
+  int slot_bytes;
+  uint32_t copy_dst;
+
+  __device__ __forceinline__ KvTileLoader(const Stage1Params& params_, const Stage1Task& task_,
+                                          unsigned char* smem_, int slot_bytes_)
+      : params(params_),
+        task(task_),
+        smem(smem_),
+        slot_ring(reinterpret_cast<int32_t*>(smem_ + Smem::kSlotRingOffset)),
+        copy_part(threadIdx.x % kChunksPerRow),
+        copy_token(threadIdx.x / kChunksPerRow),
+        part_offset((task_.kv_head * kHeadDim + copy_part * 8) * static_cast<int>(sizeof(T))),
+        slot_bytes(slot_bytes_),
+        copy_dst(smem_address(smem_) + swizzled_offset(copy_token, copy_part, kKvTileTokens)) {}
+
+  /// \brief Copies tile `tile`'s KV slots into the slot ring's `stage` ([kStages][64] ints).
+  /// One 4-byte cp.async a token, zeros past the task's tokens; a tile ahead of its KV copies:
+  /// loaded from global memory next to those copies, a tile waited a full memory round trip before
+  /// its copies could be issued.
+  __device__ __forceinline__ void prefetch_slots(int tile, int stage) const {
+    if (threadIdx.x < kKvTileTokens) {
+      const int token = tile * kKvTileTokens + threadIdx.x;
+      const bool valid = token < task.run_tokens;
+      cp_async_small<4>(smem_address(slot_ring + stage * kKvTileTokens + threadIdx.x),
+                        params.plan.kv_slots + task.kv_begin + (valid ? token : 0), valid);
+    }
+  }
+
+  /// \brief Copies tile `tile`'s K, V (and mask words) into `stage`; its slots are in the ring.
+  /// K, V: swizzled [64 tokens][kHeadDim] each; masked tasks: the tile's [64] mask words. Each
+  /// thread copies the same 16-byte part of kSlotsPerThread tokens, their slots read first, all at
+  /// once; zeros past the task's tokens.
+  __device__ __forceinline__ void load_tile(int tile, int stage) const {
+    const int token0 = tile * kKvTileTokens;
+    int slots[kSlotsPerThread];
+#pragma unroll
+    for (int i = 0; i < kSlotsPerThread; ++i) {
+      slots[i] = slot_ring[stage * kKvTileTokens + copy_token + i * kTokenStride];
+    }
+    const uint32_t k_dst = copy_dst + stage * Smem::kStageBytes;
+#pragma unroll
+    for (int i = 0; i < kSlotsPerThread; ++i) {
+      const bool valid = token0 + copy_token + i * kTokenStride < task.run_tokens;
+      const int64_t offset = static_cast<int64_t>(slots[i]) * slot_bytes + part_offset;
+      const uint32_t dst = k_dst + i * kTokenStride * kSwizzleRowBytes;
+      cp_async_16(dst, static_cast<const char*>(params.k_cache) + offset, valid);
+      cp_async_16(dst + Smem::kTileBytes, static_cast<const char*>(params.v_cache) + offset, valid);
+    }
+    if (task.masked && threadIdx.x < kKvTileTokens) {
+      const int token = token0 + threadIdx.x;
+      const bool valid = token < task.run_tokens;
+      uint64_t* mask_tile =
+          reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
+      cp_async_small<8>(smem_address(mask_tile + threadIdx.x),
+                        params.plan.mask_words + task.mask_begin + (valid ? token : 0), valid);
+    }
+  }
+};
+
+/// \brief Starts a pass's pipeline: the first tiles' slots and the first tile's KV in flight.
+/// `upcoming`: the pass's first kStages needed tiles (num_tiles: none). The plan is read before
+/// waiting for the kernel before (the step's KV write), which a programmatic launch overlaps; so
+/// is the first tile when its tokens hold KV from before the step
+/// (AttentionPlanView::task_kv_ready). On return the kernel before is done: Q, the KV and our
+/// outputs may be touched.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void start_pass_pipeline(const KvTileLoader<T, kHeadDim>& kv,
+                                                    const AttentionPlanView& plan,
+                                                    const Stage1Task& task,
+                                                    const int (&upcoming)[kStages]) {
+#pragma unroll
+  for (int i = 0; i < kStages; ++i) {
+    if (upcoming[i] < task.num_tiles) kv.prefetch_slots(upcoming[i], i);
+  }
+  cp_async_commit();
+  static_assert(kStages == 2, "one tile is loaded before the loop");
+  const bool first_tile_ready =
+      upcoming[0] < task.num_tiles && plan.task_kv_ready != nullptr &&
+      min(task.run_tokens, (upcoming[0] + 1) * kKvTileTokens) <= plan.task_kv_ready[task.task];
+  if (!first_tile_ready) wait_for_prerequisite_grid();
+  cp_async_wait<0>();
+  __syncthreads();  // the slots are in the ring
+  if (upcoming[0] < task.num_tiles) kv.load_tile(upcoming[0], 0);
+  cp_async_commit();
+  if (first_tile_ready) wait_for_prerequisite_grid();
+}
+
+/// \brief This thread's two fragment rows of the pass (task rows) and their mask bits.
+/// Masked tasks have at most 64 entries; rows past the task see nothing in masked tasks (bit 64)
+/// and are never written.
+__device__ __forceinline__ FragmentRows fragment_rows(const Stage1Task& task,
+                                                      const Stage1Pass& pass, int lane_row) {
+  FragmentRows rows;
+  rows.row_a = pass.row0 + pass.warp_row_block * kMmaRows + lane_row;
+  rows.row_b = rows.row_a + 8;
+  rows.row_a_valid = rows.row_a < task.num_rows;
+  rows.row_b_valid = rows.row_b < task.num_rows;
+  rows.bit_a = rows.row_a_valid ? rows.row_a / task.group : 64;
+  rows.bit_b = rows.row_b_valid ? rows.row_b / task.group : 64;
+  return rows;
+}
+
+/// \brief Loads Q's A fragments of the warp's 16 rows straight from global memory.
+/// q_frag [kHeadDim / 16 k-steps][4]: the row-major 16 x kHeadDim block; zeros for rows past the
+/// task. q: [queries][num_q_heads][kHeadDim].
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kHeadDim / 16][4],
+                                                 const Stage1Params& params, const Stage1Task& task,
+                                                 const FragmentRows& rows, int lane_col,
+                                                 const T* q) {
+  const int q_row_stride = task.q_row_stride;
+  const T* q_row_a = nullptr;
+  const T* q_row_b = nullptr;
+  if (rows.row_a_valid) {
+    const int query = params.plan.entry_query[task.entry_begin + rows.row_a / task.group];
+    q_row_a = q + static_cast<int64_t>(query) * q_row_stride +
+              (task.kv_head * task.group + rows.row_a % task.group) * kHeadDim;
+  }
+  if (rows.row_b_valid) {
+    const int query = params.plan.entry_query[task.entry_begin + rows.row_b / task.group];
+    q_row_b = q + static_cast<int64_t>(query) * q_row_stride +
+              (task.kv_head * task.group + rows.row_b % task.group) * kHeadDim;
+  }
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const int col = kk * 16 + 2 * lane_col;
+    q_frag[kk][0] = rows.row_a_valid ? *reinterpret_cast<const uint32_t*>(q_row_a + col) : 0u;
+    q_frag[kk][1] = rows.row_b_valid ? *reinterpret_cast<const uint32_t*>(q_row_b + col) : 0u;
+    q_frag[kk][2] = rows.row_a_valid ? *reinterpret_cast<const uint32_t*>(q_row_a + col + 8) : 0u;
+    q_frag[kk][3] = rows.row_b_valid ? *reinterpret_cast<const uint32_t*>(q_row_b + col + 8) : 0u;
+  }
+}
+
+/// \brief Sets the scores a row does not see to -inf: tokens past the run, masked tokens.
+/// scores [kBlocks][4] (fragment layout): a warp's 16 rows x (8 kBlocks) tokens from tile token
+/// `step_token0` of the tile at run token `token0`; mask_tile: the tile's [64] mask words
+/// (masked tasks). Steps every row sees entirely (before full_tokens) skip the tests.
+template <int kBlocks>
+__device__ __forceinline__ void mask_scores(float (&scores)[kBlocks][4], const ScoreMask& mask,
+                                            const uint64_t* mask_tile, int token0,
+                                            int step_token0) {
+  const bool step_full = token0 + step_token0 + 8 * kBlocks <= mask.full_tokens;
+  if (!step_full) {
+#pragma unroll
+    for (int nb = 0; nb < kBlocks; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int token = step_token0 + nb * 8 + 2 * mask.lane_col + (e & 1);
+        const int bit = e < 2 ? mask.bit_a : mask.bit_b;
+        bool visible = token0 + token < mask.run_tokens;
+        if (mask.masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
+        if (!visible) scores[nb][e] = kNegInf;
+      }
+    }
+  }
+}
+
+/// \brief Packs P for PV: weights [kBlocks][4] (accumulator layout) -> A fragment [4] of a pair.
+/// The pair is tokens 16 pair .. 16 pair + 15, rounded to T.
+template <typename T, int kBlocks>
+__device__ __forceinline__ void p_fragment(const float (&scores)[kBlocks][4], int pair,
+                                           uint32_t (&p_frag)[4]) {
+  using Traits = ElemTraits<T>;
+  p_frag[0] = Traits::pack(scores[2 * pair][0], scores[2 * pair][1]);
+  p_frag[1] = Traits::pack(scores[2 * pair][2], scores[2 * pair][3]);
+  p_frag[2] = Traits::pack(scores[2 * pair + 1][0], scores[2 * pair + 1][1]);
+  p_frag[3] = Traits::pack(scores[2 * pair + 1][2], scores[2 * pair + 1][3]);
+}
+
+/// \brief S = Q K^T on mma.sync for a warp's 16 rows x (8 kBlocks) tokens.
+/// scores [kBlocks][4] (unscaled) from tile token `step_token0`; q_frag [kHeadDim / 16][4];
+/// k_tile: the stage's swizzled K [64 tokens][kHeadDim] (shared-memory address).
+template <typename T, int kHeadDim, int kBlocks>
+__device__ __forceinline__ void qk_mma_sync(float (&scores)[kBlocks][4],
+                                            const uint32_t (&q_frag)[kHeadDim / 16][4],
+                                            uint32_t k_tile, int step_token0, int lane) {
+  using Traits = ElemTraits<T>;
+  const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
+  const int matrix_row = lane % 8;
+#pragma unroll
+  for (int nb = 0; nb < kBlocks; ++nb) {
+    scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
+  }
+#pragma unroll
+  for (int pair = 0; pair < kBlocks / 2; ++pair) {
+    const int token = step_token0 + pair * 16 + (matrix >> 1) * 8 + matrix_row;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t k_frag[4];
+      ldmatrix_x4(k_frag, k_tile + swizzled_offset(token, 2 * kk + (matrix & 1), kKvTileTokens));
+      Traits::mma(scores[2 * pair], q_frag[kk], k_frag[0], k_frag[1]);
+      Traits::mma(scores[2 * pair + 1], q_frag[kk], k_frag[2], k_frag[3]);
+    }
+  }
+}
+
+/// \brief One warp step on mma.sync: S = Q K^T, mask, online softmax update, O += P V.
+/// A warp's 16 rows x (8 kBlocks) tokens from tile token `step_token0`; O [kHeadDim / 8][4] in
+/// `state`. Scores stay unscaled until the exponent: the maxima are taken on raw scores
+/// (softmax_scale > 0, see deft_attention_supported, so the order is the same) and exp2(s *
+/// scale - max) is one FFMA and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should
+/// here).
+template <typename T, int kHeadDim, int kBlocks>
+__device__ __forceinline__ void mma_sync_step(const RowsState<kHeadDim / 8>& state,
+                                              const uint32_t (&q_frag)[kHeadDim / 16][4],
+                                              const ScoreMask& mask, float scale_log2, int lane,
+                                              uint32_t k_tile, uint32_t v_tile,
+                                              const uint64_t* mask_tile, int token0,
+                                              int step_token0) {
+  using Traits = ElemTraits<T>;
+  const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
+  const int matrix_row = lane % 8;
+  float scores[kBlocks][4];
+  qk_mma_sync<T, kHeadDim>(scores, q_frag, k_tile, step_token0, lane);
+  mask_scores(scores, mask, mask_tile, token0, step_token0);
+  online_softmax_step(scores, state.o_acc, scale_log2, state.max_a, state.max_b, state.sum_a,
+                      state.sum_b);
+  // O += P V, 16 tokens at a time (P's accumulator layout is the A-fragment layout of the MMA).
+#pragma unroll
+  for (int pair = 0; pair < kBlocks / 2; ++pair) {
+    uint32_t p_frag[4];
+    p_fragment<T>(scores, pair, p_frag);
+    const int token = step_token0 + pair * 16 + (matrix & 1) * 8 + matrix_row;
+#pragma unroll
+    for (int nb2 = 0; nb2 < kHeadDim / 16; ++nb2) {
+      uint32_t v_frag[4];
+      ldmatrix_x4_trans(v_frag,
+                        v_tile + swizzled_offset(token, 2 * nb2 + (matrix >> 1), kKvTileTokens));
+      Traits::mma(state.o_acc[2 * nb2], p_frag, v_frag[0], v_frag[1]);
+      Traits::mma(state.o_acc[2 * nb2 + 1], p_frag, v_frag[2], v_frag[3]);
+    }
+  }
+}
+
+/// \brief S = Q K^T on warpgroup MMAs for the pass's 64 rows, a commit group a 32-token half.
+/// scores [2 halves][4][4] (a half: the m64n32 accumulator); q_frag [kHeadDim / 16][4]; k_desc:
+/// the K tile's descriptor (K-major).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void qk_wgmma(float (&scores)[2][kKvTileTokens / 16][4],
+                                         const uint32_t (&q_frag)[kHeadDim / 16][4],
+                                         uint64_t k_desc) {
+  using Smem = Stage1Smem<kHeadDim>;
+  constexpr int kHalf = kKvTileTokens / 2;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      // 16 columns = 32 bytes into the column block (the swizzle acts on the absolute
+      // address); a half starts 32 rows (4 swizzle atoms) down.
+      const uint32_t offset =
+          (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32 + half * kHalf * kSwizzleRowBytes;
+      wgmma_rs<T, kHalf, false>(scores[half], q_frag[kk], wgmma_descriptor_advance(k_desc, offset),
+                                kk > 0);
+    }
+    wgmma_commit();
+  }
+}
+
+/// \brief O += P V on warpgroup MMAs for one 32-token half of a tile, one commit group.
+/// o_acc [kHeadDim / 8][4]; p_frag [2 k-steps][4] of the half's tokens; v_desc: the V tile's
+/// descriptor (MN-major, column blocks Smem::kBlockBytes apart).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void pv_wgmma(float (&o_acc)[kHeadDim / 8][4],
+                                         uint32_t (&p_frag)[kKvTileTokens / 32][4], uint64_t v_desc,
+                                         int half) {
+  constexpr int kHalf = kKvTileTokens / 2;
+  wgmma_fence_operands(o_acc);
+  wgmma_fence();
+#pragma unroll
+  for (int pair = 0; pair < kHalf / 16; ++pair) {
+    const uint32_t offset = (half * kHalf + pair * 16) * kSwizzleRowBytes;
+    wgmma_rs<T, kHeadDim, true>(o_acc, p_frag[pair], wgmma_descriptor_advance(v_desc, offset),
+                                true);
+  }
+  wgmma_commit();
+}
+
+/// \brief Sums each row's denominator over its quad (the 4 lanes that hold its columns).
+template <int kOBlocks>
+__device__ __forceinline__ void reduce_row_sums(const RowsState<kOBlocks>& state) {
+  state.sum_a += __shfl_xor_sync(0xffffffffu, state.sum_a, 1);
+  state.sum_a += __shfl_xor_sync(0xffffffffu, state.sum_a, 2);
+  state.sum_b += __shfl_xor_sync(0xffffffffu, state.sum_b, 1);
+  state.sum_b += __shfl_xor_sync(0xffffffffu, state.sum_b, 2);
+}
+
+// Where a pass row's normalised values go.
+template <typename T>
+struct RowDestination {
+  T* row;  // the output row or the partial O row ([kHeadDim])
+  float inv_sum;
+};
+
+/// \brief Where pass row `pass_row`'s O [kHeadDim] goes, and its 1 / sum; writes its LSE.
+/// The output row when its query has a single partial (resolve_row_targets), else the entry's
+/// partial row, whose LSE (natural log) is written here when `with_lse`. An entry that saw no
+/// token (a plan bug) yields zeros and LSE -inf, never NaN.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ RowDestination<T> row_destination(
+    const Stage1Params& params, const Stage1Task& task, const Stage1Pass& pass,
+    const int32_t* row_target, int pass_row, float row_max, float row_sum, bool with_lse) {
+  const int q_row_stride = task.q_row_stride;
+  const int row = pass.row0 + pass_row;
+  const int head = task.kv_head * task.group + row % task.group;
+  const int target = row_target[pass_row];
+  RowDestination<T> dest{nullptr, row_sum > 0.0f ? 1.0f / row_sum : 0.0f};
+  if (target < 0) {
+    dest.row = static_cast<T*>(params.out) + static_cast<int64_t>(~target) * q_row_stride +
+               head * kHeadDim;
+    return dest;
+  }
+  const int64_t partial_row = static_cast<int64_t>(target) * params.num_q_heads + head;
+  dest.row = static_cast<T*>(params.partial_out) + partial_row * kHeadDim;
+  if (with_lse) {
+    // Natural-log LSE of the scaled scores: (base + log2(sum)) * ln(2).
+    params.partial_lse[partial_row] =
+        row_sum > 0.0f ? (row_max + log2f(row_sum)) * 0.69314718055994531f : kNegInf;
+  }
+  return dest;
+}
+
+/// \brief Stores the warp's state of its 16 rows in shared memory for the end-of-pass merge.
+/// merge_o [4 warps][16][kHeadDim], merge_max and merge_sum [4 warps][16] (fp32).
+template <int kHeadDim>
+__device__ __forceinline__ void stash_rows_state(const RowsState<kHeadDim / 8>& state,
+                                                 float* merge_o, float* merge_max, float* merge_sum,
+                                                 int warp, int lane_row, int lane_col) {
+  float* warp_o = merge_o + warp * kMmaRows * kHeadDim;
+#pragma unroll
+  for (int nb = 0; nb < kHeadDim / 8; ++nb) {
+    const int col = nb * 8 + 2 * lane_col;
+    *reinterpret_cast<float2*>(warp_o + lane_row * kHeadDim + col) =
+        make_float2(state.o_acc[nb][0], state.o_acc[nb][1]);
+    *reinterpret_cast<float2*>(warp_o + (lane_row + 8) * kHeadDim + col) =
+        make_float2(state.o_acc[nb][2], state.o_acc[nb][3]);
+  }
+  if (lane_col == 0) {
+    merge_max[warp * kMmaRows + lane_row] = state.max_a;
+    merge_max[warp * kMmaRows + lane_row + 8] = state.max_b;
+    merge_sum[warp * kMmaRows + lane_row] = state.sum_a;
+    merge_sum[warp * kMmaRows + lane_row + 8] = state.sum_b;
+  }
+}
+
 // ---- stage 1 ----------------------------------------------------------------------------------
 
 // kWgmmaPasses (deft_attention_wgmma_passes): every pass runs on warpgroup MMAs, short ones
 // padded to 64 rows, and the kernel keeps no mma.sync path (where compiled for sm_90a;
 // elsewhere it is the general kernel).
+//
+// A CTA runs the row passes of its slice of a task (Stage1Cta), each pass as the chain
+//   pass_layout -> scan_pass_mask -> resolve_row_targets -> start_pass_pipeline ->
+//   load_q_fragments -> per needed tile: KvTileLoader (the tiles ahead) + compute_tile
+//   (qk_wgmma / qk_mma_sync, mask_scores, softmax_update, pv_wgmma / PV) ->
+//   reduce_row_sums -> rows written (stash_rows_state + merge when the warps split the tiles).
+// The tile steps are closures over the pass's registers (o_acc, bases, sums): written as
+// functions taking them by reference, they compiled to other register allocations (up to 40
+// more instructions a kernel), so the closures stay and call the named steps.
 template <typename T, int kHeadDim, bool kWgmmaPasses>
 __global__ void __launch_bounds__(kStage1Threads, 3)
     deft_attention_stage1_kernel(const __grid_constant__ Stage1Params params) {
   constexpr bool kWgmmaOnly = kWgmmaPasses && DEFT_HAS_WGMMA;
   using Smem = Stage1Smem<kHeadDim>;
   using Traits = ElemTraits<T>;
-  constexpr int kKSteps = kHeadDim / 16;       // k-steps of QK^T
-  constexpr int kOBlocks = kHeadDim / 8;       // n-blocks of the O accumulator
-  constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per KV row
+  constexpr int kKSteps = kHeadDim / 16;  // k-steps of QK^T
+  constexpr int kOBlocks = kHeadDim / 8;  // n-blocks of the O accumulator
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Swizzled tiles need 1024-byte aligned blocks (the swizzle acts on address bits 4-9).
@@ -308,7 +871,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 
   // Stage 2 may be scheduled once every stage-1 CTA runs (it waits for our results itself).
   // Stage 1 itself is launched dependent on the kernel before it (the KV write): it reads only
-  // the plan until wait_for_prerequisite_grid() below.
+  // the plan until start_pass_pipeline waits for that kernel.
   allow_dependent_launch();
 
   const AttentionPlanView& plan = params.plan;
@@ -316,228 +879,37 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
   // (build_stage1_ctas). A task has as many slices as its rows need: a grid of the launch's
   // widest task's slices for every task left most CTAs of a plan of many small tasks idle.
   const Stage1Cta cta = plan.stage1_ctas[blockIdx.x];
-  const int task = cta.task;
-  if (task < 0) return;  // padding
-  const int slice = cta.slice;
-  const int kv_head = cta.kv_head;
+  if (cta.task < 0) return;  // padding
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int lane_row = lane / 4;  // "groupID" of the MMA fragment layouts
   const int lane_col = lane % 4;  // "threadID_in_group"
-
-  const int kv_begin = plan.task_kv_begin[task];
-  const int run_tokens = plan.task_kv_end[task] - kv_begin;
-  const int entry_begin = plan.task_entry_begin[task];
-  const int num_entries = plan.task_entry_begin[task + 1] - entry_begin;
-  const int mask_begin = plan.task_mask_begin[task];
-  const bool masked = mask_begin >= 0;
-  const int group = params.group_size;
-  const int num_rows = num_entries * group;
-  const int num_tiles = (run_tokens + kKvTileTokens - 1) / kKvTileTokens;
-
-  // Few rows: spread every tile's tokens over the warps instead of leaving warps idle.
-  // A pass holds up to 64 rows; each pass picks its own warp layout, so a short last pass (e.g.
-  // 16 of 80 rows) splits its tiles' tokens over the warps instead of leaving 3 warps computing
-  // padding rows (the 64-row step is bound by the SM's exp, MMA and shared-memory pipes, so
-  // wasted rows cost every CTA on the SM). The kWgmmaPasses kernel pads them to 64 rows all the
-  // same: without the mma.sync code it measured faster on every tree (deft_attention.h).
-  const int rows_per_pass =
-      kWgmmaOnly ? kStage1Warps * kMmaRows
-                 : (num_rows <= kMmaRows ? kMmaRows
-                                         : (num_rows <= 2 * kMmaRows ? 2 * kMmaRows
-                                                                     : kStage1Warps * kMmaRows));
-  const int num_passes = (num_rows + rows_per_pass - 1) / rows_per_pass;
+  const Stage1Task task = load_task<kHeadDim, kWgmmaOnly>(params, cta);
 
   const T* q = static_cast<const T*>(params.q);
-  const int q_row_stride = params.num_q_heads * kHeadDim;
-
-  // This thread's part of every KV tile copy: the 16-byte chunk copy_part of head kv_head in the
-  // slots of tile tokens copy_token, copy_token + kTokenStride, ... Those tokens are 8k rows
-  // apart, so their swizzled destinations are copy_dst + 8k rows (the swizzle pattern repeats
-  // every 8 rows), and a slot's source is slot * slot_bytes + part_offset bytes into the cache.
-  constexpr int kTokenStride = kStage1Threads / kChunksPerRow;
-  constexpr int kSlotsPerThread = kKvTileTokens / kTokenStride;
-  static_assert(kKvTileTokens % kTokenStride == 0 && kTokenStride % 8 == 0, "tile rows per thread");
-  const int copy_part = threadIdx.x % kChunksPerRow;
-  const int copy_token = threadIdx.x / kChunksPerRow;
-  const int part_offset = (kv_head * kHeadDim + copy_part * 8) * static_cast<int>(sizeof(T));
   const int slot_bytes = params.num_kv_heads * kHeadDim * static_cast<int>(sizeof(T));
-  const uint32_t copy_dst =
-      smem_address(smem) + swizzled_offset(copy_token, copy_part, kKvTileTokens);
 
-  for (int pass = slice; pass < num_passes; pass += cta.slices) {
-    const int pass_row0 = pass * rows_per_pass;
-    const int pass_rows = min(rows_per_pass, num_rows - pass_row0);
-    const int row_warps =
-        kWgmmaOnly ? kStage1Warps
-                   : (pass_rows <= kMmaRows ? 1 : (pass_rows <= 2 * kMmaRows ? 2 : 4));
-    const int kv_splits = kStage1Warps / row_warps;
-    const int warp_row_block = warp % row_warps;
-    const int warp_split = warp / row_warps;
-    // With 4 row warps and 33-48 rows, the fourth warp has no row: it skips the math (but takes
-    // part in the warpgroup MMAs of the 64-row path).
-    const bool warp_has_rows = warp_row_block * kMmaRows < pass_rows;
-    // 64-row passes (all 4 warps on rows) run on warpgroup MMAs where compiled for sm_90a.
-    const bool use_wgmma = DEFT_HAS_WGMMA && row_warps == kStage1Warps;
-    // Entries (mask bits) this pass covers: a tile none of them sees is skipped.
-    const uint64_t pass_bits =
-        masked ? bit_range(pass_row0 / group, (pass_row0 + pass_rows - 1) / group) : ~uint64_t{0};
-
-    // Masked tasks: the tiles some row of this pass sees, found once per pass (a warp's 32
-    // tokens lie in one tile), and how many leading tokens every row of the pass sees: their
-    // steps skip the per-element mask tests as unmasked ones do (the top of a token tree that
-    // all of a group's queries share; a masked tile costs about two unmasked ones).
-    uint32_t* needed = reinterpret_cast<uint32_t*>(smem + Smem::kNeededOffset);
-    int* const full_end = reinterpret_cast<int*>(smem + Smem::kFullEndOffset);
-    int full_tokens = run_tokens;
-    if (masked) {
-      const int scan_tokens = min(run_tokens, Smem::kNeededTiles * kKvTileTokens);
-      if (threadIdx.x < Smem::kNeededWords) needed[threadIdx.x] = 0;
-      if (threadIdx.x == 0) *full_end = scan_tokens;
-      __syncthreads();
-      for (int base = warp * 32; base < scan_tokens; base += kStage1Threads) {
-        const int token = base + lane;
-        const uint64_t bits =
-            token < scan_tokens ? plan.mask_words[mask_begin + token] & pass_bits : pass_bits;
-        const bool seen = token < scan_tokens && bits != 0;
-        const uint32_t partly = __ballot_sync(0xffffffffu, bits != pass_bits);
-        if (__any_sync(0xffffffffu, seen) && lane == 0) {
-          const int t = base / kKvTileTokens;
-          atomicOr(needed + t / 32, 1u << (t % 32));
-        }
-        if (partly != 0 && lane == 0) atomicMin(full_end, base + __ffs(partly) - 1);
-      }
-      __syncthreads();
-      full_tokens = *full_end;
-    }
-    // First tile at or after `tile` that some row of this pass sees (block-uniform).
-    auto next_needed_tile = [&](int tile) {
-      if (!masked) return min(tile, num_tiles);
-      for (; tile < num_tiles; ++tile) {
-        if (tile >= Smem::kNeededTiles || ((needed[tile / 32] >> (tile % 32)) & 1)) return tile;
-      }
-      return num_tiles;
-    };
-
-    // The slots of tile `tile` into the slot ring's `stage`, one 4-byte copy a token (zeros past
-    // the task's tokens), a tile ahead of its KV copies: loaded from global memory next to those
-    // copies, a tile waited a full memory round trip before its copies could be issued.
-    // (The loop reads a stage's slots one iteration after their copy was issued: its wait for
-    // all but kStages - 2 groups covers that only with two stages.)
-    static_assert(kStages == 2, "the slot ring is one tile ahead");
-    int32_t* const slot_ring = reinterpret_cast<int32_t*>(smem + Smem::kSlotRingOffset);
-    auto prefetch_slots = [&](int tile, int stage) {
-      if (threadIdx.x < kKvTileTokens) {
-        const int token = tile * kKvTileTokens + threadIdx.x;
-        const bool valid = token < run_tokens;
-        cp_async_small<4>(smem_address(slot_ring + stage * kKvTileTokens + threadIdx.x),
-                          plan.kv_slots + kv_begin + (valid ? token : 0), valid);
-      }
-    };
-    // Tile `tile` (K, V and, in masked tasks, its mask words) into `stage`, its slots already in
-    // the slot ring's `stage`: each thread copies the same 16-byte part of kSlotsPerThread tokens
-    // (see copy_part), their slots read first, all at once.
-    auto load_tile = [&](int tile, int stage) {
-      const int token0 = tile * kKvTileTokens;
-      int slots[kSlotsPerThread];
-#pragma unroll
-      for (int i = 0; i < kSlotsPerThread; ++i) {
-        slots[i] = slot_ring[stage * kKvTileTokens + copy_token + i * kTokenStride];
-      }
-      const uint32_t k_dst = copy_dst + stage * Smem::kStageBytes;
-#pragma unroll
-      for (int i = 0; i < kSlotsPerThread; ++i) {
-        const bool valid = token0 + copy_token + i * kTokenStride < run_tokens;
-        const int64_t offset = static_cast<int64_t>(slots[i]) * slot_bytes + part_offset;
-        const uint32_t dst = k_dst + i * kTokenStride * kSwizzleRowBytes;
-        cp_async_16(dst, static_cast<const char*>(params.k_cache) + offset, valid);
-        cp_async_16(dst + Smem::kTileBytes, static_cast<const char*>(params.v_cache) + offset,
-                    valid);
-      }
-      if (masked && threadIdx.x < kKvTileTokens) {
-        const int token = token0 + threadIdx.x;
-        const bool valid = token < run_tokens;
-        uint64_t* mask_tile =
-            reinterpret_cast<uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
-        cp_async_small<8>(smem_address(mask_tile + threadIdx.x),
-                          plan.mask_words + mask_begin + (valid ? token : 0), valid);
-      }
-    };
+  for (int pass_index = cta.slice; pass_index < task.num_passes; pass_index += cta.slices) {
+    Stage1Pass pass = pass_layout<kWgmmaOnly>(task, pass_index, warp);
+    pass.full_tokens = scan_pass_mask<Smem>(plan, task, pass.bits, smem, warp, lane);
+    const KvTileLoader<T, kHeadDim> kv(params, task, smem, slot_bytes);
 
     // The ring holds kStages tiles: the one computed and up to kStages - 1 in flight. upcoming[i]
     // is the i-th needed tile after the computed one; the k-th tile of the pass uses stage k %
     // kStages. The pass's first tiles are in flight while Q loads.
     int upcoming[kStages];
-    upcoming[0] = next_needed_tile(0);
+    upcoming[0] = next_needed_tile<Smem>(task, smem, 0);
 #pragma unroll
-    for (int i = 1; i < kStages; ++i) upcoming[i] = next_needed_tile(upcoming[i - 1] + 1);
-
-    // Resolve each row's destination once per pass (not per output element in the epilogue:
-    // those dependent plan loads made short CTAs latency-bound).
+    for (int i = 1; i < kStages; ++i) {
+      upcoming[i] = next_needed_tile<Smem>(task, smem, upcoming[i - 1] + 1);
+    }
     int32_t* row_target = reinterpret_cast<int32_t*>(smem + Smem::kRowTargetOffset);
-    if (threadIdx.x < pass_rows) {
-      const int entry = entry_begin + (pass_row0 + threadIdx.x) / group;
-      const int query = plan.entry_query[entry];
-      const bool single_partial =
-          plan.query_entry_begin[query + 1] - plan.query_entry_begin[query] == 1;
-      row_target[threadIdx.x] = single_partial ? ~query : entry;
-    }
+    resolve_row_targets<Smem>(plan, task, pass, smem);
+    start_pass_pipeline(kv, plan, task, upcoming);
 
-    // The plan (row targets, the first tiles' slots) is read before waiting for the kernel
-    // before, which a programmatic launch overlaps; so is the first tile when its tokens hold
-    // KV from before the step (the kernel before is the step's KV write).
-#pragma unroll
-    for (int i = 0; i < kStages; ++i) {
-      if (upcoming[i] < num_tiles) prefetch_slots(upcoming[i], i);
-    }
-    cp_async_commit();
-    static_assert(kStages == 2, "one tile is loaded before the loop");
-    // Its tokens' KV predates the step (AttentionPlanView::task_kv_ready).
-    const bool first_tile_ready =
-        upcoming[0] < num_tiles && plan.task_kv_ready != nullptr &&
-        min(run_tokens, (upcoming[0] + 1) * kKvTileTokens) <= plan.task_kv_ready[task];
-    // Q, the KV and our outputs: the kernel before is done.
-    if (!first_tile_ready) wait_for_prerequisite_grid();
-    cp_async_wait<0>();
-    __syncthreads();  // the slots are in the ring
-    if (upcoming[0] < num_tiles) load_tile(upcoming[0], 0);
-    cp_async_commit();
-    if (first_tile_ready) wait_for_prerequisite_grid();
-
-    // This thread's two fragment rows (lane_row and lane_row + 8 of the warp's 16).
-    const int row_a = pass_row0 + warp_row_block * kMmaRows + lane_row;
-    const int row_b = row_a + 8;
-    const bool row_a_valid = row_a < num_rows;
-    const bool row_b_valid = row_b < num_rows;
-    // Mask bit of each row (masked tasks have <= 64 entries); rows past the task see nothing
-    // in masked tasks and are never written in any task.
-    const int bit_a = row_a_valid ? row_a / group : 64;
-    const int bit_b = row_b_valid ? row_b / group : 64;
-
-    // Q fragments (A operand, row-major 16 x kHeadDim) straight from global memory.
+    const FragmentRows rows = fragment_rows(task, pass, lane_row);
     uint32_t q_frag[kKSteps][4];
-    {
-      const T* q_row_a = nullptr;
-      const T* q_row_b = nullptr;
-      if (row_a_valid) {
-        const int query = plan.entry_query[entry_begin + row_a / group];
-        q_row_a = q + static_cast<int64_t>(query) * q_row_stride +
-                  (kv_head * group + row_a % group) * kHeadDim;
-      }
-      if (row_b_valid) {
-        const int query = plan.entry_query[entry_begin + row_b / group];
-        q_row_b = q + static_cast<int64_t>(query) * q_row_stride +
-                  (kv_head * group + row_b % group) * kHeadDim;
-      }
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        const int col = kk * 16 + 2 * lane_col;
-        q_frag[kk][0] = row_a_valid ? *reinterpret_cast<const uint32_t*>(q_row_a + col) : 0u;
-        q_frag[kk][1] = row_b_valid ? *reinterpret_cast<const uint32_t*>(q_row_b + col) : 0u;
-        q_frag[kk][2] = row_a_valid ? *reinterpret_cast<const uint32_t*>(q_row_a + col + 8) : 0u;
-        q_frag[kk][3] = row_b_valid ? *reinterpret_cast<const uint32_t*>(q_row_b + col + 8) : 0u;
-      }
-    }
+    load_q_fragments<T, kHeadDim>(q_frag, params, task, rows, lane_col, q);
 
     float o_acc[kOBlocks][4];
 #pragma unroll
@@ -546,93 +918,27 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     }
     float max_a = kNegInf, max_b = kNegInf;  // exponent bases (scaled scores, base 2)
     float sum_a = 0.0f, sum_b = 0.0f;        // this thread's share of the running denominators
+    const RowsState<kOBlocks> state{o_acc, max_a, max_b, sum_a, sum_b};
+    const ScoreMask mask{task.run_tokens, pass.full_tokens, task.masked,
+                         rows.bit_a,      rows.bit_b,       lane_col};
 
-    // Mask (tail tokens, mask bits) and online softmax update of a warp's 16 rows x (8 * kBlocks)
-    // scores of the tokens starting at tile token `step_token0`. Scores stay unscaled until the
-    // exponent: the maxima are taken on raw scores (softmax_scale > 0, see
-    // deft_attention_supported, so the order is the same) and exp2(s * scale - max) is one FFMA
-    // and one MUFU.EX2 (ftz: exponents below -126 give 0, as they should here). Steps every row
-    // sees entirely (no mask, no tail: full_tokens) skip the per-element visibility tests.
-    auto mask_scores = [&](auto& scores, const uint64_t* mask_tile, int token0, int step_token0) {
-      constexpr int kBlocks = std::extent_v<std::remove_reference_t<decltype(scores)>>;
-      const bool step_full = token0 + step_token0 + 8 * kBlocks <= full_tokens;
-      if (!step_full) {
-#pragma unroll
-        for (int nb = 0; nb < kBlocks; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int token = step_token0 + nb * 8 + 2 * lane_col + (e & 1);
-            const int bit = e < 2 ? bit_a : bit_b;
-            bool visible = token0 + token < run_tokens;
-            if (masked && visible) visible = bit < 64 && ((mask_tile[token] >> bit) & 1);
-            if (!visible) scores[nb][e] = kNegInf;
-          }
-        }
-      }
-    };
-    auto mask_and_softmax = [&](auto& scores, const uint64_t* mask_tile, int token0,
-                                int step_token0) {
-      mask_scores(scores, mask_tile, token0, step_token0);
-      online_softmax_step(scores, o_acc, params.scale_log2, max_a, max_b, sum_a, sum_b);
+    auto p_fragment = [](const auto& scores, int pair, uint32_t(&p_frag)[4]) {
+      ::deft::kernels::detail::p_fragment<T>(scores, pair, p_frag);
     };
 
-    // P's accumulator layout is the A-fragment layout of the PV MMA: tokens 16 * pair .. + 15.
-    auto p_fragment = [](const auto& scores, int pair, uint32_t (&p_frag)[4]) {
-      p_frag[0] = Traits::pack(scores[2 * pair][0], scores[2 * pair][1]);
-      p_frag[1] = Traits::pack(scores[2 * pair][2], scores[2 * pair][3]);
-      p_frag[2] = Traits::pack(scores[2 * pair + 1][0], scores[2 * pair + 1][1]);
-      p_frag[3] = Traits::pack(scores[2 * pair + 1][2], scores[2 * pair + 1][3]);
-    };
-
-    // One warp step on mma.sync: 16 rows x (8 * kBlocks) tokens starting at tile token
-    // `step_token0`: S = Q K^T, mask, online softmax update, O += P V.
+    // One warp step on mma.sync: 16 rows x (8 * kBlocks) tokens from tile token `step_token0`.
     auto compute_step = [&](auto blocks_tag, uint32_t k_tile, uint32_t v_tile,
                             const uint64_t* mask_tile, int token0, int step_token0) {
       constexpr int kBlocks = decltype(blocks_tag)::value;  // n-blocks of 8 tokens, even
-      const int matrix = lane / 8;  // which 8x8 matrix of an x4 ldmatrix this lane addresses
-      const int matrix_row = lane % 8;
-
-      float scores[kBlocks][4];
-#pragma unroll
-      for (int nb = 0; nb < kBlocks; ++nb) {
-        scores[nb][0] = scores[nb][1] = scores[nb][2] = scores[nb][3] = 0.0f;
-      }
-#pragma unroll
-      for (int pair = 0; pair < kBlocks / 2; ++pair) {
-        const int token = step_token0 + pair * 16 + (matrix >> 1) * 8 + matrix_row;
-#pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-          uint32_t k_frag[4];
-          ldmatrix_x4(k_frag,
-                      k_tile + swizzled_offset(token, 2 * kk + (matrix & 1), kKvTileTokens));
-          Traits::mma(scores[2 * pair], q_frag[kk], k_frag[0], k_frag[1]);
-          Traits::mma(scores[2 * pair + 1], q_frag[kk], k_frag[2], k_frag[3]);
-        }
-      }
-      mask_and_softmax(scores, mask_tile, token0, step_token0);
-      // O += P V, 16 tokens at a time.
-#pragma unroll
-      for (int pair = 0; pair < kBlocks / 2; ++pair) {
-        uint32_t p_frag[4];
-        p_fragment(scores, pair, p_frag);
-        const int token = step_token0 + pair * 16 + (matrix & 1) * 8 + matrix_row;
-#pragma unroll
-        for (int nb2 = 0; nb2 < kHeadDim / 16; ++nb2) {
-          uint32_t v_frag[4];
-          ldmatrix_x4_trans(v_frag,
-                            v_tile + swizzled_offset(token, 2 * nb2 + (matrix >> 1),
-                                                     kKvTileTokens));
-          Traits::mma(o_acc[2 * nb2], p_frag, v_frag[0], v_frag[1]);
-          Traits::mma(o_acc[2 * nb2 + 1], p_frag, v_frag[2], v_frag[3]);
-        }
-      }
+      mma_sync_step<T, kHeadDim, kBlocks>(state, q_frag, mask, params.scale_log2, lane, k_tile,
+                                          v_tile, mask_tile, token0, step_token0);
     };
 
-    // A whole 64-token tile for the pass's 64 rows on warpgroup MMAs: S = Q K^T from Q fragments
-    // in registers and the K tile (K-major); P V from P fragments and the V tile (MN-major). The
-    // tile is two halves of 32 tokens so that the tensor cores and the softmax overlap: the
-    // first half's softmax runs while the second half's QK^T does, and the second half's softmax
-    // while the first half's PV does (its O rescale waits for that PV).
+    // A whole 64-token tile for the pass's 64 rows on warpgroup MMAs (Q and P from registers, K
+    // and V from the stage's tiles). The tile is two halves of 32 tokens so that the tensor cores
+    // and the softmax overlap: the first half's softmax runs while the second half's QK^T does,
+    // and the second half's softmax while the first half's PV does (its O rescale waits for that
+    // PV).
     auto compute_tile_wgmma = [&](uint32_t k_tile, uint32_t v_tile, const uint64_t* mask_tile,
                                   int token0) {
       constexpr int kHalf = kKvTileTokens / 2;
@@ -641,78 +947,55 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       const uint64_t v_desc = wgmma_descriptor(v_tile, Smem::kBlockBytes, 8 * kSwizzleRowBytes);
       float scores[2][kHalf / 8][4];
       wgmma_fence();
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-          // 16 columns = 32 bytes into the column block (the swizzle acts on the absolute
-          // address); a half starts 32 rows (4 swizzle atoms) down.
-          const uint32_t offset =
-              (kk / 4) * Smem::kBlockBytes + (kk % 4) * 32 + half * kHalf * kSwizzleRowBytes;
-          wgmma_rs<T, kHalf, false>(scores[half], q_frag[kk],
-                                    wgmma_descriptor_advance(k_desc, offset), kk > 0);
-        }
-        wgmma_commit();
-      }
-      // PV of one half: 16 tokens a k-step, two groups of 8 rows; column blocks
-      // Smem::kBlockBytes apart.
+      qk_wgmma<T, kHeadDim>(scores, q_frag, k_desc);
       uint32_t p_frag[2][kHalf / 16][4];
-      auto issue_pv = [&](int half) {
-        wgmma_fence_operands(o_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int pair = 0; pair < kHalf / 16; ++pair) {
-          const uint32_t offset = (half * kHalf + pair * 16) * kSwizzleRowBytes;
-          wgmma_rs<T, kHeadDim, true>(o_acc, p_frag[half][pair],
-                                      wgmma_descriptor_advance(v_desc, offset), true);
-        }
-        wgmma_commit();
-      };
       float alpha_a, alpha_b;
       wgmma_wait<1>();  // the first half's scores (the second's QK^T still running)
       wgmma_fence_operands(scores[0]);
-      mask_scores(scores[0], mask_tile, token0, 0);
+      ::deft::kernels::detail::mask_scores(scores[0], mask, mask_tile, token0, 0);
       softmax_update(scores[0], params.scale_log2, max_a, max_b, sum_a, sum_b, alpha_a, alpha_b);
       rescale_rows(o_acc, alpha_a, alpha_b);  // no wgmma writes O now
 #pragma unroll
       for (int pair = 0; pair < kHalf / 16; ++pair) p_fragment(scores[0], pair, p_frag[0][pair]);
-      issue_pv(0);
+      pv_wgmma<T, kHeadDim>(o_acc, p_frag[0], v_desc, 0);
       wgmma_wait<1>();  // the second half's scores (the first half's PV still running)
       wgmma_fence_operands(scores[1]);
-      mask_scores(scores[1], mask_tile, token0, kHalf);
+      ::deft::kernels::detail::mask_scores(scores[1], mask, mask_tile, token0, kHalf);
       softmax_update(scores[1], params.scale_log2, max_a, max_b, sum_a, sum_b, alpha_a, alpha_b);
 #pragma unroll
       for (int pair = 0; pair < kHalf / 16; ++pair) p_fragment(scores[1], pair, p_frag[1][pair]);
       wgmma_wait_all();  // the first half's PV: O may be rescaled
       wgmma_fence_operands(o_acc);
       rescale_rows(o_acc, alpha_a, alpha_b);
-      issue_pv(1);
+      pv_wgmma<T, kHeadDim>(o_acc, p_frag[1], v_desc, 1);
       wgmma_wait_all();
       wgmma_fence_operands(o_acc);
     };
 
+    // The pass's work on tile `tile` (run tokens from tile * 64), held in `stage`.
     auto compute_tile = [&](int tile, int stage) {
       const uint32_t k_tile = smem_address(smem + stage * Smem::kStageBytes);
       const uint32_t v_tile = k_tile + Smem::kTileBytes;
       const uint64_t* mask_tile =
           reinterpret_cast<const uint64_t*>(smem + Smem::kMaskOffset) + stage * kKvTileTokens;
       const int token0 = tile * kKvTileTokens;
-      if (use_wgmma) {
+      if (pass.use_wgmma) {
         compute_tile_wgmma(k_tile, v_tile, mask_tile, token0);
         return;
       }
       if constexpr (!kWgmmaOnly) {
-        if (kv_splits == 1) {
+        if (pass.kv_splits == 1) {
           // Many rows: the whole 64-token tile in one step (more independent MMAs, one softmax
           // rescale per tile instead of four).
-          compute_step(std::integral_constant<int, kKvTileTokens / 8>{}, k_tile, v_tile,
-                       mask_tile, token0, 0);
+          compute_step(std::integral_constant<int, kKvTileTokens / 8>{}, k_tile, v_tile, mask_tile,
+                       token0, 0);
           return;
         }
         // Few rows: the warps share the tile, 16 tokens each per step.
-        for (int step = warp_split; step < kKvTileTokens / kStepTokens; step += kv_splits) {
+        for (int step = pass.warp_split; step < kKvTileTokens / kStepTokens;
+             step += pass.kv_splits) {
           const int step_token0 = step * kStepTokens;
-          if (token0 + step_token0 >= run_tokens) break;
+          if (token0 + step_token0 >= task.run_tokens) break;
           compute_step(std::integral_constant<int, kStepTokens / 8>{}, k_tile, v_tile, mask_tile,
                        token0, step_token0);
         }
@@ -721,7 +1004,7 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 
     // Pipeline: the copies of the next kStages - 1 tiles overlap this tile's math.
     int stage = 0;
-    while (upcoming[0] < num_tiles) {
+    while (upcoming[0] < task.num_tiles) {
       cp_async_wait<kStages - 2>();  // this tile's copy has landed
       fence_async_shared();          // this thread's copies become visible to wgmma's reads
       __syncthreads();
@@ -729,13 +1012,15 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
       // whose slots landed with this tile; the slots of the tile after it go to the slot ring's
       // entry of this stage (its tile is loaded into this stage next iteration).
       const int last = upcoming[kStages - 1];
-      const int after = last < num_tiles ? next_needed_tile(last + 1) : num_tiles;
-      if (last < num_tiles) load_tile(last, (stage + kStages - 1) % kStages);
-      if (after < num_tiles) prefetch_slots(after, stage);
+      const int after =
+          last < task.num_tiles ? next_needed_tile<Smem>(task, smem, last + 1) : task.num_tiles;
+      if (last < task.num_tiles) kv.load_tile(last, (stage + kStages - 1) % kStages);
+      if (after < task.num_tiles) kv.prefetch_slots(after, stage);
       cp_async_commit();
-      if (use_wgmma || warp_has_rows) compute_tile(upcoming[0], stage);
+      if (pass.use_wgmma || pass.warp_has_rows) compute_tile(upcoming[0], stage);
       // The next iteration's barrier alone would order the overwrites of this stage, but without
-      // this one the warps drift apart and stage 1 ran 1-3 % slower (H100, 2026-11-23).
+      // this one the warps drift apart and stage 1 ran 1-3 % slower
+      // (bench/results/kernel_attention-h100-notes.md).
       __syncthreads();
 #pragma unroll
       for (int i = 0; i + 1 < kStages; ++i) upcoming[i] = upcoming[i + 1];
@@ -745,46 +1030,21 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
     cp_async_wait<0>();
     __syncthreads();
 
-    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
-    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
-    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
-    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
-
-    // Where pass row `pass_row` goes, resolved once a row: the output when its query has a single
-    // partial, else the entry's partial, whose LSE is written here when `with_lse`. Values are
-    // scaled by inv_sum (normalised). An entry that saw no token (a plan bug) yields zeros and
-    // LSE -inf, never NaN.
-    struct RowDestination {
-      T* row;  // the output row or the partial O row
-      float inv_sum;
-    };
+    reduce_row_sums(state);
+    using RowDestination = ::deft::kernels::detail::RowDestination<T>;
     auto row_destination = [&](int pass_row, float row_max, float row_sum, bool with_lse) {
-      const int row = pass_row0 + pass_row;
-      const int head = kv_head * group + row % group;
-      const int target = row_target[pass_row];
-      RowDestination dest{nullptr, row_sum > 0.0f ? 1.0f / row_sum : 0.0f};
-      if (target < 0) {
-        dest.row = static_cast<T*>(params.out) + static_cast<int64_t>(~target) * q_row_stride +
-                   head * kHeadDim;
-        return dest;
-      }
-      const int64_t partial_row = static_cast<int64_t>(target) * params.num_q_heads + head;
-      dest.row = static_cast<T*>(params.partial_out) + partial_row * kHeadDim;
-      if (with_lse) {
-        // Natural-log LSE of the scaled scores: (base + log2(sum)) * ln(2).
-        params.partial_lse[partial_row] =
-            row_sum > 0.0f ? (row_max + log2f(row_sum)) * 0.69314718055994531f : kNegInf;
-      }
-      return dest;
+      return ::deft::kernels::detail::row_destination<T, kHeadDim>(
+          params, task, pass, row_target, pass_row, row_max, row_sum, with_lse);
     };
-    if (kv_splits == 1) {
-      // Each row's whole state is in its warp's registers: written from there.
-      if (warp_has_rows) {
-        const int pass_row_a = warp_row_block * kMmaRows + lane_row;
+    if (pass.kv_splits == 1) {
+      // Each row's whole state is in its warp's registers: written from there, a quad's 64 bytes
+      // at once.
+      if (pass.warp_has_rows) {
+        const int pass_row_a = pass.warp_row_block * kMmaRows + lane_row;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int pass_row = pass_row_a + 8 * half;
-          const bool valid = pass_row < pass_rows;  // the same for a lane quad
+          const bool valid = pass_row < pass.rows;  // the same for a lane quad
           const RowDestination dest =
               valid ? row_destination(pass_row, half == 0 ? max_a : max_b,
                                       half == 0 ? sum_a : sum_b, lane_col == 0)
@@ -799,43 +1059,29 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
         }
       }
     } else {
-      // The warps' states of the same rows are merged through shared memory.
+      // The warps' states of the same rows are merged through shared memory (the KV ring).
       float* merge_o = reinterpret_cast<float*>(smem);
       float* merge_max = merge_o + kStage1Warps * kMmaRows * kHeadDim;
       float* merge_sum = merge_max + kStage1Warps * kMmaRows;
-      float* warp_o = merge_o + warp * kMmaRows * kHeadDim;
-#pragma unroll
-      for (int nb = 0; nb < kOBlocks; ++nb) {
-        const int col = nb * 8 + 2 * lane_col;
-        *reinterpret_cast<float2*>(warp_o + lane_row * kHeadDim + col) =
-            make_float2(o_acc[nb][0], o_acc[nb][1]);
-        *reinterpret_cast<float2*>(warp_o + (lane_row + 8) * kHeadDim + col) =
-            make_float2(o_acc[nb][2], o_acc[nb][3]);
-      }
-      if (lane_col == 0) {
-        merge_max[warp * kMmaRows + lane_row] = max_a;
-        merge_max[warp * kMmaRows + lane_row + 8] = max_b;
-        merge_sum[warp * kMmaRows + lane_row] = sum_a;
-        merge_sum[warp * kMmaRows + lane_row + 8] = sum_b;
-      }
+      stash_rows_state<kHeadDim>(state, merge_o, merge_max, merge_sum, warp, lane_row, lane_col);
       __syncthreads();
 
       constexpr int kQuads = kHeadDim / 4;  // float4 columns per row
-      for (int item = threadIdx.x; item < pass_rows * kQuads; item += kStage1Threads) {
+      for (int item = threadIdx.x; item < pass.rows * kQuads; item += kStage1Threads) {
         const int pass_row = item / kQuads;
         const int col = (item % kQuads) * 4;
         const int row_block = pass_row / kMmaRows;
         const int block_row = pass_row % kMmaRows;
         float row_max = kNegInf;
-        for (int split = 0; split < kv_splits; ++split) {
-          const int w = row_block + split * row_warps;
+        for (int split = 0; split < pass.kv_splits; ++split) {
+          const int w = row_block + split * pass.row_warps;
           row_max = fmaxf(row_max, merge_max[w * kMmaRows + block_row]);
         }
         float row_sum = 0.0f;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (row_max != kNegInf) {
-          for (int split = 0; split < kv_splits; ++split) {
-            const int w = row_block + split * row_warps;
+          for (int split = 0; split < pass.kv_splits; ++split) {
+            const int w = row_block + split * pass.row_warps;
             const float weight = exp2f(merge_max[w * kMmaRows + block_row] - row_max);
             row_sum += merge_sum[w * kMmaRows + block_row] * weight;
             const float4 o = *reinterpret_cast<const float4*>(
