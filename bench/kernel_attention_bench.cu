@@ -31,6 +31,7 @@
 #include "engine/sequence_tree.h"
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
+#include "kernels/deft_schedule.h"
 #include "kernels/device_buffer.h"
 
 namespace deft::bench {

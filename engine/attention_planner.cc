@@ -59,9 +59,10 @@ struct OrderedQueries {
 // a whole tile).
 constexpr int32_t kMinUnmaskedSplit = 16;
 
-// The GPU kernel's stage 1 (kernels/deft_attention.cuh): KV tiles of 64 tokens, passes of up to
-// 64 rows (entries x group) per CTA; passes of at most 16 rows are short (see
-// adaptive_chunk_tokens in the header); a CTA's fixed cost in tiles.
+// The GPU kernel's stage 1 as its work division cuts it (kernels/deft_schedule.h:
+// kStage1TileTokens, kStage1PassRows, kStage1CtaOverheadTiles, build_stage1_ctas): KV tiles of 64
+// tokens, passes of up to 64 rows (entries x group) per CTA; passes of at most 16 rows are short
+// (see adaptive_chunk_tokens in the header); a CTA's fixed cost in tiles.
 constexpr int32_t kWaveTileTokens = 64;
 constexpr int32_t kWavePassRows = 64;
 constexpr int32_t kWaveLightRows = 16;
@@ -469,7 +470,9 @@ class PlanBuilder {
   // The adaptive B of the current tree (see adaptive_chunk_tokens in the header): the base rule's,
   // or, when the GPU's wave is known, for a Flatten grid that takes more than one wave at that B
   // the B in [base, 2 base] with the fewest waves x the longest chain, and for one whose every
-  // CTA fits in the wave the smallest B (down to kWaveMinChunk) at which they all still do.
+  // CTA fits in the wave the smallest B (down to kWaveMinChunk) at which they all still do. The
+  // grid is counted as kernels/deft_schedule.h cuts it (row slices, CTA work in tiles) and the
+  // wave is its deft_attention_resident_ctas.
   int32_t wave_chunk_tokens() {
     const int64_t num_queries = static_cast<int64_t>(queries_.row.size());
     const int32_t base = adaptive_chunk_tokens(num_queries, flat_.num_tokens);

@@ -54,10 +54,10 @@ struct PrefillRun {
   int32_t prefix_tokens = 0;
 };
 
-// One CTA of the CUDA kernels' stage 1 (kernels::DevicePlan builds the grid's table, not the
-// planner): task `task`'s KV head `kv_head`, row slice `slice` of the task's `slices` (as many as
-// its rows need, at most 32); the slice runs the task's row passes slice, slice + slices, ...
-// Padding: task -1.
+// One CTA of the CUDA kernels' stage 1 (the grid's table is built by build_stage1_ctas,
+// kernels/deft_schedule.h, and uploaded by kernels::DevicePlan, not by the planner): task `task`'s
+// KV head `kv_head`, row slice `slice` of the task's `slices` (as many as its rows need, at most
+// 32); the slice runs the task's row passes slice, slice + slices, ... Padding: task -1.
 struct alignas(16) Stage1Cta {
   int32_t task = -1;
   int32_t kv_head = 0;
@@ -72,11 +72,11 @@ struct AttentionPlanView {
   int32_t num_kv_indices = 0;  // length of kv_slots
   int32_t num_mask_words = 0;  // length of mask_words
 
-  const int32_t* kv_slots = nullptr;           // [num_kv_indices]
-  const int32_t* task_kv_begin = nullptr;      // [num_tasks]
-  const int32_t* task_kv_end = nullptr;        // [num_tasks]
-  const int32_t* task_entry_begin = nullptr;   // [num_tasks + 1]
-  const int32_t* task_mask_begin = nullptr;    // [num_tasks], -1 = no mask
+  const int32_t* kv_slots = nullptr;          // [num_kv_indices]
+  const int32_t* task_kv_begin = nullptr;     // [num_tasks]
+  const int32_t* task_kv_end = nullptr;       // [num_tasks]
+  const int32_t* task_entry_begin = nullptr;  // [num_tasks + 1]
+  const int32_t* task_mask_begin = nullptr;   // [num_tasks], -1 = no mask
   // Optional (null: none): per task, how many leading tokens of its run hold KV from before the
   // step, i.e. slots that no query of the step writes. A kernel launched behind the step's KV
   // write (a programmatic dependent launch) may read those before that write has finished.

@@ -1,5 +1,7 @@
-// Host side of the DeFT attention kernels: plan upload, scratch buffers, and the one place that
-// instantiates the kernel templates of kernels/deft_attention.cuh (bf16/fp16 x head_dim 64/128).
+// Host side of the DeFT attention kernels: plan upload, scratch buffers, the occupancy queries
+// (stage 2's batch, deft_attention_resident_ctas of kernels/deft_schedule.h), and the one place
+// that instantiates the kernel templates of kernels/deft_attention.cuh (bf16/fp16 x head_dim
+// 64/128). How stage 1's work is cut (its grid) is kernels/deft_schedule.cc's.
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -11,6 +13,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.cuh"
 #include "kernels/deft_attention.h"
+#include "kernels/deft_schedule.h"
 #include "kernels/device_info.h"
 #include "kernels/per_device.h"
 
@@ -30,13 +33,9 @@ size_t align_up(size_t bytes) {
   return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign;
 }
 
-// Row slices of stage 1 (CTAs per task and KV head): a task with many rows (entries x group) is
-// split over up to this many CTAs, each re-reading the task's KV (mostly from L2) for its rows.
-constexpr int kMaxRowSlices = 32;  // = 256 entries x group 8 / 64 rows: every pass its own CTA
-
 template <typename T>
-using Stage2Kernel =
-    void (*)(AttentionPlanView, const T*, const float*, T*, int32_t, WeightPrefetch);
+using Stage2Kernel = void (*)(AttentionPlanView, const T*, const float*, T*, int32_t,
+                              WeightPrefetch);
 
 template <typename T>
 struct Stage2Choice {
@@ -117,7 +116,7 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
                   float* partial_lse, void* out, cudaStream_t stream, bool stage2,
                   int32_t stage2_batch, const WeightPrefetch& prefetch) {
   auto* stage1 = deft_attention_wgmma_passes(shape, dims) ? stage1_kernel<T, kHeadDim, true>()
-                                                        : stage1_kernel<T, kHeadDim, false>();
+                                                          : stage1_kernel<T, kHeadDim, false>();
   constexpr int kSmemBytes = detail::Stage1Smem<kHeadDim>::kBytes;
 
   const int group = dims.group_size();
@@ -168,8 +167,8 @@ void launch_typed(const AttentionPlanView& plan, const PlanShape& shape, const A
     config.dynamicSmemBytes = 0;
     DEFT_CUDA_CHECK(cudaLaunchKernelEx(
         &config,
-        stage2_choice_for<T, kHeadDim>(stage2_ctas(plan.num_queries, dims),
-                                       shape.max_query_entries, stage2_batch)
+        stage2_choice_for<T, kHeadDim>(stage2_ctas(plan.num_queries, dims), shape.max_query_entries,
+                                       stage2_batch)
             .kernel,
         plan, static_cast<const T*>(partial_out), static_cast<const float*>(partial_lse),
         static_cast<T*>(out), dims.num_q_heads, with_prefetch.prefetch));
@@ -353,47 +352,14 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const Attent
   shape_ = plan_shape(host_plan);
 }
 
-void build_stage1_ctas(const AttentionPlanView& host_plan, const AttentionDims& dims,
-                       std::vector<Stage1Cta>& ctas) {
-  ctas.clear();
-  const int32_t num_tasks = host_plan.task_entry_begin != nullptr ? host_plan.num_tasks : 0;
-  // A CTA's work in tiles: its task's, a masked one counted twice (it tests each score's mask
-  // bit: round 21 of bench/results/kernel_attention-h100-notes.md), + 2 for its fixed costs.
-  // The tasks are ordered (a task's CTAs all have its work), not the CTAs: a step's host time.
-  std::vector<std::pair<int32_t, int32_t>> work_task(num_tasks);  // (work, task)
-  for (int32_t task = 0; task < num_tasks; ++task) {
-    const int32_t tokens = host_plan.task_kv_begin != nullptr
-                               ? host_plan.task_kv_end[task] - host_plan.task_kv_begin[task]
-                               : 0;
-    const bool masked =
-        host_plan.task_mask_begin != nullptr && host_plan.task_mask_begin[task] >= 0;
-    const int32_t tiles = (tokens + detail::kKvTileTokens - 1) / detail::kKvTileTokens;
-    work_task[task] = {tiles * (masked ? 2 : 1) + 2, task};
-  }
-  // Longest first, ties in task order (std::sort: no temporary buffer, unlike stable_sort).
-  std::sort(work_task.begin(), work_task.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  });
-  for (const auto& [work, task] : work_task) {
-    const int32_t slices = deft_attention_row_slices(
-        host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task], dims);
-    for (int32_t head = 0; head < dims.num_kv_heads; ++head) {
-      for (int32_t slice = 0; slice < slices; ++slice) {
-        ctas.push_back({.task = task, .kv_head = head, .slice = slice, .slices = slices});
-      }
-    }
-  }
-}
-
 PlanShape plan_shape(const AttentionPlanView& host_plan) {
   PlanShape shape;
   // A view may leave the entry arrays null when it has no tasks (a prefill-only plan built by
   // hand): no entries then.
   for (int32_t task = 0; host_plan.task_entry_begin != nullptr && task < host_plan.num_tasks;
        ++task) {
-    shape.max_task_entries =
-        std::max(shape.max_task_entries,
-                 host_plan.task_entry_begin[task + 1] - host_plan.task_entry_begin[task]);
+    shape.max_task_entries = std::max(shape.max_task_entries, host_plan.task_entry_begin[task + 1] -
+                                                                  host_plan.task_entry_begin[task]);
   }
   for (int32_t query = 0; host_plan.query_entry_begin != nullptr && query < host_plan.num_queries;
        ++query) {
@@ -419,13 +385,6 @@ bool deft_attention_supported(const AttentionDims& dims) {
   // softmax_scale > 0: stage 1 takes score maxima before scaling.
   return (dims.head_dim == 64 || dims.head_dim == 128) && dims.softmax_scale > 0.0f &&
          dims.num_kv_heads > 0 && dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
-}
-
-int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims) {
-  const int max_rows = std::max(1, max_task_entries * dims.group_size());
-  const int rows_per_pass = 4 * detail::kMmaRows;
-  const int passes = (max_rows + rows_per_pass - 1) / rows_per_pass;
-  return std::min(passes, kMaxRowSlices);
 }
 
 bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& dims) {

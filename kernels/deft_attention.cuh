@@ -33,6 +33,7 @@
 
 #include "kernels/attention_params.h"
 #include "kernels/cp_async.cuh"
+#include "kernels/deft_schedule.h"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/l2_discard.cuh"
 #include "kernels/l2_prefetch.cuh"
@@ -52,6 +53,9 @@ inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the P
 inline constexpr int kStages = 2;
 inline constexpr int kStage2Warps = 4;  // heads per stage-2 CTA
 inline constexpr int kStage2Threads = kStage2Warps * 32;
+// The work division (kernels/deft_schedule.h) sizes the grid by this geometry.
+static_assert(kKvTileTokens == kStage1TileTokens && kStage1Warps * kMmaRows == kStage1PassRows,
+              "deft_schedule.h's stage-1 geometry is the kernel's");
 
 // Shared memory of stage 1: two stages of (K tile, V tile, mask words). A tile is kHeadDim / 64
 // blocks of [64 tokens][128 bytes] in the 128-byte swizzle of kernels/wgmma.cuh: wgmma reads it

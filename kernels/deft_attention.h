@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/attention_params.h"
+#include "kernels/deft_schedule.h"  // stage 1's grid, which DevicePlan builds and uploads
 #include "kernels/device_buffer.h"
 #include "kernels/dtype.h"
 #include "kernels/weight_prefetch.h"
@@ -29,8 +30,8 @@ struct PlanCapacity {
   int32_t kv_indices = 0;
   int32_t mask_words = 0;
   // Stage 1's CTAs (AttentionPlanView::stage1_ctas): at least the tasks x the row slices of the
-  // largest task (deft_attention_row_slices) x the KV heads. 0: none, the plan is not for the
-  // DeFT kernels.
+  // largest task (deft_attention_row_slices, kernels/deft_schedule.h) x the KV heads. 0: none,
+  // the plan is not for the DeFT kernels.
   int32_t stage1_ctas = 0;
 
   bool holds(const AttentionPlanView& plan) const {
@@ -48,16 +49,6 @@ struct PlanShape {
 // The shape of a plan whose arrays are host memory (null entry arrays: no entries).
 PlanShape plan_shape(const AttentionPlanView& host_plan);
 
-// Stage 1's grid for a plan whose arrays are host memory (AttentionPlanView::stage1_ctas), into
-// `ctas`: each task on the row slices its rows need at `dims`' GQA group (deft_attention_row_slices
-// of its entries), one CTA per (KV head, slice), the longest first (tiles, a masked one counted
-// twice, + 2 a CTA; ties in task, KV head, slice order): on grids of more than one wave the
-// longest chains then start in the first wave and short CTAs fill in at the end (H100:
-// reasoning 35.7 -> 33.2 us, few-shot b50 33.3 -> 31.6; one-wave grids unchanged). DevicePlan
-// uploads it.
-void build_stage1_ctas(const AttentionPlanView& host_plan, const AttentionDims& dims,
-                        std::vector<Stage1Cta>& ctas);
-
 // A plan copied to the GPU: all arrays packed into ONE device buffer, uploaded with one async
 // copy from a pinned staging buffer. One upload per step serves every layer. The step's other
 // inputs (`extra`: token ids, positions, ...) may ride along in the same copy: one host call a
@@ -70,10 +61,11 @@ class DevicePlan {
   DevicePlan& operator=(const DevicePlan&) = delete;
 
   // Copies `host_plan` (host pointers) to the device on `stream`, with stage 1's grid for layers
-  // of `dims` (a CTA per task, KV head and row slice; launch_deft_attention refuses other KV head
-  // counts). Buffers grow as needed and are reused. Waits (host side) only for this object's
-  // previous upload to have left the staging buffer, never for kernels.
-  // `extra` lands at extra() (16-byte aligned) before the plan's arrays.
+  // of `dims` (build_stage1_ctas of kernels/deft_schedule.h: a CTA per task, KV head and row
+  // slice; launch_deft_attention refuses other KV head counts). Buffers grow as needed and are
+  // reused. Waits (host side) only for this object's previous upload to have left the staging
+  // buffer, never for kernels. `extra` lands at extra() (16-byte aligned) before the plan's
+  // arrays.
   void upload(const AttentionPlanView& host_plan, const AttentionDims& dims, cudaStream_t stream,
               std::span<const unsigned char> extra = {});
   // As upload(), laid out for `capacity` (which must hold the plan): tasks past num_tasks are
@@ -150,10 +142,6 @@ class DeftAttentionBuffers {
 // bf16/fp16, head_dim 64/128, any group size (1, 2, 4, 8 tested), softmax_scale > 0.
 bool deft_attention_supported(const AttentionDims& dims);
 
-// Stage 1's CTAs per KV head (row slices) for a task of `max_task_entries` entries, or at most
-// for a plan whose largest task has that many (each task has its own: Stage1Cta).
-int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims& dims);
-
 // Whether stage 1 runs every pass of a plan of `shape` on warpgroup MMAs (sm_90a), short passes
 // padded to 64 rows, in its kernel without the mma.sync paths (less code, fewer registers live):
 // true unless the plan's largest task has at most 16 rows (entries x group; single-query plans
@@ -161,11 +149,6 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
 // H100 (2026-11-23) that kernel ran every tree of bench/kernel_attention_bench as fast or faster
 // (few-shot b20 23.9 -> 22.6 µs, specdec p1000 t128 19.0 -> 16.3, reasoning 46.9 -> 42.7).
 bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& dims);
-
-// Stage-1 CTAs the current device holds at once (SMs x CTAs per SM for `dims` and `dtype`): a
-// grid larger than this runs in more than one wave. The planner sizes chunks by it
-// (engine::PlannerOptions::wave).
-int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype);
 
 // The stage-2 batch launch_deft_attention picks when given 0, for a plan laid out for
 // `num_queries` query rows (stage 2's grid) with `shape`. A caller that captures the launch in a

@@ -16,6 +16,7 @@
 #include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
+#include "kernels/deft_schedule.h"
 #include "kernels/device_buffer.h"
 #include "kernels/device_scope.h"
 #include "kernels/llama_ops.h"

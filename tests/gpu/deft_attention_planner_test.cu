@@ -16,6 +16,7 @@
 #include "engine/sequence_tree.h"
 #include "kernels/deft_attention.h"
 #include "kernels/deft_attention_cpu.h"
+#include "kernels/deft_schedule.h"
 #include "kernels/prefill_attention.h"
 #include "tests/gpu/gpu_test_support.h"
 

@@ -448,8 +448,8 @@ Comparison run_and_compare(const Tree& tree, const HostPlan& plan, const Config&
   DEFT_CUDA_CHECK(cudaGetLastError());
   DEFT_CUDA_CHECK(cudaStreamDestroy(stream));
   std::vector<unsigned char> extra_back(extra.size());
-  DEFT_CUDA_CHECK(cudaMemcpy(extra_back.data(), device_plan.extra(), extra.size(),
-                             cudaMemcpyDeviceToHost));
+  DEFT_CUDA_CHECK(
+      cudaMemcpy(extra_back.data(), device_plan.extra(), extra.size(), cudaMemcpyDeviceToHost));
   EXPECT_EQ(extra_back, extra) << "the plan's extra bytes";
 
   const std::vector<uint16_t> out_bits = to_host<uint16_t>(out_dev, q_count);
@@ -775,49 +775,6 @@ TEST(PlanShape, LargestTaskAndQueryAndNullEntryArrays) {
   EXPECT_EQ(shape.max_query_entries, 0);
 }
 
-// Host code only: stage 1's grid gives each task the row slices its own rows need (64 rows a
-// pass, at most 32 slices) times the KV heads, the longest CTAs first (tiles, masked ones twice,
-// + 2), ties in (task, KV head, slice) order.
-TEST(PlanShape, StageOneCtasFollowEachTasksRowsLongestFirst) {
-  AttentionDims dims;
-  dims.head_dim = 128;
-  dims.num_kv_heads = 8;
-  dims.num_q_heads = 32;  // group 4: 16 entries a pass
-  // Tasks of 1, 20, 64, 3, 600 and 0 entries: 1, 2, 4, 1, 32 (38 passes, capped) and 1 slices;
-  // 2, 8, 1 (masked), 1, 10 and 1 tiles: work 4, 10, 4, 3, 12, 3.
-  const int32_t task_entry_begin[] = {0, 1, 21, 85, 88, 688, 688};
-  const int32_t task_kv_begin[] = {0, 100, 612, 676, 740, 1380};
-  const int32_t task_kv_end[] = {100, 612, 676, 740, 1380, 1390};
-  const int32_t task_mask_begin[] = {-1, -1, 0, -1, -1, -1};
-  AttentionPlanView plan;
-  plan.num_tasks = 6;
-  plan.task_entry_begin = task_entry_begin;
-  plan.task_kv_begin = task_kv_begin;
-  plan.task_kv_end = task_kv_end;
-  plan.task_mask_begin = task_mask_begin;
-  std::vector<Stage1Cta> ctas = {Stage1Cta{.task = 7}};  // replaced, not appended to
-  build_stage1_ctas(plan, dims, ctas);
-  const int32_t slices[] = {1, 2, 4, 1, 32, 1};
-  ASSERT_EQ(ctas.size(), 8u * (1 + 2 + 4 + 1 + 32 + 1));
-  size_t at = 0;
-  for (int32_t task : {4, 1, 0, 2, 3, 5}) {
-    for (int32_t head = 0; head < 8; ++head) {
-      for (int32_t slice = 0; slice < slices[task]; ++slice, ++at) {
-        EXPECT_EQ(ctas[at].task, task) << at;
-        EXPECT_EQ(ctas[at].kv_head, head) << at;
-        EXPECT_EQ(ctas[at].slice, slice) << at;
-        EXPECT_EQ(ctas[at].slices, slices[task]) << at;
-      }
-    }
-  }
-  dims.num_q_heads = 8;  // group 1: 64 entries a pass
-  build_stage1_ctas(plan, dims, ctas);
-  EXPECT_EQ(ctas.size(), 8u * (1 + 1 + 1 + 1 + 10 + 1));
-  AttentionPlanView no_entries;  // a prefill-only view: no tasks, no CTAs
-  build_stage1_ctas(no_entries, dims, ctas);
-  EXPECT_TRUE(ctas.empty());
-}
-
 // Host code only: stage 1 runs every pass on warpgroup MMAs unless the plan's largest task holds
 // at most 16 rows (entries x group).
 TEST(PlanShape, WgmmaPassesUnlessEveryTaskHoldsAtMost16Rows) {
@@ -829,13 +786,13 @@ TEST(PlanShape, WgmmaPassesUnlessEveryTaskHoldsAtMost16Rows) {
     return deft_attention_wgmma_passes(PlanShape{.max_task_entries = max_task_entries}, dims);
   };
   EXPECT_FALSE(wgmma(0, 4));
-  EXPECT_FALSE(wgmma(1, 4));   // the sequence baseline: a query a task
-  EXPECT_FALSE(wgmma(4, 4));   // 16 rows
-  EXPECT_TRUE(wgmma(5, 4));    // 20 rows
+  EXPECT_FALSE(wgmma(1, 4));  // the sequence baseline: a query a task
+  EXPECT_FALSE(wgmma(4, 4));  // 16 rows
+  EXPECT_TRUE(wgmma(5, 4));   // 20 rows
   EXPECT_FALSE(wgmma(16, 1));
   EXPECT_TRUE(wgmma(17, 1));
-  EXPECT_TRUE(wgmma(3, 8));    // 24 rows
-  EXPECT_TRUE(wgmma(20, 4));   // few-shot's shared prompt
+  EXPECT_TRUE(wgmma(3, 8));   // 24 rows
+  EXPECT_TRUE(wgmma(20, 4));  // few-shot's shared prompt
 }
 
 // The stage-2 batch a graph step keys on (deft_attention_stage2_batch): the smallest batch that
@@ -852,8 +809,8 @@ TEST(DeftAttentionStage2Batch, SmallestBatchHoldingTheLargestQuery) {
     dims.head_dim = head_dim;
     dims.softmax_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     for (const DType dtype : {DType::kBf16, DType::kFp16}) {
-      SCOPED_TRACE(::testing::Message() << "head_dim " << head_dim << " dtype "
-                                        << static_cast<int>(dtype));
+      SCOPED_TRACE(::testing::Message()
+                   << "head_dim " << head_dim << " dtype " << static_cast<int>(dtype));
       const auto batch = [&](int32_t max_query_entries, int32_t queries) {
         return deft_attention_stage2_batch(PlanShape{.max_query_entries = max_query_entries},
                                            queries, dims, dtype);
