@@ -1,21 +1,19 @@
 // Checking macros for CUDA runtime calls. A failing call is a bug or a broken device, never
-// bad user input (that is validated before it reaches kernels/), so it aborts with file, line,
-// the call's text and CUDA's message, in every build.
+// bad user input (that is validated before it reaches kernels/), so it aborts in every build, in
+// DEFT_CHECK's format (kernels/check.h): "check failed at FILE:LINE: CALL: CUDA error NAME:
+// MESSAGE".
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include <cstdio>
-#include <cstdlib>
+#include "kernels/check.h"
 
 namespace deft::kernels::detail {
 
 [[noreturn]] inline void cuda_check_failed(cudaError_t error, const char* call, const char* file,
                                            int line) {
-  std::fprintf(stderr, "CUDA error at %s:%d: %s failed: %s (%s)\n", file, line, call,
-               cudaGetErrorString(error), cudaGetErrorName(error));
-  std::fflush(stderr);
-  std::abort();
+  ::deft::detail::check_failed(call, file, line, "CUDA error %s: %s", cudaGetErrorName(error),
+                               cudaGetErrorString(error));
 }
 
 }  // namespace deft::kernels::detail

@@ -4,12 +4,11 @@
 // 64/128). How stage 1's work is cut (its grid) is kernels/deft_schedule.cc's.
 #include <algorithm>
 #include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <limits>
 
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.cuh"
 #include "kernels/deft_attention.h"
@@ -20,12 +19,6 @@
 namespace deft::kernels {
 
 namespace {
-
-[[noreturn]] void fail(const char* what, int value) {
-  std::fprintf(stderr, "deft_attention: %s (%d)\n", what, value);
-  std::fflush(stderr);
-  std::abort();
-}
 
 constexpr size_t kSectionAlign = 16;
 
@@ -197,13 +190,21 @@ void DevicePlan::upload(const AttentionPlanView& host_plan, const AttentionDims&
 void DevicePlan::upload_padded(const AttentionPlanView& host_plan, const AttentionDims& dims,
                                const PlanCapacity& capacity, cudaStream_t stream,
                                std::span<const unsigned char> extra) {
-  if (!capacity.holds(host_plan)) fail("upload_padded: the capacity does not hold the plan", 0);
+  DEFT_CHECK(capacity.holds(host_plan),
+             "DevicePlan::upload_padded: the capacity does not hold "
+             "the plan (%d queries, %d tasks, %d entries, %d KV indices, %d mask words)",
+             host_plan.num_queries, host_plan.num_tasks, host_plan.num_entries,
+             host_plan.num_kv_indices, host_plan.num_mask_words);
   upload_sections(host_plan, dims, &capacity, stream, extra);
 }
 
 void DevicePlan::stage_padded(const AttentionPlanView& host_plan, const AttentionDims& dims,
                               const PlanCapacity& capacity, std::span<const unsigned char> extra) {
-  if (!capacity.holds(host_plan)) fail("stage_padded: the capacity does not hold the plan", 0);
+  DEFT_CHECK(capacity.holds(host_plan),
+             "DevicePlan::stage_padded: the capacity does not hold "
+             "the plan (%d queries, %d tasks, %d entries, %d KV indices, %d mask words)",
+             host_plan.num_queries, host_plan.num_tasks, host_plan.num_entries,
+             host_plan.num_kv_indices, host_plan.num_mask_words);
   wait_for_staging();  // an upload() may have left a copy of it in flight
   stage_sections(host_plan, dims, &capacity, extra);
 }
@@ -244,9 +245,9 @@ void DevicePlan::stage_sections(const AttentionPlanView& host_plan, const Attent
     sizes.num_kv_indices = capacity->kv_indices;
     sizes.num_mask_words = capacity->mask_words;
     sizes.num_stage1_ctas = capacity->stage1_ctas;
-    if (capacity->stage1_ctas > 0 && num_ctas > capacity->stage1_ctas) {
-      fail("the capacity's stage-1 CTAs do not hold the plan's", num_ctas);
-    }
+    DEFT_CHECK(capacity->stage1_ctas <= 0 || num_ctas <= capacity->stage1_ctas,
+               "the capacity's %d stage-1 CTAs do not hold the plan's %d", capacity->stage1_ctas,
+               num_ctas);
   }
   struct Section {
     const void* source;
@@ -416,9 +417,10 @@ int32_t deft_attention_resident_ctas(const AttentionDims& dims, DType dtype) {
 
 int32_t deft_attention_stage2_batch(const PlanShape& shape, int32_t num_queries,
                                     const AttentionDims& dims, DType dtype) {
-  if (!deft_attention_supported(dims)) {
-    fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
-  }
+  DEFT_CHECK(deft_attention_supported(dims),
+             "deft_attention_stage2_batch: unsupported head_dim %d, heads %d / %d KV or "
+             "softmax_scale %g <= 0",
+             dims.head_dim, dims.num_q_heads, dims.num_kv_heads, dims.softmax_scale);
   return with_kernel_types(dtype, dims.head_dim, [&](auto type_tag, auto head_dim_tag) {
     return stage2_choice_for<decltype(type_tag), decltype(head_dim_tag)::value>(
                stage2_ctas(num_queries, dims), shape.max_query_entries, 0)
@@ -431,24 +433,24 @@ void launch_deft_attention(const AttentionPlanView& device_plan, const PlanShape
                            const void* k_cache, const void* v_cache, void* partial_out,
                            float* partial_lse, void* out, cudaStream_t stream, DeftStage2 stage2,
                            int32_t stage2_batch, const WeightPrefetch& prefetch) {
-  if (!deft_attention_supported(dims)) {
-    fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
-  }
-  if (shape.max_task_entries > 0 && shape.max_task_entries * dims.group_size() > (1 << 24)) {
-    fail("task too large", shape.max_task_entries);
-  }
-  if (stage2_batch != 0 && stage2_batch != 8 && stage2_batch != 16 && stage2_batch != 32) {
-    fail("stage 2 batch must be 0 (automatic), 8, 16 or 32, not", stage2_batch);
-  }
+  DEFT_CHECK(deft_attention_supported(dims),
+             "launch_deft_attention: unsupported head_dim %d, heads %d / %d KV or softmax_scale "
+             "%g <= 0",
+             dims.head_dim, dims.num_q_heads, dims.num_kv_heads, dims.softmax_scale);
+  DEFT_CHECK(shape.max_task_entries <= 0 || shape.max_task_entries * dims.group_size() <= (1 << 24),
+             "launch_deft_attention: task too large: %d entries x group %d", shape.max_task_entries,
+             dims.group_size());
+  DEFT_CHECK(stage2_batch == 0 || stage2_batch == 8 || stage2_batch == 16 || stage2_batch == 32,
+             "launch_deft_attention: stage 2 batch must be 0 (automatic), 8, 16 or 32, not %d",
+             stage2_batch);
   if (device_plan.num_tasks == 0 || device_plan.num_queries == 0) return;
-  if (device_plan.stage1_ctas == nullptr || device_plan.num_stage1_ctas < 1) {
-    fail("the plan has no stage-1 grid (upload it with DevicePlan); CTAs",
-         device_plan.num_stage1_ctas);
-  }
-  if (device_plan.stage1_kv_heads != dims.num_kv_heads) {
-    fail("the plan's stage-1 grid was built for other KV heads; built for",
-         device_plan.stage1_kv_heads);
-  }
+  DEFT_CHECK(device_plan.stage1_ctas != nullptr && device_plan.num_stage1_ctas >= 1,
+             "launch_deft_attention: the plan has no stage-1 grid (upload it with DevicePlan); "
+             "CTAs %d",
+             device_plan.num_stage1_ctas);
+  DEFT_CHECK(device_plan.stage1_kv_heads == dims.num_kv_heads,
+             "launch_deft_attention: the plan's stage-1 grid was built for %d KV heads, not %d",
+             device_plan.stage1_kv_heads, dims.num_kv_heads);
   // Known on the host only when every query has an entry (num_entries > num_queries): a plan
   // with prefill runs (rows without entries) always runs it.
   const bool run_stage2 =

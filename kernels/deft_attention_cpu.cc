@@ -1,31 +1,24 @@
 #include "kernels/deft_attention_cpu.h"
 
-#include "kernels/prefill_attention_cpu.h"
-
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <vector>
+
+#include "kernels/check.h"
+#include "kernels/prefill_attention_cpu.h"
 
 namespace deft::kernels {
 namespace {
 
-// A malformed plan is a planner bug, not bad input: abort with a message in every build.
-[[noreturn]] void die(const char* what, long long a, long long b) {
-  std::fprintf(stderr, "deft_attention_cpu: invalid plan: %s (%lld, %lld)\n", what, a, b);
-  std::abort();
-}
+// A malformed plan is a planner bug, not bad input: the checks below abort with a message in
+// every build (DEFT_CHECK).
 
 void check_dims(const AttentionDims& dims) {
-  if (dims.num_q_heads <= 0 || dims.num_kv_heads <= 0 || dims.head_dim <= 0 ||
-      dims.num_q_heads % dims.num_kv_heads != 0) {
-    std::fprintf(stderr,
-                 "deft_attention_cpu: invalid dims: num_q_heads=%d num_kv_heads=%d head_dim=%d\n",
-                 dims.num_q_heads, dims.num_kv_heads, dims.head_dim);
-    std::abort();
-  }
+  DEFT_CHECK(dims.num_q_heads > 0 && dims.num_kv_heads > 0 && dims.head_dim > 0 &&
+                 dims.num_q_heads % dims.num_kv_heads == 0,
+             "deft_attention_cpu: invalid dims: num_q_heads=%d num_kv_heads=%d head_dim=%d",
+             dims.num_q_heads, dims.num_kv_heads, dims.head_dim);
 }
 
 // Rows of the plan's prefill runs (computed by prefill_attention_cpu, never by tasks).
@@ -33,11 +26,14 @@ std::vector<bool> prefill_rows(const AttentionPlanView& plan) {
   std::vector<bool> in_run(static_cast<size_t>(plan.num_queries), false);
   for (int32_t run = 0; run < plan.num_prefill_runs; ++run) {
     const PrefillRun& r = plan.prefill_runs[run];
-    if (r.row_begin < 0 || r.num_rows < 0 || r.row_begin + r.num_rows > plan.num_queries) {
-      die("prefill run rows outside the plan (run, row_begin)", run, r.row_begin);
-    }
+    DEFT_CHECK(r.row_begin >= 0 && r.num_rows >= 0 && r.row_begin + r.num_rows <= plan.num_queries,
+               "deft_attention_cpu: invalid plan: prefill run rows outside the plan (run %d, "
+               "row_begin %d, rows %d, queries %d)",
+               run, r.row_begin, r.num_rows, plan.num_queries);
     for (int32_t i = 0; i < r.num_rows; ++i) {
-      if (in_run[r.row_begin + i]) die("row in two prefill runs (run, row)", run, r.row_begin + i);
+      DEFT_CHECK(!in_run[r.row_begin + i],
+                 "deft_attention_cpu: invalid plan: row in two prefill runs (run %d, row %d)", run,
+                 r.row_begin + i);
       in_run[r.row_begin + i] = true;
     }
   }
@@ -48,27 +44,29 @@ std::vector<bool> prefill_rows(const AttentionPlanView& plan) {
 // a query has entries unless it is a row of a prefill run, and then it has none.
 void check_reduction_map(const AttentionPlanView& plan) {
   const std::vector<bool> in_run = prefill_rows(plan);
-  if (plan.query_entry_begin[0] != 0 ||
-      plan.query_entry_begin[plan.num_queries] != plan.num_entries) {
-    die("query_entry_begin does not span [0, num_entries)", plan.query_entry_begin[0],
-        plan.query_entry_begin[plan.num_queries]);
-  }
+  DEFT_CHECK(plan.query_entry_begin[0] == 0 &&
+                 plan.query_entry_begin[plan.num_queries] == plan.num_entries,
+             "deft_attention_cpu: invalid plan: query_entry_begin spans [%d, %d), not [0, %d)",
+             plan.query_entry_begin[0], plan.query_entry_begin[plan.num_queries], plan.num_entries);
   for (int32_t query = 0; query < plan.num_queries; ++query) {
     const int32_t begin = plan.query_entry_begin[query];
     const int32_t end = plan.query_entry_begin[query + 1];
-    if (end <= begin && !in_run[query]) {
-      die("query has no partial result (query, first entry)", query, begin);
-    }
-    if (end > begin && in_run[query]) {
-      die("query of a prefill run has task entries (query, first entry)", query, begin);
-    }
+    DEFT_CHECK(end > begin || in_run[query],
+               "deft_attention_cpu: invalid plan: query %d has no partial result (first entry %d)",
+               query, begin);
+    DEFT_CHECK(end <= begin || !in_run[query],
+               "deft_attention_cpu: invalid plan: query %d of a prefill run has task entries "
+               "(first entry %d)",
+               query, begin);
     for (int32_t i = begin; i < end; ++i) {
       const int32_t entry = plan.query_entries[i];
-      if (entry < 0 || entry >= plan.num_entries) die("query_entries out of range", i, entry);
-      if (plan.entry_query[entry] != query) {
-        die("query_entries lists an entry of another query (entry, its query)", entry,
-            plan.entry_query[entry]);
-      }
+      DEFT_CHECK(entry >= 0 && entry < plan.num_entries,
+                 "deft_attention_cpu: invalid plan: query_entries[%d] = %d, outside [0, %d)", i,
+                 entry, plan.num_entries);
+      DEFT_CHECK(plan.entry_query[entry] == query,
+                 "deft_attention_cpu: invalid plan: query_entries of query %d lists entry %d of "
+                 "query %d",
+                 query, entry, plan.entry_query[entry]);
     }
   }
 }
@@ -84,10 +82,10 @@ void deft_attention_stage1_cpu(const AttentionPlanView& plan, const AttentionDim
   const size_t kv_token_stride = static_cast<size_t>(dims.num_kv_heads) * head_dim;
   const size_t q_row_stride = static_cast<size_t>(dims.num_q_heads) * head_dim;
 
-  if (plan.task_entry_begin[0] != 0 || plan.task_entry_begin[plan.num_tasks] != plan.num_entries) {
-    die("task_entry_begin does not span [0, num_entries)", plan.task_entry_begin[0],
-        plan.task_entry_begin[plan.num_tasks]);
-  }
+  DEFT_CHECK(
+      plan.task_entry_begin[0] == 0 && plan.task_entry_begin[plan.num_tasks] == plan.num_entries,
+      "deft_attention_cpu: invalid plan: task_entry_begin spans [%d, %d), not [0, %d)",
+      plan.task_entry_begin[0], plan.task_entry_begin[plan.num_tasks], plan.num_entries);
 
   std::vector<float> scores;
   std::vector<float> acc(head_dim);
@@ -98,25 +96,30 @@ void deft_attention_stage1_cpu(const AttentionPlanView& plan, const AttentionDim
     const int32_t entry_end = plan.task_entry_begin[task + 1];
     const int32_t mask_begin = plan.task_mask_begin[task];
     const int32_t run_tokens = kv_end - kv_begin;
-    if (kv_begin < 0 || kv_end > plan.num_kv_indices || run_tokens <= 0) {
-      die("task KV run out of range or empty (begin, end)", kv_begin, kv_end);
-    }
-    if (entry_end < entry_begin) die("task entries decrease (task, begin)", task, entry_begin);
+    DEFT_CHECK(kv_begin >= 0 && kv_end <= plan.num_kv_indices && run_tokens > 0,
+               "deft_attention_cpu: invalid plan: task %d's KV run [%d, %d) out of [0, %d) or "
+               "empty",
+               task, kv_begin, kv_end, plan.num_kv_indices);
+    DEFT_CHECK(entry_end >= entry_begin,
+               "deft_attention_cpu: invalid plan: task %d's entries decrease (%d to %d)", task,
+               entry_begin, entry_end);
     if (mask_begin != -1) {
-      if (entry_end - entry_begin > kMaskWordBits) {
-        die("masked task with more entries than mask bits (task, entries)", task,
-            entry_end - entry_begin);
-      }
-      if (mask_begin < 0 || mask_begin + run_tokens > plan.num_mask_words) {
-        die("task mask words out of range (task, mask_begin)", task, mask_begin);
-      }
+      DEFT_CHECK(entry_end - entry_begin <= kMaskWordBits,
+                 "deft_attention_cpu: invalid plan: masked task %d has %d entries, more than %d "
+                 "mask bits",
+                 task, entry_end - entry_begin, kMaskWordBits);
+      DEFT_CHECK(mask_begin >= 0 && mask_begin + run_tokens <= plan.num_mask_words,
+                 "deft_attention_cpu: invalid plan: task %d's mask words [%d, %d) out of [0, %d)",
+                 task, mask_begin, mask_begin + run_tokens, plan.num_mask_words);
     }
     scores.resize(run_tokens);
 
     for (int32_t entry = entry_begin; entry < entry_end; ++entry) {
       const int32_t bit = entry - entry_begin;
       const int32_t row = plan.entry_query[entry];
-      if (row < 0 || row >= plan.num_queries) die("entry_query out of range", entry, row);
+      DEFT_CHECK(row >= 0 && row < plan.num_queries,
+                 "deft_attention_cpu: invalid plan: entry_query[%d] = %d, outside [0, %d)", entry,
+                 row, plan.num_queries);
       const auto visible = [&](int32_t i) {
         return mask_begin == -1 || ((plan.mask_words[mask_begin + i] >> bit) & 1u) != 0;
       };
@@ -131,7 +134,8 @@ void deft_attention_stage1_cpu(const AttentionPlanView& plan, const AttentionDim
         for (int32_t i = 0; i < run_tokens; ++i) {
           if (!visible(i)) continue;
           const int32_t slot = plan.kv_slots[kv_begin + i];
-          if (slot < 0) die("negative KV slot (index, slot)", kv_begin + i, slot);
+          DEFT_CHECK(slot >= 0, "deft_attention_cpu: invalid plan: kv_slots[%d] = %d", kv_begin + i,
+                     slot);
           const float* k_vec =
               k_cache + slot * kv_token_stride + static_cast<size_t>(kv_head) * head_dim;
           float dot = 0.0f;
@@ -140,7 +144,9 @@ void deft_attention_stage1_cpu(const AttentionPlanView& plan, const AttentionDim
           max_score = std::max(max_score, scores[i]);
           ++visible_tokens;
         }
-        if (visible_tokens == 0) die("entry sees no token of its task (task, entry)", task, entry);
+        DEFT_CHECK(visible_tokens > 0,
+                   "deft_attention_cpu: invalid plan: entry %d sees no token of its task %d", entry,
+                   task);
 
         // Pass 2: softmax weights relative to the maximum, weighted sum of V.
         float sum = 0.0f;

@@ -1,6 +1,4 @@
-#include <cstdio>
-#include <cstdlib>
-
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/kv_write.h"
 
@@ -35,11 +33,9 @@ void launch_kv_write(const KvWriteDims& dims, DType dtype, const int32_t* slots,
   const int64_t elem_bytes = static_cast<int64_t>(dtype_bytes(dtype));
   const int64_t row_bytes = int64_t{dims.num_kv_heads} * dims.head_dim * elem_bytes;
   const int64_t stride_bytes = dims.new_token_stride * elem_bytes;
-  if (row_bytes % 16 != 0 || stride_bytes % 16 != 0) {
-    std::fprintf(stderr, "launch_kv_write: rows of %lld bytes, stride %lld: need multiples of 16\n",
-                 static_cast<long long>(row_bytes), static_cast<long long>(stride_bytes));
-    std::abort();
-  }
+  DEFT_CHECK(row_bytes % 16 == 0 && stride_bytes % 16 == 0,
+             "launch_kv_write: rows of %lld bytes, stride %lld: need multiples of 16",
+             static_cast<long long>(row_bytes), static_cast<long long>(stride_bytes));
   if (dims.num_tokens <= 0) return;
   const int32_t row_chunks = static_cast<int32_t>(row_bytes / 16);
   const int64_t chunks = int64_t{dims.num_tokens} * row_chunks;

@@ -5,8 +5,8 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
+
+#include "kernels/check.h"
 
 namespace deft::kernels {
 
@@ -24,8 +24,7 @@ struct L2Discard {
         return *this;
       }
     }
-    std::fprintf(stderr, "L2Discard: more than %d ranges\n", kMaxRanges);
-    std::abort();
+    DEFT_FAIL("L2Discard: more than %d ranges", kMaxRanges);
   }
 };
 

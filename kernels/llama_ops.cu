@@ -2,9 +2,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/device_info.h"
@@ -235,8 +234,7 @@ __global__ void __launch_bounds__(kThreads)
         // column, c - 8 * lane (the warp's vectors are consecutive in one row).
         const int32_t line = lane % kSpanLines;
         const T* span = gate_up + r * 2 * width + (lane < kSpanLines ? 0 : width) + c - 8 * lane;
-        detail::discard_l2_line(reinterpret_cast<const char*>(span) +
-                                line * detail::kL2LineBytes);
+        detail::discard_l2_line(reinterpret_cast<const char*>(span) + line * detail::kL2LineBytes);
       }
     }
   }
@@ -365,8 +363,8 @@ __global__ void __launch_bounds__(kRopeThreads)
     } else if (head < dims.num_q_heads + dims.num_kv_heads) {
       dst = k_cache + slot * kv_size + (head - dims.num_q_heads) * dims.head_dim;
     } else {
-      dst = v_cache + slot * kv_size +
-            (head - dims.num_q_heads - dims.num_kv_heads) * dims.head_dim;
+      dst =
+          v_cache + slot * kv_size + (head - dims.num_q_heads - dims.num_kv_heads) * dims.head_dim;
       store4(dst + pair, a.x, a.y, a.z, a.w);
       store4(dst + pair + half, b.x, b.y, b.z, b.w);
       continue;
@@ -375,8 +373,8 @@ __global__ void __launch_bounds__(kRopeThreads)
     const float4 s = *reinterpret_cast<const float4*>(sin_table + pair);
     store4(dst + pair, a.x * c.x - b.x * s.x, a.y * c.y - b.y * s.y, a.z * c.z - b.z * s.z,
            a.w * c.w - b.w * s.w);
-    store4(dst + pair + half, b.x * c.x + a.x * s.x, b.y * c.y + a.y * s.y,
-           b.z * c.z + a.z * s.z, b.w * c.w + a.w * s.w);
+    store4(dst + pair + half, b.x * c.x + a.x * s.x, b.y * c.y + a.y * s.y, b.z * c.z + a.z * s.z,
+           b.w * c.w + a.w * s.w);
   }
 }
 
@@ -412,10 +410,8 @@ void launch_embedding(int32_t num_tokens, int32_t width, DType dtype, const int3
 void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_index, float* x,
                      const float* add_bias, const float* weight, void* out, cudaStream_t stream,
                      const WeightPrefetch& prefetch, const L2Discard& discard) {
-  if (row_index != nullptr && add_bias != nullptr) {
-    std::fprintf(stderr, "launch_rms_norm: add_bias with a row gather\n");
-    std::abort();
-  }
+  DEFT_CHECK(row_index == nullptr || add_bias == nullptr,
+             "launch_rms_norm: add_bias with a row gather");
   const PrefetchGrid grid = with_prefetch_ctas("launch_rms_norm", prefetch, dims.num_rows);
   if (dims.num_rows <= 0) return;
   const bool vector = dims.width % 4 == 0 && dims.width <= 4 * kNormVectors * kThreads &&
@@ -424,8 +420,8 @@ void launch_rms_norm(const RmsNormDims& dims, DType dtype, const int32_t* row_in
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_dependent(vector ? &rms_norm_vector_kernel<T> : &rms_norm_kernel<T>,
-                     dim3(static_cast<unsigned>(grid.blocks)), kThreads, stream, dims, row_index,
-                     x, add_bias, weight, static_cast<T*>(out), grid.prefetch, discard);
+                     dim3(static_cast<unsigned>(grid.blocks)), kThreads, stream, dims, row_index, x,
+                     add_bias, weight, static_cast<T*>(out), grid.prefetch, discard);
   });
   DEFT_CUDA_CHECK_LAUNCH();
 }
@@ -449,10 +445,7 @@ void launch_qkv_rope_write(const QkvRopeDims& dims, DType dtype, const int32_t* 
                            const int32_t* slots, const float* inv_freq, const void* qkv,
                            const float* bias, void* q_out, void* k_cache, void* v_cache,
                            cudaStream_t stream) {
-  if (dims.head_dim % 2 != 0) {
-    std::fprintf(stderr, "launch_qkv_rope_write: odd head_dim %d\n", dims.head_dim);
-    std::abort();
-  }
+  DEFT_CHECK(dims.head_dim % 2 == 0, "launch_qkv_rope_write: odd head_dim %d", dims.head_dim);
   const int64_t items =
       int64_t{dims.num_tokens} * (dims.num_q_heads + 2 * dims.num_kv_heads) * (dims.head_dim / 2);
   if (items <= 0) return;
@@ -465,12 +458,12 @@ void launch_qkv_rope_write(const QkvRopeDims& dims, DType dtype, const int32_t* 
                             const float*, T*, T*, T*);
     const Kernel kernel = vector ? &qkv_rope_write_vector_kernel<T> : &qkv_rope_write_kernel<T>;
     const int32_t heads = dims.num_q_heads + 2 * dims.num_kv_heads;
-    const dim3 grid = vector ? dim3(static_cast<unsigned>(dims.num_tokens),
-                                    static_cast<unsigned>((heads + kRopeHeadsPerBlock - 1) /
-                                                          kRopeHeadsPerBlock))
-                             : dim3(static_cast<unsigned>(grid_for(items)));
-    launch_dependent(kernel, grid, vector ? kRopeThreads : kThreads, stream, dims, positions,
-                     slots, inv_freq, static_cast<const T*>(qkv), bias, static_cast<T*>(q_out),
+    const dim3 grid =
+        vector ? dim3(static_cast<unsigned>(dims.num_tokens),
+                      static_cast<unsigned>((heads + kRopeHeadsPerBlock - 1) / kRopeHeadsPerBlock))
+               : dim3(static_cast<unsigned>(grid_for(items)));
+    launch_dependent(kernel, grid, vector ? kRopeThreads : kThreads, stream, dims, positions, slots,
+                     inv_freq, static_cast<const T*>(qkv), bias, static_cast<T*>(q_out),
                      static_cast<T*>(k_cache), static_cast<T*>(v_cache));
   });
   DEFT_CUDA_CHECK_LAUNCH();

@@ -1,9 +1,8 @@
 // Host side of the prefill attention kernel: launch shape (Q tiles, KV splits), split scratch,
 // and the one place that instantiates kernels/prefill_attention.cuh (bf16/fp16 x 64/128).
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_info.h"
 #include "kernels/per_device.h"
@@ -13,12 +12,6 @@
 namespace deft::kernels {
 
 namespace {
-
-[[noreturn]] void fail(const char* what, int value) {
-  std::fprintf(stderr, "prefill_attention: %s (%d)\n", what, value);
-  std::fflush(stderr);
-  std::abort();
-}
 
 // Split-KV: CTAs wanted per SM before a launch counts as filling the GPU (3 CTAs of 64 rows fit
 // an SM), the fewest key tiles a split keeps (4 x 64 keys: below that the merge costs more than
@@ -57,8 +50,7 @@ void launch_typed(const detail::PrefillParams& params, const PrefillLaunchShape&
 
 bool prefill_attention_supported(const AttentionDims& dims) {
   return (dims.head_dim == 64 || dims.head_dim == 128) && dims.softmax_scale > 0.0f &&
-         dims.num_kv_heads > 0 && dims.num_q_heads > 0 &&
-         dims.num_q_heads % dims.num_kv_heads == 0;
+         dims.num_kv_heads > 0 && dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0;
 }
 
 PrefillLaunchShape prefill_launch_shape(std::span<const PrefillRun> host_runs,
@@ -67,11 +59,12 @@ PrefillLaunchShape prefill_launch_shape(std::span<const PrefillRun> host_runs,
   const int64_t group = dims.group_size();
   int32_t max_key_tiles = 0;
   for (const PrefillRun& run : host_runs) {
-    shape.q_tiles += static_cast<int32_t>(
-        (run.num_rows * group + detail::kPrefillRows - 1) / detail::kPrefillRows);
+    shape.q_tiles += static_cast<int32_t>((run.num_rows * group + detail::kPrefillRows - 1) /
+                                          detail::kPrefillRows);
     shape.prefill_rows += run.num_rows;
-    max_key_tiles = std::max(max_key_tiles, (run.prefix_tokens + run.num_rows +
-                                             detail::kKvTileTokens - 1) / detail::kKvTileTokens);
+    max_key_tiles =
+        std::max(max_key_tiles, (run.prefix_tokens + run.num_rows + detail::kKvTileTokens - 1) /
+                                    detail::kKvTileTokens);
   }
   const int64_t ctas = int64_t{shape.q_tiles} * dims.num_kv_heads;
   const int64_t target = int64_t{num_sms} * kTargetCtasPerSm;
@@ -85,8 +78,7 @@ PrefillLaunchShape prefill_launch_shape(std::span<const PrefillRun> host_runs,
 
 void PrefillAttentionBuffers::reserve(const PrefillLaunchShape& shape, const AttentionDims& dims) {
   if (shape.kv_splits <= 1) return;
-  const size_t rows =
-      static_cast<size_t>(shape.kv_splits) * shape.prefill_rows * dims.num_q_heads;
+  const size_t rows = static_cast<size_t>(shape.kv_splits) * shape.prefill_rows * dims.num_q_heads;
   scratch_.reserve(rows * (dims.head_dim + 1) * sizeof(float));
 }
 
@@ -94,13 +86,14 @@ void launch_prefill_attention(const AttentionPlanView& device_plan,
                               std::span<const PrefillRun> host_runs, const AttentionDims& dims,
                               DType dtype, const void* q, const void* k_cache, const void* v_cache,
                               PrefillAttentionBuffers& buffers, void* out, cudaStream_t stream) {
-  if (!prefill_attention_supported(dims)) {
-    fail("unsupported head_dim, head counts or softmax_scale <= 0; head_dim", dims.head_dim);
-  }
+  DEFT_CHECK(prefill_attention_supported(dims),
+             "launch_prefill_attention: unsupported head_dim %d, heads %d / %d KV or "
+             "softmax_scale %g <= 0",
+             dims.head_dim, dims.num_q_heads, dims.num_kv_heads, dims.softmax_scale);
   if (host_runs.empty()) return;
-  if (static_cast<int32_t>(host_runs.size()) != device_plan.num_prefill_runs) {
-    fail("host and device prefill run counts differ", device_plan.num_prefill_runs);
-  }
+  DEFT_CHECK(static_cast<int32_t>(host_runs.size()) == device_plan.num_prefill_runs,
+             "launch_prefill_attention: %zu host prefill runs, %d in the device plan",
+             host_runs.size(), device_plan.num_prefill_runs);
   const PrefillLaunchShape shape = prefill_launch_shape(host_runs, dims, current_device_sm_count());
   if (shape.q_tiles == 0) return;
   buffers.reserve(shape, dims);

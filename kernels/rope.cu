@@ -2,9 +2,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/float_convert.cuh"
 #include "kernels/rope.h"
@@ -51,10 +50,7 @@ __global__ void __launch_bounds__(kThreads)
 
 void launch_rope(const RopeDims& dims, DType dtype, const int32_t* positions, const float* inv_freq,
                  void* q, void* k, cudaStream_t stream) {
-  if (dims.head_dim % 2 != 0) {
-    std::fprintf(stderr, "launch_rope: odd head_dim %d\n", dims.head_dim);
-    std::abort();
-  }
+  DEFT_CHECK(dims.head_dim % 2 == 0, "launch_rope: odd head_dim %d", dims.head_dim);
   const int64_t pairs =
       int64_t{dims.num_tokens} * (dims.num_q_heads + dims.num_kv_heads) * (dims.head_dim / 2);
   if (pairs <= 0) return;

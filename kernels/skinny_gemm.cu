@@ -33,12 +33,11 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <mutex>
 #include <vector>
 
 #include "kernels/bulk_copy.cuh"
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/device_info.h"
@@ -197,8 +196,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         detail::mbarrier_arrive_expect_bytes(&full[s], L::kStageBytes);
         if (p.swiglu_width > 0) {
           // Two boxes of 64 rows (w_map's box): the tile's gate rows, then its up rows.
-          detail::bulk_copy_tile_2d(smem + s * L::kStageBytes, &w_map, k, tile * kMmaRows,
-                                    &full[s], stream_policy);
+          detail::bulk_copy_tile_2d(smem + s * L::kStageBytes, &w_map, k, tile * kMmaRows, &full[s],
+                                    stream_policy);
           detail::bulk_copy_tile_2d(smem + s * L::kStageBytes + kMmaRows * detail::kSwizzleRowBytes,
                                     &w_map, k, p.swiglu_width + tile * kMmaRows, &full[s],
                                     stream_policy);
@@ -413,11 +412,8 @@ Workspace workspace(cudaStream_t stream) {
   }
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (stream != nullptr) DEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-  if (capturing != cudaStreamCaptureStatusNone) {
-    std::fprintf(stderr,
-                 "launch_skinny_gemm: call skinny_gemm_reserve(stream) before capturing a graph\n");
-    std::abort();
-  }
+  DEFT_CHECK(capturing == cudaStreamCaptureStatusNone,
+             "launch_skinny_gemm: call skinny_gemm_reserve(stream) before capturing a graph");
   const size_t ctas = static_cast<size_t>(kCtasPerSm) * current_device_sm_count();
   Workspace w{.device = device, .stream = stream};
   DEFT_CUDA_CHECK(cudaMalloc(&w.pieces, ctas * kSlotFloats * sizeof(float)));
@@ -556,22 +552,16 @@ namespace {
 // Both launchers' contract (a caller bug otherwise: they abort, naming what is wrong). The
 // product must be skinny_gemm_supported, and the current device must run the sm_90a code.
 void check_launchable(const char* what, const SkinnyGemmDims& dims, const void* x, const void* w) {
-  if (!skinny_gemm_supported(dims, x, w)) {
-    std::fprintf(stderr,
-                 "%s: unsupported product: rows %d (1..%d), in %d (> 0, a multiple of 8), out %d "
-                 "(> 0), x and w 16-byte aligned (%s, %s)\n",
-                 what, dims.rows, 2 * kSkinnyGemmMaxRows, dims.in, dims.out,
-                 reinterpret_cast<uintptr_t>(x) % 16 == 0 ? "yes" : "no",
-                 reinterpret_cast<uintptr_t>(w) % 16 == 0 ? "yes" : "no");
-    std::abort();
-  }
-  if (!skinny_gemm_available()) {
-    std::fprintf(stderr,
-                 "%s: no skinny GEMM on the current device (it needs an sm_90 GPU and a build "
-                 "with sm_90a machine code; see skinny_gemm_available)\n",
-                 what);
-    std::abort();
-  }
+  DEFT_CHECK(skinny_gemm_supported(dims, x, w),
+             "%s: unsupported product: rows %d (1..%d), in %d (> 0, a multiple of 8), out %d "
+             "(> 0), x and w 16-byte aligned (%s, %s)",
+             what, dims.rows, 2 * kSkinnyGemmMaxRows, dims.in, dims.out,
+             reinterpret_cast<uintptr_t>(x) % 16 == 0 ? "yes" : "no",
+             reinterpret_cast<uintptr_t>(w) % 16 == 0 ? "yes" : "no");
+  DEFT_CHECK(skinny_gemm_available(),
+             "%s: no skinny GEMM on the current device (it needs an sm_90 GPU and a build with "
+             "sm_90a machine code; see skinny_gemm_available)",
+             what);
 }
 
 // Both launchers: passes of up to kSkinnyGemmMaxRows rows over `tiles` tiles of w.
@@ -616,13 +606,10 @@ void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, 
                 grid_for(tiles, k_blocks_of(dims), split_k), /*swiglu_width=*/0);
 }
 
-void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype,
-                               const void* x, const void* w, void* out, cudaStream_t stream) {
+void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype, const void* x,
+                               const void* w, void* out, cudaStream_t stream) {
   const SkinnyGemmDims dims{.rows = rows, .in = in, .out = 2 * width};
-  if (width <= 0) {
-    std::fprintf(stderr, "launch_skinny_gemm_swiglu: width %d must be > 0\n", width);
-    std::abort();
-  }
+  DEFT_CHECK(width > 0, "launch_skinny_gemm_swiglu: width %d must be > 0", width);
   check_launchable("launch_skinny_gemm_swiglu", dims, x, w);
   // Tiles of 64 gate and 64 up rows; every tile's sum complete in one CTA (no K split over a
   // cluster: the pair of an output would sit in different CTAs' shares).
@@ -630,8 +617,8 @@ void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dt
   const int k_blocks = k_blocks_of(dims);
   Grid grid = grid_for(tiles, k_blocks, 0);
   if (grid.cluster > 1) grid = grid_for(tiles, k_blocks, 1);
-  launch_passes(dims, dtype, x, w, out, /*y_fp32=*/false, /*accumulate=*/false, stream, tiles,
-                grid, width);
+  launch_passes(dims, dtype, x, w, out, /*y_fp32=*/false, /*accumulate=*/false, stream, tiles, grid,
+                width);
 }
 
 }  // namespace deft::kernels

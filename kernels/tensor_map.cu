@@ -1,12 +1,11 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
 
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/tensor_map.h"
 
@@ -19,10 +18,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
     cudaDriverEntryPointQueryResult found{};
     DEFT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000,
                                                      cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || entry == nullptr) {
-      std::fprintf(stderr, "tensor_map: the driver has no cuTensorMapEncodeTiled\n");
-      std::abort();
-    }
+    DEFT_CHECK(found == cudaDriverEntryPointSuccess && entry != nullptr,
+               "tensor_map: the driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
   }();
   return function;
@@ -73,13 +70,10 @@ CUtensorMap swizzled_tile_map(const void* base, int64_t rows, int64_t cols, DTyp
       const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS) {
-    std::fprintf(stderr,
-                 "tensor_map: cuTensorMapEncodeTiled failed (%d) for [%lld][%lld] at %p, box %d\n",
-                 static_cast<int>(result), static_cast<long long>(rows),
-                 static_cast<long long>(cols), base, box_rows);
-    std::abort();
-  }
+  DEFT_CHECK(result == CUDA_SUCCESS,
+             "tensor_map: cuTensorMapEncodeTiled failed (%d) for [%lld][%lld] at %p, box %d",
+             static_cast<int>(result), static_cast<long long>(rows), static_cast<long long>(cols),
+             base, box_rows);
   if (cache.size() >= kMaxCached) cache.clear();
   cache.emplace(key, map);
   return map;

@@ -1,9 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdio>
-#include <cstdlib>
-
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/float_convert.cuh"
 #include "kernels/tree_attention_generic.h"
@@ -113,10 +111,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 void launch_tree_attention_generic(const AttentionPlanView& device_plan, const AttentionDims& dims,
                                    DType dtype, const void* q, const void* k_cache,
                                    const void* v_cache, void* out, cudaStream_t stream) {
-  if (!tree_attention_generic_supported(dims)) {
-    std::fprintf(stderr, "launch_tree_attention_generic: unsupported head_dim %d\n", dims.head_dim);
-    std::abort();
-  }
+  DEFT_CHECK(tree_attention_generic_supported(dims),
+             "launch_tree_attention_generic: unsupported head_dim %d", dims.head_dim);
   const int64_t items = int64_t{device_plan.num_queries} * dims.num_q_heads;
   if (items == 0 || (device_plan.num_tasks == 0 && device_plan.num_prefill_runs == 0)) return;
   const int blocks = static_cast<int>((items + kWarpsPerBlock - 1) / kWarpsPerBlock);
