@@ -48,8 +48,9 @@ inline constexpr int kStage1Threads = kStage1Warps * 32;
 inline constexpr int kKvTileTokens = 64;  // tokens per cp.async tile
 inline constexpr int kMmaRows = 16;       // rows of one warp's m16n8k16 tile
 inline constexpr int kStepTokens = 16;    // tokens of one warp step (k of the PV MMA)
-// KV tiles in the shared-memory ring. 3 stages (2 CTAs per SM instead of 3) measured 4-35 %
-// slower on every snapshot of bench/kernel_attention_bench (H100, 2026-11-23).
+// KV tiles in the shared-memory ring. 3 stages (2 CTAs per SM instead of 3) ran 4-35 % slower on
+// every snapshot of bench/kernel_attention_bench on the H100 (kernel notes:
+// bench/results/kernel_attention-h100-notes.md).
 inline constexpr int kStages = 2;
 inline constexpr int kStage2Warps = 4;  // heads per stage-2 CTA
 inline constexpr int kStage2Threads = kStage2Warps * 32;
@@ -1113,10 +1114,10 @@ __global__ void __launch_bounds__(kStage1Threads, 3)
 // registers. The first batch's loads go out together with the LSEs', so a query of up to kBatch
 // partials costs one memory round trip after stage 1 (the plan's rows are read before the wait).
 // Loading the LSEs first, then the rows 8 at a time, took four: 7.4 µs for 20 few-shot queries
-// in the decode step (ncu, H100, 2026-11-23), where stage 2 sits between stage 1 and the O
-// projection. A larger batch holds more registers (head_dim 128: 32 rows 96 a thread, 8 rows
-// 48), so the launch picks the batch (stage2_kernel_for in deft_attention.cu): the smallest that
-// takes the plan's largest query in one trip among those whose grid fits on the GPU at once.
+// in the H100's decode step (ncu), where stage 2 sits between stage 1 and the O projection. A
+// larger batch holds more registers (head_dim 128: 32 rows 96 a thread, 8 rows 48), so the launch
+// picks the batch (stage2_choice_for in deft_attention.cu): the smallest that takes the plan's
+// largest query in one trip among those whose grid fits on the GPU at once.
 template <typename T, int kHeadDim, int kBatch>
 __global__ void __launch_bounds__(kStage2Threads)
     deft_attention_stage2_kernel(const __grid_constant__ AttentionPlanView plan,
@@ -1129,8 +1130,8 @@ __global__ void __launch_bounds__(kStage2Threads)
   // The next layer's stage 1 may be scheduled (it waits for us before touching our outputs).
   allow_dependent_launch();
   // The O projection's weights, once stage 1 is done (prefetch_weight_rows waits for it): during
-  // stage 1 the prefetch slowed its KV reads more than it sped up the GEMM (H100, 2026-11-24,
-  // session 18).
+  // stage 1 the prefetch slowed its KV reads more than it sped up the GEMM (H100;
+  // bench/results/kernel_attention-h100-notes.md).
   if (prefetch_weight_rows(prefetch)) return;
   const int query = blockIdx.x;
   const int begin = plan.query_entry_begin[query];

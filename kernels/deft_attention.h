@@ -146,7 +146,7 @@ bool deft_attention_supported(const AttentionDims& dims);
 // padded to 64 rows, in its kernel without the mma.sync paths (less code, fewer registers live):
 // true unless the plan's largest task has at most 16 rows (entries x group; single-query plans
 // such as the sequence baseline's keep mma.sync, whose warps split each tile's tokens). On the
-// H100 (2026-11-23) that kernel ran every tree of bench/kernel_attention_bench as fast or faster
+// H100 that kernel ran every tree of bench/kernel_attention_bench as fast or faster
 // (few-shot b20 23.9 -> 22.6 µs, specdec p1000 t128 19.0 -> 16.3, reasoning 46.9 -> 42.7).
 bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& dims);
 

@@ -121,8 +121,8 @@ constexpr int kNormVectors = 8;
 // The common form (width a multiple of 4, 16-byte aligned rows, width <= 4 * kNormVectors *
 // kThreads): the weights (and bias) are loaded before waiting for the kernel before (they do not
 // depend on it), the row's float4s right after, so a decode step's norm is one short round trip
-// (the weights used to be loaded after the sum: two); the row stays in registers between the
-// sum and the scaling.
+// (weights loaded after the sum would make it two); the row stays in registers between the sum
+// and the scaling.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rms_norm_vector_kernel(const RmsNormDims dims, const int32_t* __restrict__ row_index,

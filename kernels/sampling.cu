@@ -23,12 +23,12 @@ namespace cg = cooperative_groups;
 // memory) and does the rest alone (greedy rows need nothing more). One block per row spent ~40
 // µs on 20 rows' first two passes on the H100 (20 SMs busy). 512 threads, at most 64 registers
 // each: two blocks per SM, so 20-32 rows' clusters run in one wave (1024-thread blocks, one per
-// SM, took two: 29.0 µs for 20 rows in the decode step under ncu, 18.8 with 512; H100,
-// 2026-11-23). A 128256-logit row is 501 KiB; it stays in L2 across passes.
+// SM, took two: 29.0 µs for 20 rows in the H100's decode step under ncu, 18.8 with 512). A
+// 128256-logit row is 501 KiB; it stays in L2 across passes.
 constexpr int kThreads = 512;
 // Blocks per row: 8 (the portable cluster size) while rows x 8 blocks fit on the GPU at once,
 // else 4 or 2 (fewer, longer blocks in one wave rather than two waves: 64 rows took 38.8 µs in
-// two waves of 8 blocks a row in the H100's decode step, 2026-11-24).
+// two waves of 8 blocks a row in the H100's decode step).
 constexpr int kRowSplits[] = {8, 4, 2};
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;  // radix-select bins per pass
@@ -65,7 +65,7 @@ __device__ __forceinline__ float key_logit(uint64_t key) {
 }
 
 // float4 loads a thread has in flight in for_each_logit (64 greedy rows of 128256 logits: 32.7 µs
-// with one at a time, 31.0 with four; H100, 2026-11-24).
+// with one at a time, 31.0 with four; H100).
 constexpr int kLoadBatch = 4;
 
 // Calls f(token, logit) for every logit of the row, coalesced (float4 when aligned), each
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // Per thread: the largest logit and its first token, the smallest and its last (the keys'
     // tie-breaks: a thread visits its tokens in ascending order), turned into likelihood keys
     // once (64-bit keys built and compared per logit: 31.0 µs for 64 greedy rows, with this and
-    // the fp32 sum below 26.7; H100, 2026-11-24).
+    // the fp32 sum below 26.7; H100).
     float best = 0.0f, worst = 0.0f;
     int32_t best_at = -1, worst_at = -1;
     int32_t bad = INT_MAX;
