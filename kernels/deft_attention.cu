@@ -1,7 +1,7 @@
 // Host side of the DeFT attention kernels: plan upload, scratch buffers, the occupancy queries
 // (stage 2's batch, deft_attention_resident_ctas of kernels/deft_schedule.h), and the one place
-// that instantiates the kernel templates of kernels/deft_attention.cuh (bf16/fp16 x head_dim
-// 64/128). How stage 1's work is cut (its grid) is kernels/deft_schedule.cc's.
+// that instantiates the kernel templates of kernels/deft_attention.cuh and merge_states.cuh
+// (bf16/fp16 x head_dim 64/128). How stage 1's work is cut (its grid) is kernels/deft_schedule.cc's.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -12,6 +12,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.cuh"
 #include "kernels/deft_attention.h"
+#include "kernels/merge_states.cuh"
 #include "kernels/deft_schedule.h"
 #include "kernels/device_info.h"
 #include "kernels/per_device.h"

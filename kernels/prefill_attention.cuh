@@ -14,7 +14,7 @@
 // combines.
 #pragma once
 
-#include "kernels/deft_attention.cuh"
+#include "kernels/deft_attention_common.cuh"
 
 namespace deft::kernels::detail {
 
