@@ -2,6 +2,7 @@
 #include "kernels/deft_schedule.h"
 
 #include <algorithm>
+#include <bit>
 #include <utility>
 
 namespace deft::kernels {
@@ -40,6 +41,16 @@ void build_stage1_ctas(const AttentionPlanView& host_plan, const AttentionDims& 
       }
     }
   }
+}
+
+int32_t pow2_bucket(int32_t count) {
+  return count <= 1 ? count : static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(count)));
+}
+
+int32_t task_bucket(int32_t count) {
+  if (count <= 16) return pow2_bucket(count);
+  const int32_t step = static_cast<int32_t>(std::bit_floor(static_cast<uint32_t>(count))) / 8;
+  return (count + step - 1) / step * step;
 }
 
 }  // namespace deft::kernels

@@ -1,6 +1,7 @@
 // How stage 1 of the DeFT kernels cuts a plan's work and maps it onto the SMs (host side, no
 // CUDA): the row slices a task's rows need, the grid's table of CTAs in the order the GPU should
-// start them, and how many of those CTAs the GPU holds at once. Kept apart from the kernels that
+// start them, the buckets a graph-replayed plan is padded to, and how many CTAs the GPU holds at
+// once. Kept apart from the kernels that
 // run the grid (kernels/deft_attention.cuh), as FlashInfer keeps attention/scheduler.cuh apart
 // from its kernels. The planner's wave estimate (engine/attention_planner.cc, wave_chunk_tokens)
 // counts CTAs and their work with the same arithmetic: change the two together.
@@ -41,6 +42,13 @@ int32_t deft_attention_row_slices(int32_t max_task_entries, const AttentionDims&
 // one-wave grids unchanged). DevicePlan uploads it.
 void build_stage1_ctas(const AttentionPlanView& host_plan, const AttentionDims& dims,
                        std::vector<Stage1Cta>& ctas);
+
+// Graph buckets: a CUDA graph replays one launch shape for every step of its bucket, so a plan is
+// padded to its bucket's capacity (DevicePlan::upload_padded; models/step_graphs.h keys graphs by
+// these). `count` rounded up to a power of two (0 and 1 stay):
+int32_t pow2_bucket(int32_t count);
+// Task counts: powers of two up to 16, then 8 buckets per octave (< 12.5 % of empty tasks).
+int32_t task_bucket(int32_t count);
 
 // Stage-1 CTAs the current device holds at once (SMs x CTAs per SM for `dims` and `dtype`; 0 for
 // unsupported dims): a grid larger than this runs in more than one wave. The planner sizes chunks

@@ -396,7 +396,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     graph->stage(view, s.dims, inputs);
     // Partials for a power-of-two entry count, so they are reallocated (and graphs recaptured)
     // rarely.
-    if (s.deft_kernels) s.partials.reserve(pow2_bucket(view.num_entries), s.dims);
+    if (s.deft_kernels) s.partials.reserve(kernels::pow2_bucket(view.num_entries), s.dims);
     graph->bind_buffers(s.partials.partial_out(), s.sampling_workspace.data());
     launch.plan = &graph->plan;
     launch.stage2 =

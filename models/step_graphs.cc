@@ -1,7 +1,6 @@
 #include "models/step_graphs.h"
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <string>
 
@@ -12,15 +11,8 @@
 
 namespace deft::models {
 
-int32_t pow2_bucket(int32_t count) {
-  return count <= 1 ? count : static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(count)));
-}
-
-int32_t task_bucket(int32_t count) {
-  if (count <= 16) return pow2_bucket(count);
-  const int32_t step = static_cast<int32_t>(std::bit_floor(static_cast<uint32_t>(count))) / 8;
-  return (count + step - 1) / step * step;
-}
+using kernels::pow2_bucket;
+using kernels::task_bucket;
 
 bool fits_step_graph(int32_t rows, int32_t logit_rows, int32_t max_rows, bool has_prefill_runs) {
   return rows <= kMaxGraphRows && gemm_row_bucket(rows) <= max_rows &&

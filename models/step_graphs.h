@@ -43,6 +43,7 @@
 #include "absl/functional/function_ref.h"
 #include "kernels/attention_params.h"
 #include "kernels/deft_attention.h"
+#include "kernels/deft_schedule.h"
 #include "kernels/dtype.h"
 #include "models/llama_cuda.h"
 #include "models/step_timer.h"
@@ -51,11 +52,6 @@ namespace deft::models {
 
 // Steps of up to this many query rows and logit rows replay graphs.
 inline constexpr int32_t kMaxGraphRows = 256;
-
-// `count` rounded up to a power of two (0 and 1 stay).
-int32_t pow2_bucket(int32_t count);
-// Task counts: powers of two up to 16, then 8 buckets per octave.
-int32_t task_bucket(int32_t count);
 
 // Whether a step of `rows` query rows and `logit_rows` logit rows (padded to their row buckets,
 // which must fit the runner's `max_rows`) with or without prefill runs can replay a graph.

@@ -74,5 +74,25 @@ TEST(DeftSchedule, StageOneCtasFollowEachTasksRowsLongestFirst) {
   EXPECT_TRUE(ctas.empty());
 }
 
+// Graph buckets: never below the count, powers of two up to 16, then at most 1/8 of padding.
+TEST(DeftSchedule, GraphBucketsCoverTheCountWithLittlePadding) {
+  EXPECT_EQ(pow2_bucket(0), 0);
+  EXPECT_EQ(pow2_bucket(1), 1);
+  EXPECT_EQ(pow2_bucket(5), 8);
+  EXPECT_EQ(pow2_bucket(64), 64);
+  EXPECT_EQ(task_bucket(3), 4);
+  EXPECT_EQ(task_bucket(16), 16);
+  EXPECT_EQ(task_bucket(17), 18);
+  EXPECT_EQ(task_bucket(100), 104);
+  for (int32_t count = 1; count < 5000; ++count) {
+    const int32_t bucket = task_bucket(count);
+    ASSERT_GE(bucket, count);
+    if (count > 16) {
+      ASSERT_LE(bucket - count, count / 8) << count;
+    }
+    ASSERT_EQ(task_bucket(bucket), bucket) << "a bucket is its own bucket: " << count;
+  }
+}
+
 }  // namespace
 }  // namespace deft::kernels
