@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "models/default_model.h"
 #include "models/dtype.h"
 #include "models/llama_cpu.h"
 #ifdef DEFT_HAVE_CUDA
@@ -33,10 +34,6 @@
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
-#ifndef DEFT_DEFAULT_MODEL_DIR
-#define DEFT_DEFAULT_MODEL_DIR "models/default"
-#endif
-
 namespace {
 
 using deft::server::ServerConfig;
@@ -47,12 +44,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 std::filesystem::path model_dir(const ServerConfig& config) {
   if (!config.model.empty()) return config.model;
-  // The embedded default model: the source tree's copy, else one beside the working directory.
-  for (const std::filesystem::path& candidate :
-       {std::filesystem::path(DEFT_DEFAULT_MODEL_DIR), std::filesystem::path("models/default")}) {
-    if (std::filesystem::exists(candidate / "config.json")) return candidate;
-  }
-  return DEFT_DEFAULT_MODEL_DIR;
+  return deft::models::default_model_dir();
 }
 
 // Writes the bound ports for a supervisor or a test, atomically (write, then rename).

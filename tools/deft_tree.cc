@@ -30,16 +30,13 @@
 #include "engine/scheduler.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "engine/works/tree_search_work.h"
+#include "models/default_model.h"
 #include "models/llama_cpu.h"
 #include "models/model_config.h"
 #ifdef DEFT_HAVE_CUDA
 #include "models/llama_cuda.h"
 #endif
 #include "spdlog/spdlog.h"
-
-#ifndef DEFT_DEFAULT_MODEL_DIR
-#define DEFT_DEFAULT_MODEL_DIR "models/default"
-#endif
 
 namespace {
 
@@ -97,7 +94,7 @@ void print_usage(FILE* out) {
       "  --verbose            log each step\n"
       "  --help               this text\n"
       "In the printed tree, * marks the best path.\n",
-      DEFT_DEFAULT_MODEL_DIR, kMaxBranches);
+      deft::models::default_model_dir().c_str(), kMaxBranches);
 }
 
 bool parse_int(const std::string& text, int32_t* value) { return absl::SimpleAtoi(text, value); }
@@ -173,14 +170,6 @@ std::string parse_flags(int argc, char** argv, Flags& flags, bool* help) {
 int fail(const absl::Status& status, int exit_code) {
   std::fprintf(stderr, "deft-tree: %s\n", std::string(status.message()).c_str());
   return exit_code;
-}
-
-std::filesystem::path default_model_dir() {
-  for (const std::filesystem::path& candidate :
-       {std::filesystem::path(DEFT_DEFAULT_MODEL_DIR), std::filesystem::path("models/default")}) {
-    if (std::filesystem::exists(candidate / "config.json")) return candidate;
-  }
-  return DEFT_DEFAULT_MODEL_DIR;
 }
 
 // Token text for printing: the tokenizer's bytes of each token (special tokens skipped), as a
@@ -329,7 +318,7 @@ int main(int argc, char** argv) {
     return fail(status, 2);
   }
   const std::filesystem::path model_dir =
-      flags.model.empty() ? default_model_dir() : std::filesystem::path(flags.model);
+      flags.model.empty() ? deft::models::default_model_dir() : std::filesystem::path(flags.model);
 
   absl::StatusOr<deft::models::ModelConfig> config = deft::models::load_model_config(model_dir);
   if (!config.ok()) return fail(config.status(), 1);

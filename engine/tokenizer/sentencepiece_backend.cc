@@ -29,8 +29,9 @@ struct Plugin {
   std::string error;
 };
 
-// Loads the plugin once per process: $DEFT_SENTENCEPIECE_PLUGIN, the build tree's copy, one
-// beside the executable, then the loader's search path.
+// Loads the plugin once per process: $DEFT_SENTENCEPIECE_PLUGIN, an installed copy
+// (<prefix>/bin/../lib/deft/, as `cmake --install` lays it out), the build tree's copy, one beside
+// the executable, then the loader's search path.
 const Plugin& plugin() {
   static const Plugin loaded = [] {
     Plugin result;
@@ -42,9 +43,14 @@ const Plugin& plugin() {
 #endif
     std::vector<std::string> candidates;
     if (const char* path = std::getenv("DEFT_SENTENCEPIECE_PLUGIN")) candidates.push_back(path);
-    candidates.push_back(DEFT_SENTENCEPIECE_PLUGIN_PATH);
     std::error_code error;
     const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+    if (!error) {
+      candidates.push_back(
+          (self.parent_path().parent_path() / "lib" / "deft" / "libdeft_sentencepiece.so")
+              .string());
+    }
+    candidates.push_back(DEFT_SENTENCEPIECE_PLUGIN_PATH);
     if (!error) candidates.push_back((self.parent_path() / "libdeft_sentencepiece.so").string());
     candidates.push_back("libdeft_sentencepiece.so");
     for (const std::string& candidate : candidates) {
