@@ -1,7 +1,7 @@
 // The engine thread: one thread owns the model runner and the engine Scheduler (the shared
 // forest of KV, every live job and session; DESIGN.md §2). gRPC handlers talk to it only
 // through a mutex-guarded inbox of commands and per-request event queues
-// (engine/event_queue.h): they never touch the scheduler. Nothing here knows gRPC;
+// (engine/works/event_queue.h): they never touch the scheduler. Nothing here knows gRPC;
 // server/deft_service.cc maps requests and events to the proto.
 //
 // Each iteration: the inbox is drained into the scheduler, cancellations free KV, sessions

@@ -1,5 +1,5 @@
 // SentencePieceTokenizer: a sentencepiece `tokenizer.model` (Llama, Llama 2, CodeLlama, Mistral)
-// through Debian's libsentencepiece (engine/sentencepiece_backend.h).
+// through Debian's libsentencepiece (engine/tokenizer/sentencepiece_backend.h).
 #pragma once
 
 #include <memory>

@@ -1,7 +1,7 @@
 // Tokenizer: one interface over the two tokenizer formats of Llama-family checkpoints:
-// sentencepiece `tokenizer.model` (engine/sentencepiece_tokenizer.h) and Hugging Face
-// `tokenizer.json` BPE (engine/hf_tokenizer.h). load_tokenizer() picks one from a model folder
-// and fills in BOS/EOS from tokenizer_config.json / generation_config.json.
+// sentencepiece `tokenizer.model` (engine/tokenizer/sentencepiece_tokenizer.h) and Hugging Face
+// `tokenizer.json` BPE (engine/tokenizer/hf_tokenizer.h). load_tokenizer() picks one from a model
+// folder and fills in BOS/EOS from tokenizer_config.json / generation_config.json.
 //
 // Thread safety: every const method may be called from several threads at once.
 #pragma once
