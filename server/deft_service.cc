@@ -171,14 +171,23 @@ v1::TreeEvent tree_event(engine::TreeSearchEvent& event) {
 
 }  // namespace
 
-DeftService::DeftService(const ServerConfig& config, ModelFacts model,
-                         const engine::Tokenizer& tokenizer, EngineThread& engine,
-                         ServerMetrics* metrics)
-    : config_(config),
-      model_(std::move(model)),
-      tokenizer_(tokenizer),
-      engine_(engine),
-      metrics_(metrics) {}
+DeftService::DeftService(const ServerConfig& config, ServerMetrics* metrics)
+    : config_(config), metrics_(metrics) {}
+
+void DeftService::attach(ModelFacts model, const engine::Tokenizer& tokenizer,
+                         EngineThread& engine) {
+  model_ = std::move(model);
+  tokenizer_ = &tokenizer;
+  engine_ = &engine;
+  ready_.store(true, std::memory_order_release);
+}
+
+bool DeftService::ready() const { return ready_.load(std::memory_order_acquire); }
+
+grpc::Status DeftService::loading() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                      "the model is still loading; retry when the health service reports SERVING");
+}
 
 grpc::Status DeftService::done(const char* rpc, grpc::Status status) const {
   if (metrics_ != nullptr) metrics_->record_request(rpc, code_name(status.error_code()));
@@ -200,7 +209,7 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
       }
       // Client text is untrusted: special-token strings in it stay text.
       absl::StatusOr<std::vector<engine::TokenId>> encoded =
-          tokenizer_.encode(prompt.text(), add_bos, /*parse_special=*/false);
+          tokenizer_->encode(prompt.text(), add_bos, /*parse_special=*/false);
       if (!encoded.ok()) {
         return absl::InvalidArgumentError(
             absl::StrCat(field, ".text: ", encoded.status().message()));
@@ -239,7 +248,7 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
 
 grpc::Status DeftService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  return done("Generate", generate(context, *request, writer));
+  return done("Generate", ready() ? generate(context, *request, writer) : loading());
 }
 
 grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::GenerateRequest& request,
@@ -273,7 +282,7 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::Gener
                                 "); the limit is ", config_.max_tree_tokens, " (max_tree_tokens)"));
   }
 
-  std::shared_ptr<engine::GenerateEvents> events = engine_.generate(std::move(job));
+  std::shared_ptr<engine::GenerateEvents> events = engine_->generate(std::move(job));
   bool first = true;
   return stream_events(context, *events, writer, [&](engine::GenerateEvent& event) {
     v1::GenerateResponse response;
@@ -328,7 +337,7 @@ absl::Status DeftService::sampling(const v1::SamplingParams& sampling, const std
 
 grpc::Status DeftService::RunTree(grpc::ServerContext* context, const v1::RunTreeRequest* request,
                                   grpc::ServerWriter<v1::TreeEvent>* writer) {
-  return done("RunTree", run_tree(context, *request, writer));
+  return done("RunTree", ready() ? run_tree(context, *request, writer) : loading());
 }
 
 grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTreeRequest& request,
@@ -388,11 +397,32 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTr
                                 config_.max_tree_tokens, " (max_tree_tokens)"));
   }
 
-  std::shared_ptr<engine::TreeSearchEvents> events = engine_.run_tree(std::move(job));
+  std::shared_ptr<engine::TreeSearchEvents> events = engine_->run_tree(std::move(job));
   return stream_events(context, *events, writer, tree_event);
 }
 
 // ---- TreeSession --------------------------------------------------------------------------
+
+template <typename Request>
+absl::Status DeftService::verify_command(const Request& request, const std::string& prefix,
+                                         engine::VerifyCommand* command) const {
+  command->node = request.node();
+  command->tokens.assign(request.tokens().begin(), request.tokens().end());
+  command->parents.assign(request.parents().begin(), request.parents().end());
+  command->draft_probs.assign(request.draft_probs().begin(), request.draft_probs().end());
+  const engine::DraftTree tree{
+      .tokens = command->tokens, .parents = command->parents, .draft_probs = command->draft_probs};
+  if (absl::Status status =
+          engine::validate_draft_tree(tree, model_.vocab_size, config_.max_verify_entries);
+      !status.ok()) {
+    if (prefix.empty()) return status;
+    return absl::Status(status.code(), absl::StrCat("verify: ", status.message()));
+  }
+  int32_t unused_max_tokens = 0;
+  engine::StreamLimits unused_limits;
+  return sampling(request.sampling(), prefix + "sampling", &command->sampling, &unused_limits,
+                  &unused_max_tokens);
+}
 
 engine::SessionCommand DeftService::session_command(const v1::SessionRequest& request) const {
   engine::SessionCommand command;
@@ -445,11 +475,18 @@ engine::SessionCommand DeftService::session_command(const v1::SessionRequest& re
     case v1::SessionRequest::kClose:
       command.op = engine::CloseCommand{};
       break;
+    case v1::SessionRequest::kVerify: {
+      // No reply of its own: the outcome comes back as the session's `verified` event.
+      engine::VerifyCommand verify;
+      command.invalid = verify_command(request.verify(), "verify.", &verify);
+      command.op = std::move(verify);
+      break;
+    }
     case v1::SessionRequest::COMMAND_NOT_SET:
       // The op is left default: the session answers the error below, in order.
       command.invalid = absl::InvalidArgumentError(
-          "the SessionRequest has no command (set create, extend, decode, branch, prune, score "
-          "or close)");
+          "the SessionRequest has no command (set create, extend, decode, branch, prune, score, "
+          "verify or close)");
       break;
   }
   return command;
@@ -490,6 +527,16 @@ v1::SessionResponse session_response(engine::SessionEvent& event, uint64_t sessi
     case Kind::kClosed:
       out.set_closed(true);
       break;
+    case Kind::kVerified: {
+      v1::VerifyResponse* verified = out.mutable_verified();
+      verified->mutable_accepted()->Add(event.verified.accepted.begin(),
+                                        event.verified.accepted.end());
+      verified->mutable_accepted_entries()->Add(event.verified.accepted_entries.begin(),
+                                                event.verified.accepted_entries.end());
+      verified->set_bonus_token(event.verified.bonus_token);
+      verified->set_node(event.verified.node);
+      break;
+    }
     case Kind::kError:
       out.mutable_error()->set_code(static_cast<int32_t>(event.error.code()));
       out.mutable_error()->set_message(std::string(event.error.message()));
@@ -503,14 +550,14 @@ v1::SessionResponse session_response(engine::SessionEvent& event, uint64_t sessi
 grpc::Status DeftService::TreeSession(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
-  return done("TreeSession", tree_session(context, stream));
+  return done("TreeSession", ready() ? tree_session(context, stream) : loading());
 }
 
 grpc::Status DeftService::tree_session(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   auto events = std::make_shared<engine::SessionEvents>();
-  const absl::StatusOr<uint64_t> opened = engine_.open_session(events);
+  const absl::StatusOr<uint64_t> opened = engine_->open_session(events);
   if (!opened.ok()) return to_grpc(opened.status());
   const uint64_t session = *opened;
   spdlog::debug("TreeSession: session {} opened", session);
@@ -534,15 +581,15 @@ grpc::Status DeftService::tree_session(
   while (!client_gone.load() && stream->Read(&request)) {
     engine::SessionCommand command = session_command(request);
     closed = std::holds_alternative<engine::CloseCommand>(command.op) && command.invalid.ok();
-    engine_.session_command(session, std::move(command));
+    engine_->session_command(session, std::move(command));
     if (closed) break;
   }
   if (context->IsCancelled() || client_gone.load()) {
     // Disconnect: the running command is cancelled and every node freed at once.
-    engine_.close_session(session);
+    engine_->close_session(session);
   } else if (!closed) {
     // Half-close: the commands already sent still run, then the session closes.
-    engine_.session_command(session, {.op = engine::CloseCommand{}});
+    engine_->session_command(session, {.op = engine::CloseCommand{}});
   }
   writer.join();
   spdlog::debug("TreeSession: session {} closed", session);
@@ -556,33 +603,18 @@ grpc::Status DeftService::tree_session(
 
 grpc::Status DeftService::Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
                                  v1::VerifyResponse* response) {
-  return done("Verify", verify(context, *request, response));
+  return done("Verify", ready() ? verify(context, *request, response) : loading());
 }
 
 grpc::Status DeftService::verify(grpc::ServerContext* context, const v1::VerifyRequest& request,
                                  v1::VerifyResponse* response) {
   engine::VerifyCommand command;
-  command.node = request.node();
-  command.tokens.assign(request.tokens().begin(), request.tokens().end());
-  command.parents.assign(request.parents().begin(), request.parents().end());
-  command.draft_probs.assign(request.draft_probs().begin(), request.draft_probs().end());
-  const engine::DraftTree tree{
-      .tokens = command.tokens, .parents = command.parents, .draft_probs = command.draft_probs};
-  if (absl::Status status =
-          engine::validate_draft_tree(tree, model_.vocab_size, config_.max_verify_entries);
-      !status.ok()) {
-    return to_grpc(status);
-  }
-  int32_t unused_max_tokens = 0;
-  engine::StreamLimits unused_limits;
-  if (absl::Status status = sampling(request.sampling(), "sampling", &command.sampling,
-                                     &unused_limits, &unused_max_tokens);
-      !status.ok()) {
+  if (absl::Status status = verify_command(request, "", &command); !status.ok()) {
     return to_grpc(status);
   }
   auto reply = std::make_shared<engine::VerifyReply>();
   command.reply = reply;
-  engine_.verify(request.session_id(), std::move(command));
+  engine_->verify(request.session_id(), std::move(command));
   std::vector<engine::VerifyOutcome> outcome;
   while (reply->next(outcome, kPollInterval)) {
     if (!outcome.empty()) break;
@@ -610,18 +642,18 @@ grpc::Status DeftService::Tokenize(grpc::ServerContext*, const v1::TokenizeReque
                                   config_.max_text_bytes, " (max_text_bytes)"));
     }
     absl::StatusOr<std::vector<engine::TokenId>> ids =
-        tokenizer_.encode(request->text(), request->add_bos(), /*parse_special=*/false);
+        tokenizer_->encode(request->text(), request->add_bos(), /*parse_special=*/false);
     if (!ids.ok()) return invalid(absl::StrCat("text: ", ids.status().message()));
     response->mutable_ids()->Add(ids->begin(), ids->end());
     return grpc::Status::OK;
   };
-  return done("Tokenize", run());
+  return done("Tokenize", ready() ? run() : loading());
 }
 
 grpc::Status DeftService::Detokenize(grpc::ServerContext*, const v1::DetokenizeRequest* request,
                                      v1::DetokenizeResponse* response) {
   const auto run = [&]() -> grpc::Status {
-    const int32_t vocab = tokenizer_.vocab_size();
+    const int32_t vocab = tokenizer_->vocab_size();
     if (request->ids_size() > config_.max_tree_tokens) {
       return invalid(absl::StrCat("ids has ", request->ids_size(), " tokens; the limit is ",
                                   config_.max_tree_tokens, " (max_tree_tokens)"));
@@ -633,14 +665,15 @@ grpc::Status DeftService::Detokenize(grpc::ServerContext*, const v1::DetokenizeR
       }
     }
     const std::vector<engine::TokenId> ids(request->ids().begin(), request->ids().end());
-    response->set_text(tokenizer_.decode(ids, request->skip_special()));
+    response->set_text(tokenizer_->decode(ids, request->skip_special()));
     return grpc::Status::OK;
   };
-  return done("Detokenize", run());
+  return done("Detokenize", ready() ? run() : loading());
 }
 
 grpc::Status DeftService::ModelInfo(grpc::ServerContext*, const v1::ModelInfoRequest*,
                                     v1::ModelInfoResponse* response) {
+  if (!ready()) return done("ModelInfo", loading());
   response->set_name(model_.name);
   response->set_architecture(model_.architecture);
   response->set_vocab_size(model_.vocab_size);
@@ -653,8 +686,9 @@ grpc::Status DeftService::ModelInfo(grpc::ServerContext*, const v1::ModelInfoReq
   response->set_backend(model_.backend);
   response->set_attention(config_.plan);
   response->set_kv_capacity_tokens(int64_t{config_.kv_pages} * config_.page_tokens);
-  response->set_bos_token_id(tokenizer_.bos_id().value_or(-1));
-  response->mutable_eos_token_ids()->Add(tokenizer_.eos_ids().begin(), tokenizer_.eos_ids().end());
+  response->set_bos_token_id(tokenizer_->bos_id().value_or(-1));
+  response->mutable_eos_token_ids()->Add(tokenizer_->eos_ids().begin(),
+                                         tokenizer_->eos_ids().end());
   response->set_page_tokens(config_.page_tokens);
   response->set_max_prompt_tokens(config_.max_prompt_tokens);
   response->set_max_tree_tokens(config_.max_tree_tokens);

@@ -3,6 +3,7 @@
 // engine, with a status code and a message that names the bad field and value.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -32,9 +33,12 @@ struct ModelFacts {
 
 class DeftService final : public deft::v1::Deft::Service {
  public:
-  // All references must outlive the service; `metrics` may be null.
-  DeftService(const ServerConfig& config, ModelFacts model, const engine::Tokenizer& tokenizer,
-              EngineThread& engine, ServerMetrics* metrics);
+  // The service can serve before the model is loaded: until attach(), every RPC answers
+  // UNAVAILABLE (the health service says NOT_SERVING then). `config` and `metrics` must outlive
+  // the service; `metrics` may be null.
+  DeftService(const ServerConfig& config, ServerMetrics* metrics);
+  // The loaded model; `tokenizer` and `engine` must outlive the service. Called once.
+  void attach(ModelFacts model, const engine::Tokenizer& tokenizer, EngineThread& engine);
 
   grpc::Status Generate(grpc::ServerContext* context, const deft::v1::GenerateRequest* request,
                         grpc::ServerWriter<deft::v1::GenerateResponse>* writer) override;
@@ -71,16 +75,26 @@ class DeftService final : public deft::v1::Deft::Service {
   absl::Status sampling(const deft::v1::SamplingParams& sampling, const std::string& field,
                         engine::SamplingParams* params, engine::StreamLimits* limits,
                         int32_t* max_tokens) const;
+  // A verify's node, drafted tree and sampling from a VerifyRequest or a session's
+  // VerifyCommand (the same fields), validated; a non-empty `prefix` ("verify.") names the command
+  // in errors.
+  template <typename Request>
+  absl::Status verify_command(const Request& request, const std::string& prefix,
+                              engine::VerifyCommand* command) const;
   // A session command from the proto; a malformed one carries its error in `invalid`.
   engine::SessionCommand session_command(const deft::v1::SessionRequest& request) const;
+  bool ready() const;
+  static grpc::Status loading();
   // Records the RPC's outcome (metrics, debug log) and returns it.
   grpc::Status done(const char* rpc, grpc::Status status) const;
 
   const ServerConfig& config_;
-  ModelFacts model_;
-  const engine::Tokenizer& tokenizer_;
-  EngineThread& engine_;
   ServerMetrics* metrics_;
+  // Set once by attach(), then read only; ready_ publishes them to the handler threads.
+  ModelFacts model_;
+  const engine::Tokenizer* tokenizer_ = nullptr;
+  EngineThread* engine_ = nullptr;
+  std::atomic<bool> ready_{false};
 };
 
 }  // namespace deft::server

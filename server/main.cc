@@ -97,14 +97,61 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // ---- Metrics and gRPC first, NOT_SERVING until the model is loaded ----
+  // A supervisor sees the process listening at once (a large model loads for minutes): liveness
+  // probes pass, readiness probes and the health service say NOT_SERVING, and every RPC answers
+  // UNAVAILABLE until the engine runs. A busy port fails the start before the load.
+  // Declared before the engine: the engine reports to it until it stops.
+  deft::server::ServerMetrics metrics;
+  int metrics_port = 0;
+  if (!config.metrics_listen.empty()) {
+    std::string error;
+    metrics_port = metrics.listen(config.metrics_listen, &error);
+    if (metrics_port < 0) return fail(1, error);
+    spdlog::info("metrics: http://{}/metrics (port {})", config.metrics_listen, metrics_port);
+  }
+  deft::server::DeftService service(config, &metrics);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and the
+  // kernel would split new connections between the two (sessions then seem to vanish).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  int grpc_port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &grpc_port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || grpc_port == 0) {
+    return fail(1, absl::StrCat("gRPC: cannot listen on ", config.listen,
+                                " (in use, or not an address of this machine)"));
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(false);
+  health->SetServingStatus("deft.v1.Deft", false);
+  const auto stop_grpc = [&server] {
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    server->Wait();
+  };
+  const auto fail_loading = [&stop_grpc](int code, const std::string& message) {
+    stop_grpc();
+    return fail(code, message);
+  };
+  if (!config.port_file.empty() && !write_port_file(config.port_file, grpc_port, metrics_port)) {
+    spdlog::error("cannot write the port file {}", config.port_file);
+  }
+  spdlog::info("gRPC: listening on {} (port {}); NOT_SERVING while the model loads", config.listen,
+               grpc_port);
+
   // ---- Model, tokenizer, engine ----
   const std::filesystem::path dir = model_dir(config);
   const auto load_start = std::chrono::steady_clock::now();
   absl::StatusOr<deft::models::ModelConfig> model_config = deft::models::load_model_config(dir);
-  if (!model_config.ok()) return fail(1, absl::StrCat("model: ", model_config.status().message()));
+  if (!model_config.ok())
+    return fail_loading(1, absl::StrCat("model: ", model_config.status().message()));
   absl::StatusOr<std::unique_ptr<deft::engine::Tokenizer>> tokenizer =
       deft::engine::load_tokenizer(dir.string());
-  if (!tokenizer.ok()) return fail(1, absl::StrCat("tokenizer: ", tokenizer.status().message()));
+  if (!tokenizer.ok())
+    return fail_loading(1, absl::StrCat("tokenizer: ", tokenizer.status().message()));
   if ((*tokenizer)->eos_ids().empty()) (*tokenizer)->set_eos_ids(model_config->eos_token_ids);
   const int64_t kv_slots = int64_t{config.kv_pages} * config.page_tokens;
   std::unique_ptr<deft::engine::ModelRunner> runner;
@@ -124,14 +171,14 @@ int main(int argc, char** argv) {
       backend = "cuda";
     } else if (config.backend == "cuda" ||
                cuda.status().code() != absl::StatusCode::kFailedPrecondition) {
-      return fail(1, absl::StrCat("model (cuda backend): ", cuda.status().message()));
+      return fail_loading(1, absl::StrCat("model (cuda backend): ", cuda.status().message()));
     } else {
       spdlog::info("backend auto: {}; using the CPU backend", cuda.status().ToString());
     }
   }
 #else
   if (config.backend == "cuda") {
-    return fail(2, "backend cuda: this build has no CUDA (configure with CUDA to use it)");
+    return fail_loading(2, "backend cuda: this build has no CUDA (configure with CUDA to use it)");
   }
 #endif
   if (runner == nullptr) {
@@ -140,7 +187,7 @@ int main(int argc, char** argv) {
     }
     absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> cpu =
         deft::models::LlamaCpuRunner::load(dir, kv_slots);
-    if (!cpu.ok()) return fail(1, absl::StrCat("model: ", cpu.status().message()));
+    if (!cpu.ok()) return fail_loading(1, absl::StrCat("model: ", cpu.status().message()));
     weight_bytes = (*cpu)->weight_bytes();
     runner = std::move(*cpu);
   }
@@ -165,16 +212,6 @@ int main(int argc, char** argv) {
       .backend = backend,
   };
 
-  // Declared before the engine: the engine reports to it until it stops.
-  deft::server::ServerMetrics metrics;
-  int metrics_port = 0;
-  if (!config.metrics_listen.empty()) {
-    std::string error;
-    metrics_port = metrics.listen(config.metrics_listen, &error);
-    if (metrics_port < 0) return fail(1, error);
-    spdlog::info("metrics: http://{}/metrics (port {})", config.metrics_listen, metrics_port);
-  }
-
   deft::engine::SchedulerOptions engine_options{
       .page_tokens = config.page_tokens,
       .kv_pages = config.kv_pages,
@@ -192,32 +229,17 @@ int main(int argc, char** argv) {
   if (absl::Status status =
           deft::engine::parse_plan_kind(config.plan, &engine_options.planner.kind);
       !status.ok()) {
-    return fail(2, std::string(status.message()));
+    return fail_loading(2, std::string(status.message()));
   }
   absl::StatusOr<std::unique_ptr<deft::server::EngineThread>> engine =
       deft::server::EngineThread::start(engine_options, std::move(runner), **tokenizer, &metrics);
-  if (!engine.ok()) return fail(1, std::string(engine.status().message()));
+  if (!engine.ok()) return fail_loading(1, std::string(engine.status().message()));
 
-  // ---- gRPC ----
-  deft::server::DeftService service(config, facts, **tokenizer, **engine, &metrics);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int grpc_port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &grpc_port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || grpc_port == 0) {
-    (*engine)->shutdown(std::chrono::milliseconds(0));
-    return fail(1, absl::StrCat("gRPC: cannot listen on ", config.listen));
-  }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  // ---- Serving ----
+  service.attach(std::move(facts), **tokenizer, **engine);
   health->SetServingStatus(true);
   health->SetServingStatus("deft.v1.Deft", true);
-  if (!config.port_file.empty() && !write_port_file(config.port_file, grpc_port, metrics_port)) {
-    spdlog::error("cannot write the port file {}", config.port_file);
-  }
-  spdlog::info("gRPC: deft.v1.Deft, grpc.health.v1.Health and reflection on {} (port {})",
+  spdlog::info("serving: deft.v1.Deft, grpc.health.v1.Health and reflection on {} (port {})",
                config.listen, grpc_port);
 
   // ---- Run until a signal ----
@@ -244,8 +266,7 @@ int main(int argc, char** argv) {
   // which ends their streaming handlers within a poll interval. Then gRPC, with a short
   // backstop for calls still in flight (the unary ones take milliseconds).
   (*engine)->shutdown(grace);
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-  server->Wait();
+  stop_grpc();
   shut_down.store(true);
   pthread_kill(second_signal.native_handle(), SIGTERM);
   second_signal.join();

@@ -87,6 +87,9 @@ void print_session_response(const v1::SessionResponse& response, uint64_t sessio
       std::printf("error %s (%d): %s\n", code_name(response.error().code()),
                   response.error().code(), response.error().message().c_str());
       break;
+    case v1::SessionResponse::kVerified:
+      print_verified(response.verified());
+      break;
     case v1::SessionResponse::kExtended:
       std::printf("extended node %lld length %d\n",
                   static_cast<long long>(response.extended().node()), response.extended().length());
@@ -159,27 +162,21 @@ std::pair<std::string, std::string> split_first(const std::string& line) {
   return {line.substr(0, space), line.substr(space + 1)};
 }
 
-// One script line -> a request (or a Verify request); the error message when malformed.
-struct ScriptCommand {
+// One script line -> a request; the error message when malformed.
+std::optional<v1::SessionRequest> parse_line(const std::string& line, const NodeRefs* refs,
+                                             std::string* error) {
   v1::SessionRequest request;
-  std::optional<v1::VerifyRequest> verify;
-};
-
-std::optional<ScriptCommand> parse_line(const std::string& line, const NodeRefs* refs,
-                                        std::string* error) {
-  ScriptCommand command;
-  v1::SessionRequest& request = command.request;
   const auto [word, rest] = split_first(line);
   int64_t node = 0;
   if (word == "create") {
     std::optional<v1::Prompt> prompt = parse_content(rest, error);
     if (!prompt) return std::nullopt;
     *request.mutable_create()->mutable_prompt() = std::move(*prompt);
-    return command;
+    return request;
   }
   if (word == "close") {
     request.mutable_close();
-    return command;
+    return request;
   }
   if (word == "extend" || word == "score") {
     const auto [node_text, content] = split_first(rest);
@@ -196,7 +193,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, const NodeRefs*
       request.mutable_score()->set_node(node);
       *request.mutable_score()->mutable_continuation() = std::move(*prompt);
     }
-    return command;
+    return request;
   }
   const std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
   if (word == "branch" || word == "prune") {
@@ -213,7 +210,7 @@ std::optional<ScriptCommand> parse_line(const std::string& line, const NodeRefs*
     } else {
       request.mutable_prune()->set_node(node);
     }
-    return command;
+    return request;
   }
   if (word == "decode") {
     int32_t max_tokens = 0;
@@ -232,18 +229,17 @@ std::optional<ScriptCommand> parse_line(const std::string& line, const NodeRefs*
         return std::nullopt;
       }
     }
-    return command;
+    return request;
   }
   if (word == "verify") {
     if (words.size() < 2 || !parse_node(words[1], refs, &node)) {
       *error = "expected: verify NODE --tokens ... --parents ...";
       return std::nullopt;
     }
-    command.verify.emplace();
-    command.verify->set_node(node);
-    *error = parse_verify_args(words, 2, &*command.verify, nullptr);
+    request.mutable_verify()->set_node(node);
+    *error = parse_verify_args(words, 2, request.mutable_verify(), nullptr);
     if (!error->empty()) return std::nullopt;
-    return command;
+    return request;
   }
   *error = absl::StrCat("unknown command '", word, "'");
   return std::nullopt;
@@ -282,31 +278,22 @@ int session_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) 
     std::printf("> %s\n", line.c_str());
     std::fflush(stdout);
     std::string error;
-    std::optional<ScriptCommand> command = parse_line(line, &refs, &error);
+    std::optional<v1::SessionRequest> command = parse_line(line, &refs, &error);
     if (!command) {  // a $K that no earlier command returned
       std::printf("error (not sent): %s; returned so far: %s\n", error.c_str(),
                   absl::StrJoin(refs, " ").c_str());
       failed = true;
       continue;
     }
-    if (command->verify) {
-      command->verify->set_session_id(stream.session_id());
-      v1::VerifyResponse verified;
-      if (call_verify(stub, *command->verify, &verified) != 0) {
-        failed = true;
-      } else {
-        refs.push_back(verified.node());
-      }
-      continue;
-    }
     std::map<int64_t, std::pair<std::string, int32_t>> decoded;  // node -> text, tokens
     std::map<int64_t, v1::FinishReason> finish;
-    const bool answered = stream.call(command->request, [&](const v1::SessionResponse& response) {
+    const bool answered = stream.call(*command, [&](const v1::SessionResponse& response) {
       print_session_response(response, stream.session_id());
       std::fflush(stdout);
       if (response.has_error()) failed = true;
       if (response.has_closed()) closed = true;
       if (response.has_created_node()) refs.push_back(response.created_node());
+      if (response.has_verified()) refs.push_back(response.verified().node());
       if (response.has_branched()) {
         refs.insert(refs.end(), response.branched().children().begin(),
                     response.branched().children().end());

@@ -9,7 +9,7 @@
 namespace deft::cli {
 
 std::string parse_verify_args(const std::vector<std::string>& args, size_t start,
-                              v1::VerifyRequest* request, PromptArgs* positional) {
+                              v1::VerifyCommand* request, PromptArgs* positional) {
   for (size_t i = start; i < args.size(); ++i) {
     const std::string& arg = args[i];
     const FlagParse sampling = parse_sampling_flag(args, &i, request->mutable_sampling());
@@ -42,59 +42,60 @@ std::string parse_verify_args(const std::vector<std::string>& args, size_t start
   return "";
 }
 
-int call_verify(v1::Deft::Stub& stub, const v1::VerifyRequest& request,
-                v1::VerifyResponse* answer) {
-  grpc::ClientContext context;
-  v1::VerifyResponse response;
-  const grpc::Status status = stub.Verify(&context, request, &response);
-  if (!status.ok()) return rpc_error("Verify", status);
-  std::printf("accepted %s (entries %s)\n", absl::StrJoin(response.accepted(), " ").c_str(),
-              absl::StrJoin(response.accepted_entries(), " ").c_str());
-  std::printf("bonus %d\n", response.bonus_token());
-  std::printf("node %lld\n", static_cast<long long>(response.node()));
-  // The committed text, for reading (a failure here does not fail the verify).
-  v1::DetokenizeRequest detokenize;
-  detokenize.mutable_ids()->CopyFrom(response.accepted());
-  detokenize.add_ids(response.bonus_token());
-  grpc::ClientContext text_context;
-  v1::DetokenizeResponse text;
-  if (stub.Detokenize(&text_context, detokenize, &text).ok()) {
-    std::printf("text %s\n", quoted(text.text()).c_str());
-  }
-  std::fflush(stdout);
-  if (answer != nullptr) *answer = std::move(response);
-  return 0;
+void print_verified(const v1::VerifyResponse& verified) {
+  std::printf("accepted %s (entries %s)\n", absl::StrJoin(verified.accepted(), " ").c_str(),
+              absl::StrJoin(verified.accepted_entries(), " ").c_str());
+  std::printf("bonus %d\n", verified.bonus_token());
+  std::printf("node %lld\n", static_cast<long long>(verified.node()));
 }
 
 int verify_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
-  v1::VerifyRequest request;
+  v1::SessionRequest verify;
   PromptArgs prompt_args;
-  const std::string error = parse_verify_args(args, 0, &request, &prompt_args);
+  const std::string error = parse_verify_args(args, 0, verify.mutable_verify(), &prompt_args);
   if (!error.empty()) return usage_error("verify: " + error);
   std::string prompt_error;
   std::optional<v1::Prompt> prompt = make_prompt(prompt_args, &prompt_error);
   if (!prompt) return usage_error("verify: " + prompt_error);
 
+  // A session on the prompt, the verify under its node, then close: one stream.
   SessionStream stream(stub);
+  const auto call = [&stream](v1::SessionRequest request, v1::SessionResponse* answer) {
+    const bool answered =
+        stream.call(std::move(request), [answer](const v1::SessionResponse& r) { *answer = r; });
+    if (answered && answer->has_error()) {
+      std::fprintf(stderr, "deft-cli: %s (%d): %s\n", code_name(answer->error().code()),
+                   answer->error().code(), answer->error().message().c_str());
+    }
+    return answered;
+  };
   v1::SessionRequest create;
   *create.mutable_create()->mutable_prompt() = std::move(*prompt);
   v1::SessionResponse created;
-  const bool answered =
-      stream.call(create, [&](const v1::SessionResponse& response) { created = response; });
-  if (!answered) return rpc_error("TreeSession", stream.finish());
-  if (created.has_error()) {
-    std::fprintf(stderr, "deft-cli: create failed: %s (%d): %s\n",
-                 code_name(created.error().code()), created.error().code(),
-                 created.error().message().c_str());
-    stream.finish();
-    return 1;
+  if (!call(std::move(create), &created)) return rpc_error("TreeSession", stream.finish());
+  int result = created.has_error() ? 1 : 0;
+  if (result == 0) {
+    std::printf("session %llu: created node %lld\n",
+                static_cast<unsigned long long>(stream.session_id()),
+                static_cast<long long>(created.created_node()));
+    verify.mutable_verify()->set_node(created.created_node());
+    v1::SessionResponse verified;
+    if (!call(std::move(verify), &verified)) return rpc_error("TreeSession", stream.finish());
+    if (verified.has_error()) {
+      result = 1;
+    } else {
+      print_verified(verified.verified());
+      // The committed text, for reading (a failure here does not fail the verify).
+      v1::DetokenizeRequest detokenize;
+      detokenize.mutable_ids()->CopyFrom(verified.verified().accepted());
+      detokenize.add_ids(verified.verified().bonus_token());
+      grpc::ClientContext text_context;
+      v1::DetokenizeResponse text;
+      if (stub.Detokenize(&text_context, detokenize, &text).ok()) {
+        std::printf("text %s\n", quoted(text.text()).c_str());
+      }
+    }
   }
-  std::printf("session %llu: created node %lld\n",
-              static_cast<unsigned long long>(stream.session_id()),
-              static_cast<long long>(created.created_node()));
-  request.set_session_id(stream.session_id());
-  request.set_node(created.created_node());
-  const int result = call_verify(stub, request);
   v1::SessionRequest close;
   close.mutable_close();
   stream.call(close, [](const v1::SessionResponse&) {});

@@ -1,4 +1,5 @@
-// deft-cli verify: a drafted token tree verified under a session node (Verify).
+// deft-cli verify: a drafted token tree verified under a session node (the TreeSession stream's
+// verify command, which reaches the session's replica behind a load balancer).
 #pragma once
 
 #include <string>
@@ -9,15 +10,13 @@
 
 namespace deft::cli {
 
-// Parses --tokens, --parents, --draft-probs and SAMPLING from args[start...] into `request`;
+// Parses --tokens, --parents, --draft-probs and SAMPLING from args[start...] into `command`;
 // other arguments go to `positional` (an error when it is null). Empty string, or the error.
 std::string parse_verify_args(const std::vector<std::string>& args, size_t start,
-                              deft::v1::VerifyRequest* request, PromptArgs* positional);
+                              deft::v1::VerifyCommand* command, PromptArgs* positional);
 
-// Calls Verify and prints the answer ("accepted ...", "bonus ...", "node ..."); 0 (the answer
-// in `answer` when given), or 1 on an error status.
-int call_verify(deft::v1::Deft::Stub& stub, const deft::v1::VerifyRequest& request,
-                deft::v1::VerifyResponse* answer = nullptr);
+// Prints a verify's answer: "accepted ... (entries ...)", "bonus ...", "node ...".
+void print_verified(const deft::v1::VerifyResponse& verified);
 
 // Runs `deft-cli verify ARGS`; returns the process exit code.
 int verify_command(deft::v1::Deft::Stub& stub, const std::vector<std::string>& args);

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import grpc
@@ -141,9 +142,16 @@ class DeftClient:
         return self._health(service, timeout=self.timeout)
 
     def wait_until_serving(self, timeout: float = 60.0) -> None:
+        """Waits until the server reports SERVING (it listens, NOT_SERVING, while the model
+        loads); RuntimeError when it does not within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
-        if self.health() != "SERVING":
-            raise RuntimeError(f"{self.address} is not SERVING")
+        status = self.health()
+        while status != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            status = self.health()
+        if status != "SERVING":
+            raise RuntimeError(f"{self.address} is {status}, not SERVING, after {timeout} s")
 
     def model_info(self) -> deft_pb2.ModelInfoResponse:
         return self.stub.ModelInfo(deft_pb2.ModelInfoRequest(), timeout=self.timeout)
@@ -215,7 +223,8 @@ class DeftClient:
         **sampling,
     ) -> deft_pb2.VerifyResponse:
         """Verifies a token tree (tokens[i] hangs under entry parents[i], -1 = under `node`)
-        against the target model; `session` is a Session, its id, or a whole VerifyRequest."""
+        against the target model with the Verify RPC; `session` is a Session, its id, or a whole
+        VerifyRequest. Behind a load balancer prefer Session.verify (the session's stream)."""
         if isinstance(session, deft_pb2.VerifyRequest):
             request = session
         else:
@@ -519,9 +528,15 @@ class Session:
         return self._result(self.send(score=command)).scored
 
     def verify(self, node: int, tokens: Sequence[int], parents: Sequence[int],
-               **kwargs) -> deft_pb2.VerifyResponse:
-        """Verify (a separate RPC) of a token tree under one of this session's nodes."""
-        return self.client.verify(self, node, tokens, parents, **kwargs)
+               draft_probs: Sequence[float] = (), **sampling) -> deft_pb2.VerifyResponse:
+        """Verifies a token tree (tokens[i] hangs under entry parents[i], -1 = under `node`)
+        in this session's stream, in order with its other commands; raises SessionError for a
+        refused tree. Unlike DeftClient.verify (a separate RPC), it always reaches the replica
+        that holds the session behind a load balancer."""
+        command = deft_pb2.VerifyCommand(node=node, tokens=list(tokens), parents=list(parents),
+                                         draft_probs=list(draft_probs),
+                                         sampling=sampling_params(**sampling))
+        return self._result(self.send(verify=command)).verified
 
     def close(self) -> bool:
         """Sends `close`, waits for `closed`, and ends the stream (the server frees every

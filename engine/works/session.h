@@ -31,9 +31,26 @@ struct SessionLimits {
   int64_t max_context = 0;           // tokens on a path (the model's); 0: no limit
 };
 
+struct VerifyOutcome {
+  std::vector<TokenId> accepted;
+  std::vector<int32_t> accepted_entries;
+  TokenId bonus_token = -1;
+  NodeId node = -1;
+};
+using VerifyReply = EventQueue<VerifyOutcome>;
+
 struct SessionEvent {
-  enum class Kind : uint8_t { kCreated, kExtended, kDecoded, kBranched, kPruned, kScored, kClosed,
-                              kError };
+  enum class Kind : uint8_t {
+    kCreated,
+    kExtended,
+    kDecoded,
+    kBranched,
+    kPruned,
+    kScored,
+    kClosed,
+    kError,
+    kVerified
+  };
   uint64_t request_id = 0;
   Kind kind = Kind::kError;
   NodeId node = -1;
@@ -43,16 +60,9 @@ struct SessionEvent {
   double logprob = 0.0;            // kScored
   std::vector<float> token_logprobs;
   absl::Status error;              // kError
+  VerifyOutcome verified;          // kVerified
 };
 using SessionEvents = EventQueue<SessionEvent>;
-
-struct VerifyOutcome {
-  std::vector<TokenId> accepted;
-  std::vector<int32_t> accepted_entries;
-  TokenId bonus_token = -1;
-  NodeId node = -1;
-};
-using VerifyReply = EventQueue<VerifyOutcome>;
 
 // The commands of a session, one struct per kind. Token ids, sampling parameters and a verify's
 // draft tree are the caller's to check before queueing (a malformed request carries its error
@@ -84,7 +94,8 @@ struct ScoreCommand {
 };
 struct CloseCommand {};
 // A drafted token tree under `node` (engine/draft_acceptance.h's DraftTree), answered through
-// `reply` (never null), not the session's events.
+// `reply` (the Verify RPC) or, when `reply` is null, through the session's events like the other
+// commands (kVerified or kError; the TreeSession stream's verify).
 struct VerifyCommand {
   NodeId node = -1;
   std::vector<TokenId> tokens;
@@ -102,7 +113,8 @@ struct SessionCommand {
                ScoreCommand, CloseCommand, VerifyCommand>
       op;
 
-  // A verify's reply; null for the other commands (they answer through the session's events).
+  // A verify's own reply; null for the other commands and a stream verify (they answer through
+  // the session's events).
   std::shared_ptr<VerifyReply> verify_reply() const {
     const auto* verify = std::get_if<VerifyCommand>(&op);
     return verify != nullptr ? verify->reply : nullptr;

@@ -109,8 +109,14 @@ class VerifyWork final : public SessionWork {
     } else {
       release_held(forest);
     }
-    command_.reply->push(std::move(outcome));
-    command_.reply->finish(absl::OkStatus());
+    if (command_.reply != nullptr) {
+      command_.reply->push(std::move(outcome));
+      command_.reply->finish(absl::OkStatus());
+    } else {
+      session_->events().push({.request_id = request_id_,
+                               .kind = SessionEvent::Kind::kVerified,
+                               .verified = std::move(outcome)});
+    }
     in_step_ = false;
     done();
     return absl::OkStatus();
@@ -122,7 +128,13 @@ class VerifyWork final : public SessionWork {
     for (auto it = created_.rbegin(); it != created_.rend(); ++it) forest.release(*it);
     created_.clear();
   }
-  void answer_error(const absl::Status& status) override { command_.reply->finish(status); }
+  void answer_error(const absl::Status& status) override {
+    if (command_.reply != nullptr) {
+      command_.reply->finish(status);
+    } else {
+      SessionWork::answer_error(status);
+    }
+  }
 
  private:
   VerifyCommand command_;

@@ -17,8 +17,9 @@ namespace deft::engine {
 // room for one more node, the deepest drafted path fits the context) and its draft tree by
 // engine/draft_acceptance.h's validate_draft_tree. The outcome (accepted tokens and entries,
 // bonus token, the node the accepted path ends at) is pushed to command.reply, which then
-// finishes OK; an abort (cancel, shutdown) finishes it with the error and frees every drafted
-// node. Takes one step of command.tokens.size() query rows.
+// finishes OK (a null reply: a kVerified session event); an abort (cancel, shutdown) answers
+// the error the same way and frees every drafted node. Takes one step of command.tokens.size()
+// query rows.
 std::unique_ptr<Work> make_verify_work(std::shared_ptr<Session> session, uint64_t request_id,
                                        VerifyCommand command);
 

@@ -41,6 +41,11 @@ done
 port=$(head -1 "$work/ports" | tr -dc '0-9')
 grep -q "$prefix/share/deft/models/default" "$work/server.log" ||
   { echo "install_test: the server did not load the installed model:"; cat "$work/server.log"; exit 1; }
+# The port is open before the model loads; health says SERVING once it has.
+for _ in $(seq 1 300); do
+  "$prefix/bin/deft-cli" --server "127.0.0.1:$port" health >/dev/null 2>&1 && break
+  sleep 0.1
+done
 "$prefix/bin/deft-cli" --server "127.0.0.1:$port" health
 "$prefix/bin/deft-cli" --server "127.0.0.1:$port" generate --n 2 --max-tokens 4 "Once upon a time"
 echo "install_test: the moved prefix $prefix serves"

@@ -381,11 +381,11 @@ class TreeClientTest(unittest.TestCase):
                 parents += [previous, previous]
                 chain.append(len(tokens) - 1)
                 previous = chain[-1]
-            result = session.verify(root, tokens, parents)
+            result = session.verify(root, tokens, parents)  # in the session's stream
             self.assertEqual(list(result.accepted), g[:6])
             self.assertEqual(list(result.accepted_entries), chain)
             self.assertEqual(result.bonus_token, g[6])
-            # Drafting after the bonus token: it goes first.
+            # Drafting after the bonus token: it goes first (the Verify RPC this time).
             more = client.verify(session, result.node, [g[6], g[7], wrong[8]], [-1, 0, 1])
             self.assertEqual(list(more.accepted), g[6:8])
             self.assertEqual(more.bonus_token, g[8])
@@ -396,10 +396,15 @@ class TreeClientTest(unittest.TestCase):
                                              ([5, 512], [-1, 0], "512"),
                                              ([5, 6], [-1], "parents")]:
                 with self.subTest(parents=parents):
-                    with self.assertRaises(grpc.RpcError) as raised:
+                    with self.assertRaises(SessionError) as in_stream:
                         session.verify(root, tokens, parents)
-                    self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
-                    self.assertIn(mention, raised.exception.details())
+                    with self.assertRaises(grpc.RpcError) as unary:
+                        client.verify(session, root, tokens, parents)
+                    for raised in (in_stream, unary):
+                        self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                        self.assertIn(mention, raised.exception.details())
+            # The session stays usable after refused verifies.
+            self.assertEqual(list(session.verify(root, [g[0]], [-1]).accepted), g[:1])
             session_id = session.session_id
         with self.assertRaises(grpc.RpcError) as raised:
             client.verify(session_id, root, [5], [-1])

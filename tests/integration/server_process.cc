@@ -130,11 +130,12 @@ std::map<std::string, double> parse_metrics(const std::string& text) {
   return values;
 }
 
-ServerProcess::ServerProcess(std::vector<std::string> extra_args) : dir_(make_temp_dir()) {
-  start(std::move(extra_args));
+ServerProcess::ServerProcess(std::vector<std::string> extra_args, bool wait_serving)
+    : dir_(make_temp_dir()) {
+  start(std::move(extra_args), wait_serving);
 }
 
-void ServerProcess::start(std::vector<std::string> extra_args) {
+void ServerProcess::start(std::vector<std::string> extra_args, bool wait_serving) {
   const std::filesystem::path port_file = dir_ / "ports.txt";
   std::vector<std::string> argv = {DEFT_SERVER_BINARY, "--listen",    "127.0.0.1:0",
                                    "--metrics-listen", "127.0.0.1:0", "--port-file",
@@ -143,7 +144,7 @@ void ServerProcess::start(std::vector<std::string> extra_args) {
   pid_ = spawn(argv, dir_ / "server.log");
   ASSERT_GT(pid_, 0) << "fork failed";
 
-  // The port file appears once both listeners are up.
+  // The port file appears once both listeners are up (before the model loads).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!std::filesystem::exists(port_file)) {
     if (const std::optional<int> exit = wait_exit(pid_, std::chrono::milliseconds(20))) {
@@ -161,7 +162,7 @@ void ServerProcess::start(std::vector<std::string> extra_args) {
   }
   ASSERT_GT(grpc_port_, 0) << read_file(port_file);
   channel_ = grpc::CreateChannel(address(), grpc::InsecureChannelCredentials());
-  while (!serving()) {
+  while (wait_serving && !serving()) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "never SERVING:\n" << log();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

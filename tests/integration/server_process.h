@@ -46,9 +46,10 @@ std::map<std::string, double> parse_metrics(const std::string& text);
 class ServerProcess {
  public:
   // Starts deft-server with `extra_args` after the test defaults (loopback port 0, metrics on
-  // port 0, port file, warn logging). Fails the current test (and returns with running() false)
-  // when it does not come up.
-  explicit ServerProcess(std::vector<std::string> extra_args = {});
+  // port 0, port file, warn logging) and waits until it listens and, with `wait_serving`, until
+  // its health service reports SERVING (the model is loaded). Fails the current test (and
+  // returns with running() false) when it does not come up.
+  explicit ServerProcess(std::vector<std::string> extra_args = {}, bool wait_serving = true);
   ~ServerProcess();  // SIGKILL when still running
 
   bool running() const { return pid_ > 0; }
@@ -74,7 +75,7 @@ class ServerProcess {
                           std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
  private:
-  void start(std::vector<std::string> extra_args);
+  void start(std::vector<std::string> extra_args, bool wait_serving);
 
   std::filesystem::path dir_;
   pid_t pid_ = -1;

@@ -2,7 +2,10 @@
 // loopback port, driven through the real gRPC C++ client. Every bad input must get its precise
 // status code and leave the server up; cancelled and abandoned streams must return the KV
 // cache to its baseline; SIGTERM must end the server with exit code 0.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <fstream>
@@ -611,6 +614,76 @@ TEST(ServerShutdown, SigintOnAnIdleServerExitsZero) {
   ServerProcess server;
   ASSERT_TRUE(server.running());
   EXPECT_EQ(server.stop(SIGINT), 0) << server.log();
+}
+
+// A model that loads for as long as the test wants: its config.json is a FIFO that the test
+// feeds, the other files link to the embedded model. While it loads the server listens, its
+// health service reports NOT_SERVING (a readiness probe keeps traffic away) and every RPC answers
+// UNAVAILABLE; once fed, it loads and reports SERVING.
+TEST(ServerStartup, NotServingWhileTheModelLoads) {
+  const std::filesystem::path source = std::filesystem::path(DEFT_SOURCE_DIR) / "models/default";
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("deft-slow-model-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  for (const auto& entry : std::filesystem::directory_iterator(source)) {
+    if (entry.path().filename() != "config.json") {
+      std::filesystem::create_symlink(entry.path(), dir / entry.path().filename());
+    }
+  }
+  const std::filesystem::path fifo = dir / "config.json";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  std::string config_text;
+  {
+    std::ifstream file(source / "config.json");
+    config_text.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  }
+
+  ServerProcess server({"--model", dir.string()}, /*wait_serving=*/false);
+  ASSERT_TRUE(server.running());
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_FALSE(server.serving());
+  EXPECT_FALSE(server.serving("deft.v1.Deft"));
+  {
+    grpc::ClientContext context;
+    v1::ModelInfoResponse info;
+    const grpc::Status status = server.stub()->ModelInfo(&context, {}, &info);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_NE(status.error_message().find("loading"), std::string::npos) << status.error_message();
+  }
+  // Feed config.json to every reader until the server serves.
+  const auto deadline = std::chrono::steady_clock::now() + seconds(60);
+  while (!server.serving() && std::chrono::steady_clock::now() < deadline) {
+    const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // fails while no reader waits
+    if (fd >= 0) {
+      EXPECT_EQ(write(fd, config_text.data(), config_text.size()),
+                static_cast<ssize_t>(config_text.size()));
+      close(fd);
+    }
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_TRUE(server.serving()) << server.log();
+  EXPECT_TRUE(server.serving("deft.v1.Deft"));
+  grpc::ClientContext context;
+  v1::ModelInfoResponse info;
+  EXPECT_TRUE(server.stub()->ModelInfo(&context, {}, &info).ok());
+  EXPECT_EQ(info.name(), dir.filename().string());
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+  std::filesystem::remove_all(dir);
+}
+
+// gRPC would share a busy port (SO_REUSEPORT) and split new connections between two servers;
+// the second must fail to start instead, before it loads its model.
+TEST(ServerStartup, ABusyPortFailsTheStart) {
+  ServerProcess first;
+  ASSERT_TRUE(first.running());
+  const ProgramResult second =
+      run_program({DEFT_SERVER_BINARY, "--listen", first.address(), "--metrics-listen", ""});
+  EXPECT_EQ(second.exit_code, 1) << second.output;
+  EXPECT_NE(second.output.find("cannot listen on " + first.address()), std::string::npos)
+      << second.output;
+  EXPECT_EQ(second.output.find("loaded in"), std::string::npos) << second.output;
+  EXPECT_TRUE(first.serving());
 }
 
 TEST(ServerConfig, HelpListsEveryOptionWithItsDefault) {

@@ -160,6 +160,18 @@ v1::SessionResponse TestSession::extend_text(int64_t node, const std::string& te
   return last_or_empty(call(request));
 }
 
+v1::SessionResponse TestSession::verify(int64_t node, const std::vector<int32_t>& tokens,
+                                        const std::vector<int32_t>& parents,
+                                        const v1::SamplingParams& sampling) {
+  v1::SessionRequest request;
+  v1::VerifyCommand* verify = request.mutable_verify();
+  verify->set_node(node);
+  verify->mutable_tokens()->Add(tokens.begin(), tokens.end());
+  verify->mutable_parents()->Add(parents.begin(), parents.end());
+  *verify->mutable_sampling() = sampling;
+  return last_or_empty(call(request));
+}
+
 v1::SessionResponse TestSession::branch(int64_t node, int32_t k) {
   v1::SessionRequest request;
   request.mutable_branch()->set_node(node);

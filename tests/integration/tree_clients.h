@@ -67,6 +67,10 @@ class TestSession {
   deft::v1::SessionResponse score(int64_t node, const std::vector<int32_t>& tokens);
   deft::v1::SessionResponse score_text(int64_t node, const std::string& text);
   deft::v1::SessionResponse close();
+  // The stream's verify command (greedy unless `sampling` says otherwise).
+  deft::v1::SessionResponse verify(int64_t node, const std::vector<int32_t>& tokens,
+                                   const std::vector<int32_t>& parents,
+                                   const deft::v1::SamplingParams& sampling = {});
 
   // A decode: per node its tokens; `error` set when the command was refused.
   struct Decoded {

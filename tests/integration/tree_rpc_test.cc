@@ -1000,6 +1000,67 @@ TEST_F(TreeRpcTest, VerifyStopsAtTheFirstRejection) {
   EXPECT_TRUE(session.finish().ok());
 }
 
+// The stream's verify command answers as the Verify RPC does on the same tree, in order with
+// the session's other commands, and a refused one fails alone.
+TEST_F(TreeRpcTest, SessionVerifyEqualsTheVerifyRpc) {
+  const std::vector<int32_t> prompt = story_prompt(*stub_);
+  const std::vector<int32_t> g = greedy(*stub_, prompt, 12).ids;
+  ASSERT_EQ(g.size(), 12u);
+  const std::vector<int32_t> tokens = {wrong(g[0]), g[0], g[1], wrong(g[1]), g[2], wrong(g[3])};
+  const std::vector<int32_t> parents = {-1, -1, 1, 1, 2, 4};
+
+  TestSession by_rpc(*stub_);
+  const int64_t rpc_root = by_rpc.create(prompt).created_node();
+  v1::VerifyResponse unary;
+  ASSERT_TRUE(
+      verify(*stub_, verify_request(by_rpc.session_id(), rpc_root, tokens, parents), &unary).ok());
+
+  TestSession session(*stub_);
+  const int64_t root = session.create(prompt).created_node();
+  const v1::SessionResponse streamed = session.verify(root, tokens, parents);
+  ASSERT_TRUE(streamed.has_verified()) << streamed.DebugString();
+  EXPECT_EQ(streamed.session_id(), session.session_id());
+  const v1::VerifyResponse& verified = streamed.verified();
+  const auto ids = [](const auto& field) {
+    return std::vector<int32_t>(field.begin(), field.end());
+  };
+  EXPECT_EQ(ids(verified.accepted()), slice(g, 0, 3));
+  EXPECT_EQ(ids(verified.accepted()), ids(unary.accepted()));
+  EXPECT_EQ(ids(verified.accepted_entries()), ids(unary.accepted_entries()));
+  EXPECT_EQ(verified.bonus_token(), g[3]);
+  EXPECT_EQ(verified.bonus_token(), unary.bonus_token());
+
+  // Refused verifies answer `error` naming the problem; the session stays usable.
+  const v1::SessionResponse bad_tree = session.verify(verified.node(), {5, 6}, {-1, 3});
+  EXPECT_EQ(error_code(bad_tree), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_NE(bad_tree.error().message().find("verify: draft tree"), std::string::npos)
+      << bad_tree.DebugString();
+  v1::SamplingParams negative;
+  negative.set_temperature(-1.0f);
+  const v1::SessionResponse bad_sampling = session.verify(verified.node(), {5}, {-1}, negative);
+  EXPECT_EQ(error_code(bad_sampling), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_NE(bad_sampling.error().message().find("verify.sampling"), std::string::npos)
+      << bad_sampling.DebugString();
+  const v1::SessionResponse unknown = session.verify(verified.node() + 100000, {5}, {-1});
+  EXPECT_EQ(error_code(unknown), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+  const v1::SessionResponse empty = session.verify(verified.node(), {}, {});
+  EXPECT_EQ(error_code(empty), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+
+  // Speculation goes on from the committed leaf, then a decode continues it.
+  const v1::SessionResponse next =
+      session.verify(verified.node(), {g[3], g[4], g[5], wrong(g[6])}, {-1, 0, 1, 2});
+  ASSERT_TRUE(next.has_verified()) << next.DebugString();
+  EXPECT_EQ(ids(next.verified().accepted()), slice(g, 3, 6));
+  EXPECT_EQ(next.verified().bonus_token(), g[6]);
+  const TestSession::Decoded decoded = session.decode_greedy({next.verified().node()}, 4);
+  ASSERT_FALSE(decoded.error) << decoded.error->message();
+  EXPECT_EQ(decoded.nodes.at(next.verified().node()).ids, slice(g, 6, 10));
+  EXPECT_TRUE(session.close().closed());
+  EXPECT_TRUE(session.finish().ok());
+  EXPECT_TRUE(by_rpc.close().closed());
+  EXPECT_TRUE(by_rpc.finish().ok());
+}
+
 TEST_F(TreeRpcTest, VerifyUnderAnEmptyChildAndAnExtendedChild) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   const std::vector<int32_t> g = greedy(*stub_, prompt, 8).ids;
