@@ -57,16 +57,19 @@ class ModelRunner {
   // or a `logits` span of the wrong size; the KV cache is then untouched.
   virtual absl::Status forward(const StepBatch& batch, std::span<float> logits) = 0;
 
-  // forward() then one sampled token per logit row (rows[i] for batch.logit_rows[i]); a backend
-  // that samples on its device overrides it so only tokens come back. The default runs forward()
-  // into a host buffer and engine::Sampler on each row. INVALID_ARGUMENT for `rows` or `out` not
-  // one per logit row, a row without params, or bad params (validate_sampling_params), before
-  // anything runs; INTERNAL for a row with a NaN / +inf logit or no finite logit (the KV cache
-  // then holds the step's K/V).
+  // forward() then one sampled token per logit row that has params (rows[i] for
+  // batch.logit_rows[i]; out[i] gets its token); a row whose params are null wants its logits
+  // instead: those rows' logits go to `logits`, [rows without params][vocab_size()] in row order
+  // (out[i] untouched). A backend that samples on its device overrides it so only tokens and the
+  // wanted rows come back. The default runs forward() into a host buffer and engine::Sampler on
+  // each row. INVALID_ARGUMENT for `rows` or `out` not one per logit row, `logits` not one row
+  // per row without params, or bad params (validate_sampling_params), before anything runs;
+  // INTERNAL for a row with a NaN / +inf logit or no finite logit (the KV cache then holds the
+  // step's K/V).
   virtual absl::Status forward_sampled(const StepBatch& batch, std::span<const RowSampling> rows,
-                                       std::span<SampledToken> out);
-  // True when forward_sampled() samples on the device (only tokens come back): the engine then
-  // uses it for steps whose logit rows all just need a token.
+                                       std::span<SampledToken> out, std::span<float> logits = {});
+  // True when forward_sampled() samples on the device: the engine then uses it for every step
+  // with a row that just needs a token.
   virtual bool samples_on_device() const { return false; }
 
   // Attention time of the last step in seconds (all layers), or < 0 when it was not timed.
@@ -80,9 +83,11 @@ class ModelRunner {
   virtual AttentionWave attention_wave() const { return {}; }
 };
 
-// The argument checks of forward_sampled (for backends that override it): sizes, params present
-// and valid for `vocab_size`. INVALID_ARGUMENT naming the row.
+// The argument checks of forward_sampled (for backends that override it): sizes (`logits_size`
+// floats for the rows without params), params valid for `vocab_size`. INVALID_ARGUMENT naming
+// the row.
 absl::Status check_row_sampling(const StepBatch& batch, std::span<const RowSampling> rows,
-                                std::span<const SampledToken> out, int32_t vocab_size);
+                                std::span<const SampledToken> out, size_t logits_size,
+                                int32_t vocab_size);
 
 }  // namespace deft::engine

@@ -187,11 +187,14 @@ std::optional<StepStats> Scheduler::step() {
       const bool timed = step_count_++ % 16 == 0;
       if (timed) runner_.time_attention(true);
       const Clock::time_point forward_start = Clock::now();
-      if (runner_.samples_on_device() && step_.all_rows_sampled()) {
-        // Every logit row is a decode row: sample on the device, only tokens come back.
+      if (runner_.samples_on_device() && step_.any_row_sampled()) {
+        // Decode rows sample on the device: only their tokens come back, with the logits of
+        // the rows that want them (a prompt's last row, a branch point, a verify tree).
         step_.sampled.resize(step_.logit_rows.size());
-        status = runner_.forward_sampled(batch, step_.row_sampling(), step_.sampled);
-        logits_.clear();
+        const std::span<const RowSampling> rows = step_.row_sampling();
+        logits_.resize(static_cast<size_t>(step_.wanted_logit_rows()) *
+                       static_cast<size_t>(runner_.vocab_size()));
+        status = runner_.forward_sampled(batch, rows, step_.sampled, logits_);
       } else {
         logits_.resize(step_.logit_rows.size() * static_cast<size_t>(runner_.vocab_size()));
         status = runner_.forward(batch, logits_);

@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (threadIdx.x == 0) sh.share = {key_max, key_min, sum, bad};
     // Nothing reads a greedy row's logits after passes 1 and 2 (rank 0 finishes from the shares'
     // keys and sums, and reads a logit only at the first non-finite one, whose share is kept).
-    if (drop_logits && greedy && !wants_top && bad == INT_MAX) {
+    if (drop_logits && greedy && !wants_top && p.keep_logits == 0 && bad == INT_MAX) {
       __syncthreads();  // every thread's loads of the share are done
       detail::discard_l2_range(row + begin, int64_t{count} * sizeof(float), threadIdx.x, kThreads);
     }

@@ -39,6 +39,8 @@ struct RowSamplingParams {
   int32_t top_logprobs = 0;
   uint64_t seed = 0;
   uint64_t step = 0;
+  // 1: the caller reads this row's logits after sampling (drop_logits spares it).
+  int32_t keep_logits = 0;
 };
 
 enum SampledRowStatus : int32_t {
@@ -75,9 +77,10 @@ size_t sampling_workspace_bytes(int32_t num_rows, int32_t vocab_size);
 // sampling_workspace_bytes(num_rows, vocab_size) bytes (may be null when no row samples);
 // out: [num_rows]; top: [num_rows][kSamplingMaxTopLogprobs], most likely first (may be null when
 // no row asks for top logprobs). No host synchronisation (graph-capturable).
-// drop_logits: the caller never reads `logits` again; greedy rows without top logprobs drop
-// theirs from L2 unwritten once read (their contents are undefined afterwards), so 33 MB of a
-// 64-row step's fp32 logits are not written back to DRAM during the next step's first GEMMs.
+// drop_logits: the caller never reads `logits` again but for rows with keep_logits; greedy rows
+// without top logprobs or keep_logits drop theirs from L2 unwritten once read (their contents are
+// undefined afterwards), so 33 MB of a 64-row step's fp32 logits are not written back to DRAM
+// during the next step's first GEMMs.
 void launch_sample_rows(const SamplingDims& dims, const float* logits,
                         const RowSamplingParams* params, float* workspace, SampledRow* out,
                         SampledTop* top, cudaStream_t stream, bool drop_logits = false);

@@ -243,6 +243,7 @@ absl::Status check_step(const engine::StepBatch& batch, size_t logits_size, bool
                                                      " query rows"));
     }
   }
+  // (forward_sampled() checked its `logits` against the rows that want theirs.)
   if (!sample && logits_size != static_cast<size_t>(logit_rows) * vocab) {
     return absl::InvalidArgumentError(absl::StrCat("llama_cuda: logits hold ", logits_size,
                                                    " floats, expected ", logit_rows, " rows x ",
@@ -330,12 +331,18 @@ absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<
 
 absl::Status LlamaCudaRunner::forward_sampled(const engine::StepBatch& batch,
                                               std::span<const engine::RowSampling> rows,
-                                              std::span<engine::SampledToken> out) {
-  if (absl::Status status = engine::check_row_sampling(batch, rows, out, config_.vocab_size);
+                                              std::span<engine::SampledToken> out,
+                                              std::span<float> logits) {
+  if (absl::Status status =
+          engine::check_row_sampling(batch, rows, out, logits.size(), config_.vocab_size);
       !status.ok()) {
     return status;
   }
-  return run_step(batch, {}, rows, out);
+  // Wanted rows are copied out of the LM head's buffer after the step, which holds one chunk.
+  if (!logits.empty() && static_cast<int32_t>(batch.logit_rows.size()) > kLogitRowsPerChunk) {
+    return ModelRunner::forward_sampled(batch, rows, out, logits);
+  }
+  return run_step(batch, logits, rows, out);
 }
 
 absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span<float> logits,
@@ -424,6 +431,16 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                                       cudaMemcpyDeviceToHost, s.stream));
       s.timer.mark(StepPhase::kCopy);
     }
+    if (sample && !logits.empty()) {
+      // The rows that want their logits, from the LM head's buffer (one chunk: forward_sampled).
+      size_t kept = 0;
+      for (int32_t i = 0; i < logit_rows; ++i) {
+        if (sampling[i].params != nullptr) continue;
+        DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data() + kept++ * vocab,
+                                        s.logits.as<float>() + static_cast<size_t>(i) * vocab,
+                                        sizeof(float) * vocab, cudaMemcpyDeviceToHost, s.stream));
+      }
+    }
     if (sample) {
       DEFT_CUDA_CHECK(cudaMemcpyAsync(s.sampled_host.data(), s.sampled.data(),
                                       sizeof(kernels::SampledRow) * logit_rows,
@@ -444,6 +461,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     const auto* rows_out = s.sampled_host.as<kernels::SampledRow>();
     const auto* tops = s.sampled_top_host.as<kernels::SampledTop>();
     for (int32_t i = 0; i < logit_rows; ++i) {
+      if (sampling[i].params == nullptr) continue;  // its logits went to the host
       const kernels::SampledRow& row = rows_out[i];
       if (row.status != kernels::kSampledOk) {
         return absl::InternalError(

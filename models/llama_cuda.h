@@ -121,12 +121,15 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   const engine::ModelInfo& info() const override { return info_; }
   const ModelConfig& config() const { return config_; }
   absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override;
-  // Samples on the GPU (kernels/sampling.h) right after the LM head: the logits never leave
-  // the device; tokens, logprobs and asked-for top logprobs come back.
+  // Samples on the GPU (kernels/sampling.h) right after the LM head: tokens, logprobs and
+  // asked-for top logprobs come back, and only the logits of the rows without params. A step of
+  // more logit rows than one LM-head chunk that wants some rows' logits runs forward() and
+  // samples on the host (the chunks reuse one device buffer).
   bool samples_on_device() const override { return true; }
   absl::Status forward_sampled(const engine::StepBatch& batch,
                                std::span<const engine::RowSampling> rows,
-                               std::span<engine::SampledToken> out) override;
+                               std::span<engine::SampledToken> out,
+                               std::span<float> logits = {}) override;
 
   // The DeFT stage-1 launch (CTAs resident at once, KV heads, GQA group); none on the generic
   // attention fallback.
@@ -171,7 +174,8 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   struct State;  // device buffers, cuBLAS handle, stream (CUDA types stay out of this header)
   LlamaCudaRunner();
   absl::Status finish_setup(const LlamaCudaOptions& options);
-  // forward() when `sampling` is empty, forward_sampled() otherwise (then `logits` is unused).
+  // forward() when `sampling` is empty, forward_sampled() otherwise (then `logits` holds the
+  // rows without params).
   absl::Status run_step(const engine::StepBatch& batch, std::span<float> logits,
                         std::span<const engine::RowSampling> sampling,
                         std::span<engine::SampledToken> sampled);

@@ -34,6 +34,11 @@ StepSamplingNeeds StepInputs::stage_sampling(std::span<const engine::RowSampling
   auto* params = reinterpret_cast<kernels::RowSamplingParams*>(
       host_.data() + step_params_offset(launch_rows, launch_logit_rows));
   for (int32_t i = 0; i < logit_rows; ++i) {
+    if (sampling[i].params == nullptr) {
+      // A row that wants its logits: sampled greedily (cheaply), its logits kept for the copy.
+      params[i] = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .keep_logits = 1};
+      continue;
+    }
     const engine::SamplingParams& p = *sampling[i].params;
     params[i] = {.temperature = p.temperature,
                  .top_k = p.top_k,

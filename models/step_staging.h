@@ -47,8 +47,9 @@ class StepInputs {
   // Room for steps of up to `max_rows` query rows and logit rows.
   void reserve(int32_t max_rows);
 
-  // Stages the sampling params of the step's logit rows (`sampling`, one per logit row), and
-  // greedy ones for the padded rows up to `launch_logit_rows`.
+  // Stages the sampling params of the step's logit rows (`sampling`, one per logit row; a row
+  // without params, which wants its logits, samples greedily and keeps them), and greedy ones
+  // for the padded rows up to `launch_logit_rows`.
   StepSamplingNeeds stage_sampling(std::span<const engine::RowSampling> sampling,
                                    int32_t launch_rows, int32_t launch_logit_rows);
   // Stages the step's tokens, positions, slots (from `batch` and its plan) and logit rows padded

@@ -93,6 +93,16 @@ absl::Status Session::check_leaf(NodeId node, const char* field, const SequenceT
   return absl::OkStatus();
 }
 
+absl::Status Session::check_logits(NodeId node, const char* field) const {
+  if (nodes_.at(node) == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, " = ", node,
+                     " has no next-token logits (a decode of it failed part way); extend it "
+                     "or prune it"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Session::check_context(int64_t tokens, const char* what) const {
   if (limits_.max_context > 0 && tokens > limits_.max_context) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -131,6 +141,7 @@ absl::Status Session::check(const DecodeCommand& decode, const SequenceTree& tre
     if (absl::Status status = check_leaf(node, "decode.nodes[]", tree); !status.ok()) {
       return status;
     }
+    if (absl::Status status = check_logits(node, "decode.nodes[]"); !status.ok()) return status;
     if (!seen.insert(node).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("decode.nodes[", i, "] = ", node, " is listed twice"));
@@ -146,6 +157,7 @@ absl::Status Session::check(const DecodeCommand& decode, const SequenceTree& tre
 
 absl::Status Session::check(const ScoreCommand& score, const SequenceTree& tree) const {
   if (absl::Status status = check_node(score.node, "score.node"); !status.ok()) return status;
+  if (absl::Status status = check_logits(score.node, "score.node"); !status.ok()) return status;
   return check_context(
       path_length(tree, score.node) + static_cast<int64_t>(score.continuation.size()),
       "the scored continuation");
@@ -153,6 +165,7 @@ absl::Status Session::check(const ScoreCommand& score, const SequenceTree& tree)
 
 absl::Status Session::check(const VerifyCommand& verify, const SequenceTree& tree) const {
   if (absl::Status status = check_node(verify.node, "node"); !status.ok()) return status;
+  if (absl::Status status = check_logits(verify.node, "node"); !status.ok()) return status;
   if (absl::Status status = check_room(1); !status.ok()) return status;
   return check_context(path_length(tree, verify.node) + static_cast<int64_t>(verify.tokens.size()),
                        "the drafted tree's deepest path");

@@ -149,6 +149,8 @@ class Session {
   const Tokenizer& tokenizer() const { return tokenizer_; }
   int32_t page_tokens() const { return page_tokens_; }
   bool has_node(NodeId node) const { return nodes_.count(node) != 0; }
+  // The next-token logits at the node's end; null after a decode of it failed part way
+  // (next_command refuses commands that read them until an extend computes them again).
   const Logits& node_logits(NodeId node) const { return nodes_.at(node); }
   // Adds a node the session now holds (the caller hands over one Forest hold).
   void adopt(NodeId node, Logits logits) { nodes_[node] = std::move(logits); }
@@ -167,6 +169,8 @@ class Session {
   absl::Status check(const ScoreCommand& score, const SequenceTree& tree) const;
   absl::Status check(const VerifyCommand& verify, const SequenceTree& tree) const;
   absl::Status check_leaf(NodeId node, const char* field, const SequenceTree& tree) const;
+  // FAILED_PRECONDITION when `node` (the session's) has no kept logits.
+  absl::Status check_logits(NodeId node, const char* field) const;
   absl::Status check_context(int64_t tokens, const char* what) const;
   absl::Status check_room(int64_t new_nodes) const;
   void branch(uint64_t request_id, const BranchCommand& command, Forest& forest);

@@ -103,9 +103,11 @@ class PrefillWork final : public SessionWork {
   bool in_step_ = false;
 };
 
-// decode: every listed leaf generates in place, all in the same steps. Each step samples the
-// next token of every live node from its current logits, streams it, and runs it through the
-// model so the node's KV and logits always cover all its tokens.
+// decode: every listed leaf generates in place, all in the same steps. A node's first token is
+// sampled here from the node's kept logits; each step then runs the node's newest token and its
+// row samples the next one (on the device when the runner can: no logits row comes back). The
+// row that runs a node's last token asks for its logits instead, which the node keeps, so the
+// node's KV and logits cover all its tokens when the decode ends.
 class DecodeWork final : public SessionWork {
  public:
   DecodeWork(std::shared_ptr<Session> session, uint64_t request_id, DecodeCommand command)
@@ -123,7 +125,8 @@ class DecodeWork final : public SessionWork {
     for (const Live& live : nodes_) {
       if (live.done) continue;
       const TreeNode& node = forest.tree().node(live.node);
-      const int64_t left = command_.max_tokens - live.stream->generated();
+      // Tokens sampled but not yet run count as generated and still need their KV.
+      const int64_t left = command_.max_tokens - live.stream->generated() + (live.pending ? 1 : 0);
       pending += pages_for(static_cast<int64_t>(node.tokens.size()) + left,
                            session_->page_tokens()) -
                  forest.node_pages(live.node);
@@ -137,26 +140,25 @@ class DecodeWork final : public SessionWork {
     int64_t live = 0;
     for (const Live& node : nodes_) live += node.done ? 0 : 1;
     if (live == 0 || step.budget < live) return absl::OkStatus();
-    SamplingParams params = command_.sampling;
     for (Live& live_node : nodes_) {
       if (live_node.done) continue;
-      const TreeNode& node = step.forest.tree().node(live_node.node);
-      const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
-      params.seed = live_node.seed;
-      absl::StatusOr<SampledToken> sampled =
-          step.sampler.sample(*session_->node_logits(live_node.node), params, position);
-      if (!sampled.ok()) return sampled.status();
-      TokenDelta delta = live_node.stream->add(
-          *sampled, live_node.stream->generated() + 1 >= command_.max_tokens);
-      live_node.ending = delta.finish != FinishReason::kNone;
-      ++step.generated;
-      session_->events().push({.request_id = request_id_,
-                               .kind = SessionEvent::Kind::kDecoded,
-                               .node = live_node.node,
-                               .delta = std::move(delta)});
-      if (absl::Status status = step.add_run(live_node.node, std::span(&sampled->token, 1));
+      if (!live_node.pending) {  // the decode's first step: from the node's kept logits
+        const TreeNode& node = step.forest.tree().node(live_node.node);
+        absl::StatusOr<SampledToken> sampled =
+            step.sampler.sample(*session_->node_logits(live_node.node), params_of(live_node),
+                                static_cast<uint64_t>(node.depth_begin + node.tokens.size()));
+        if (!sampled.ok()) return sampled.status();
+        take_token(live_node, *sampled, step);
+      }
+      if (absl::Status status = step.add_run(live_node.node, std::span(&live_node.token, 1));
           !status.ok()) {
         return status;
+      }
+      live_node.pending = false;
+      if (!live_node.ending) {
+        const TreeNode& node = step.forest.tree().node(live_node.node);
+        step.sample_last_row(params_of(live_node),
+                             static_cast<uint64_t>(node.depth_begin + node.tokens.size()));
       }
     }
     in_step_ = true;
@@ -168,9 +170,15 @@ class DecodeWork final : public SessionWork {
     bool all_done = true;
     for (Live& live_node : nodes_) {
       if (live_node.done) continue;
-      session_->set_logits(live_node.node, copy_row(step.next_logits()));
-      live_node.done = live_node.ending;
-      all_done = all_done && live_node.done;
+      if (live_node.ending) {
+        session_->set_logits(live_node.node, copy_row(step.next_logits()));
+        live_node.done = true;
+        continue;
+      }
+      absl::StatusOr<SampledToken> sampled = step.next_sampled();
+      if (!sampled.ok()) return sampled.status();
+      take_token(live_node, *sampled, step);
+      all_done = false;
     }
     if (all_done) done();
     return absl::OkStatus();
@@ -181,6 +189,8 @@ class DecodeWork final : public SessionWork {
     (void)forest;
     for (Live& live_node : nodes_) {
       if (live_node.done) continue;
+      // The node ran tokens whose logits never came back: it has none until extended.
+      session_->set_logits(live_node.node, nullptr);
       session_->events().push({.request_id = request_id_,
                                .kind = SessionEvent::Kind::kDecoded,
                                .node = live_node.node,
@@ -193,9 +203,32 @@ class DecodeWork final : public SessionWork {
     NodeId node = -1;
     uint64_t seed = 0;
     std::unique_ptr<TokenStream> stream;
-    bool ending = false;  // its last sampled token ended it; done once that token ran
+    TokenId token = -1;    // the newest sampled token
+    bool pending = false;  // `token` is sampled and streamed but not yet run
+    bool ending = false;   // `token` ends the node's stream: its row keeps the logits
     bool done = false;
   };
+
+  SamplingParams params_of(const Live& live) const {
+    SamplingParams params = command_.sampling;
+    params.seed = live.seed;
+    return params;
+  }
+
+  // Streams a sampled token; it runs in the node's next step.
+  void take_token(Live& live, const SampledToken& sampled, StepContext& step) {
+    TokenDelta delta =
+        live.stream->add(sampled, live.stream->generated() + 1 >= command_.max_tokens);
+    live.token = sampled.token;
+    live.pending = true;
+    live.ending = delta.finish != FinishReason::kNone;
+    ++step.generated;
+    session_->events().push({.request_id = request_id_,
+                             .kind = SessionEvent::Kind::kDecoded,
+                             .node = live.node,
+                             .delta = std::move(delta)});
+  }
+
   DecodeCommand command_;
   std::vector<Live> nodes_;
   bool in_step_ = false;

@@ -48,20 +48,34 @@ void StepContext::sample_last_row(const SamplingParams& params, uint64_t step) {
   row_samples_[row] = 1;
 }
 
-bool StepContext::all_rows_sampled() const {
-  if (logit_rows.empty() || row_samples_.size() != logit_rows.size()) return false;
-  for (uint8_t marked : row_samples_) {
-    if (marked == 0) return false;
-  }
-  return true;
+bool StepContext::any_row_sampled() const {
+  return std::find(row_samples_.begin(), row_samples_.end(), uint8_t{1}) != row_samples_.end();
 }
 
 std::span<const RowSampling> StepContext::row_sampling() {
+  row_samples_.resize(logit_rows.size(), 0);
+  row_params_.resize(logit_rows.size());
+  row_steps_.resize(logit_rows.size());
   row_sampling_.resize(logit_rows.size());
+  logits_index_.assign(logit_rows.size(), -1);
+  int32_t wanted = 0;
   for (size_t i = 0; i < logit_rows.size(); ++i) {
-    row_sampling_[i] = {.params = &row_params_[i], .step = row_steps_[i]};
+    if (row_samples_[i] != 0) {
+      row_sampling_[i] = {.params = &row_params_[i], .step = row_steps_[i]};
+    } else {
+      row_sampling_[i] = {.params = nullptr};
+      logits_index_[i] = wanted++;
+    }
   }
   return row_sampling_;
+}
+
+int64_t StepContext::wanted_logit_rows() const {
+  int64_t wanted = 0;
+  for (size_t i = 0; i < logit_rows.size(); ++i) {
+    wanted += i < row_samples_.size() && row_samples_[i] != 0 ? 0 : 1;
+  }
+  return wanted;
 }
 
 absl::StatusOr<SampledToken> StepContext::next_sampled() {
@@ -77,9 +91,14 @@ absl::StatusOr<SampledToken> StepContext::next_sampled() {
 
 std::span<const float> StepContext::next_logits() {
   const size_t vocab = static_cast<size_t>(vocab_size);
-  DEFT_CHECK((logit_cursor_ + 1) * vocab <= logits.size(),
+  const size_t row = logit_cursor_++;
+  // Sampled on the device: `logits` holds only the rows that wanted theirs.
+  const size_t index = sampled.empty() ? row : static_cast<size_t>(logits_index_.at(row));
+  DEFT_CHECK(sampled.empty() || logits_index_[row] >= 0,
+             "StepContext: row %zu was sampled on the device; its logits are gone", row);
+  DEFT_CHECK((index + 1) * vocab <= logits.size(),
              "StepContext: a work took more logit rows than the step has");
-  return logits.subspan(logit_cursor_++ * vocab, vocab);
+  return logits.subspan(index * vocab, vocab);
 }
 
 void StepContext::clear() {
@@ -94,6 +113,7 @@ void StepContext::clear() {
   row_steps_.clear();
   row_samples_.clear();
   row_sampling_.clear();
+  logits_index_.clear();
   sampled.clear();
 }
 

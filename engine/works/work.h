@@ -53,17 +53,21 @@ class StepContext {
   // it there and only tokens come back. `step` is the Sampler's counter (the token's position).
   void sample_last_row(const SamplingParams& params, uint64_t step);
 
-  // After the forward pass: the logits, taken by the works in the order they asked.
+  // After the forward pass: the logits, taken by the works in the order they asked (a work
+  // reads next_logits() for a row it wanted, next_sampled() for a row it marked).
   std::span<const float> logits;
   std::span<const float> next_logits();
   // The token of a row marked by sample_last_row(), in the same order as next_logits():
   // sampled on the device, or here from the row's logits with the row's params.
   absl::StatusOr<SampledToken> next_sampled();
 
-  // The scheduler's side of device sampling.
-  bool all_rows_sampled() const;
-  std::span<const RowSampling> row_sampling();  // one per logit row (valid until the next add)
-  std::vector<SampledToken> sampled;            // filled by forward_sampled()
+  // The scheduler's side of device sampling: when some rows only need a token, the runner
+  // samples those on its device (forward_sampled) and returns the logits of the others only.
+  bool any_row_sampled() const;
+  // One per logit row, null params for a row that wants its logits (valid until the next add).
+  std::span<const RowSampling> row_sampling();
+  int64_t wanted_logit_rows() const;  // logit rows not marked by sample_last_row()
+  std::vector<SampledToken> sampled;  // filled by forward_sampled(); empty: `logits` has all rows
 
   void clear();
 
@@ -73,6 +77,7 @@ class StepContext {
   std::vector<uint64_t> row_steps_;
   std::vector<uint8_t> row_samples_;        // 1: the row only needs a sampled token
   std::vector<RowSampling> row_sampling_;
+  std::vector<int32_t> logits_index_;  // per logit row: its row in a device step's `logits`
 };
 
 class Work {

@@ -3,8 +3,11 @@
 // fed back, each step run both ways on the same plan (the second run rewrites the same K/V).
 // Greedy tokens must be equal; sampled ones may differ only at a boundary case
 // (tests/gpu/sampling_reference.h); logprobs and top lists as in tests/gpu/sampling_test.cc.
+// Each step also runs mixed: some rows want their logits back, the others sample.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -79,6 +82,29 @@ std::vector<SampledToken> run_both(LlamaCudaRunner& runner, const engine::Attent
       EXPECT_NEAR(sampled[i].top_logprobs[j].logprob, ref->top_logprobs[j].logprob,
                   1e-5 + 1e-5 * std::abs(ref->top_logprobs[j].logprob));
     }
+  }
+
+  // A mixed step: every third row wants its logits (null params), the rest sample. The wanted
+  // rows' logits equal forward()'s; the sampled rows' tokens equal the all-sampled run's.
+  std::vector<RowSampling> mixed = rows;
+  size_t wanted = 0;
+  for (size_t i = 0; i < mixed.size(); i += 3, ++wanted) mixed[i].params = nullptr;
+  std::vector<float> kept(wanted * vocab);
+  std::vector<SampledToken> mixed_out(logit_rows.size());
+  const absl::Status ran_mixed = runner.forward_sampled(batch, mixed, mixed_out, kept);
+  EXPECT_TRUE(ran_mixed.ok()) << ran_mixed;
+  for (size_t i = 0, k = 0; i < mixed.size(); ++i) {
+    if (mixed[i].params != nullptr) {
+      EXPECT_EQ(mixed_out[i].token, sampled[i].token) << "row " << i;
+      continue;
+    }
+    double worst = 0.0;
+    for (size_t v = 0; v < vocab; ++v) {
+      const double ref = logits[i * vocab + v];
+      worst = std::max(worst, std::abs(kept[k * vocab + v] - ref) / (1e-3 + std::abs(ref)));
+    }
+    EXPECT_LT(worst, 1e-3) << "row " << i << ": kept logits differ from forward()'s";
+    ++k;
   }
   return sampled;
 }

@@ -51,6 +51,16 @@ TEST(ForwardSampled, DefaultEqualsForwardThenSampler) {
     EXPECT_EQ(out[i].stop, ref->stop) << i;
     EXPECT_EQ(out[i].top_logprobs.size(), ref->top_logprobs.size()) << i;
   }
+
+  // A mixed step: the middle row wants its logits (null params), the others sample.
+  const std::vector<RowSampling> mixed = {{&params[0], 6}, {nullptr, 0}, {&params[2], 4}};
+  std::vector<float> wanted(static_cast<size_t>(vocab));
+  std::vector<SampledToken> mixed_out(rows.size());
+  ASSERT_TRUE(harness.runner().forward_sampled(batch, mixed, mixed_out, wanted).ok());
+  EXPECT_EQ(wanted, std::vector<float>(logits.begin() + vocab, logits.begin() + 2 * vocab));
+  EXPECT_EQ(mixed_out[0].token, out[0].token);
+  EXPECT_EQ(mixed_out[2].token, out[2].token);
+  EXPECT_EQ(mixed_out[1].token, -1);  // untouched
 }
 
 TEST(ForwardSampled, RejectsMismatchedRowsAndBadParams) {
@@ -75,9 +85,13 @@ TEST(ForwardSampled, RejectsMismatchedRowsAndBadParams) {
   const absl::Status status = harness.runner().forward_sampled(batch, bad_row, out);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("temperature"), std::string::npos) << status;
+  // A row without params wants its logits: the span must hold exactly one row per such row.
   const std::vector<RowSampling> null_row = {{nullptr, 0}};
-  EXPECT_EQ(harness.runner().forward_sampled(batch, null_row, out).code(),
-            absl::StatusCode::kInvalidArgument);
+  const absl::Status no_room = harness.runner().forward_sampled(batch, null_row, out);
+  EXPECT_EQ(no_room.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_room.message().find("want their logits"), std::string::npos) << no_room;
+  std::vector<float> row(static_cast<size_t>(harness.vocab()));
+  EXPECT_TRUE(harness.runner().forward_sampled(batch, null_row, out, row).ok());
 }
 
 }  // namespace

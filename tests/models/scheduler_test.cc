@@ -6,7 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <vector>
@@ -445,9 +448,11 @@ TEST_F(SchedulerTest, RandomCommandsKeepTheForestConsistentAndFreeEverything) {
 namespace deft::engine {
 namespace {
 
-// A CPU runner that claims to sample on its device: the Scheduler then sends decode-only steps
-// through forward_sampled() (here the default forward() + Sampler), the path the CUDA runner
-// takes. Generate and RunTree must give exactly the tokens of the logits path.
+// A CPU runner that claims to sample on its device: the Scheduler then sends every step with a
+// decode row through forward_sampled() (here the default forward() + Sampler), the path the CUDA
+// runner takes, with the logits of only the rows that want them. Generate, RunTree and session
+// decodes (and a score after one, which reads the logits the decode kept) must give exactly the
+// tokens of the logits path.
 class DeviceSamplingRunner final : public ModelRunner {
  public:
   explicit DeviceSamplingRunner(ModelRunner& inner) : inner_(inner) {}
@@ -456,12 +461,18 @@ class DeviceSamplingRunner final : public ModelRunner {
     return inner_.forward(batch, logits);
   }
   absl::Status forward_sampled(const StepBatch& batch, std::span<const RowSampling> rows,
-                               std::span<SampledToken> out) override {
+                               std::span<SampledToken> out, std::span<float> logits) override {
     ++sampled_steps;
-    return ModelRunner::forward_sampled(batch, rows, out);
+    const bool wants = std::any_of(rows.begin(), rows.end(),
+                                   [](const RowSampling& row) { return row.params == nullptr; });
+    const bool samples = std::any_of(rows.begin(), rows.end(),
+                                     [](const RowSampling& row) { return row.params != nullptr; });
+    mixed_steps += wants && samples ? 1 : 0;
+    return ModelRunner::forward_sampled(batch, rows, out, logits);
   }
   bool samples_on_device() const override { return true; }
   int sampled_steps = 0;
+  int mixed_steps = 0;
 
  private:
   ModelRunner& inner_;
@@ -495,11 +506,40 @@ TEST_F(SchedulerTest, DeviceSamplingStepsGiveTheSameTokens) {
                                       .max_tokens = 9},
                         tree, *tokenizer_, kPageTokens))
                     .ok());
+    // A session: two children decoded together (sampled), then scores after each (from the
+    // logits the decode kept), then close; commands queue in order.
+    auto session = std::make_shared<SessionEvents>();
+    EXPECT_TRUE(scheduler.open_session(9, session).ok());
+    scheduler.session_command(
+        9, {.request_id = 1, .op = CreateCommand{.prompt = encode("The old tree")}});
+    std::vector<SessionEvent> session_events;
+    run_until(scheduler, [&] {
+      session->next(session_events, std::chrono::milliseconds(0));
+      return !session_events.empty();
+    });
+    const NodeId root = session_events.at(0).node;
+    scheduler.session_command(9, {.request_id = 2, .op = BranchCommand{.node = root, .k = 2}});
+    run_until(scheduler, [&] {
+      session->next(session_events, std::chrono::milliseconds(0));
+      return session_events.size() > 1;
+    });
+    const std::vector<NodeId> children = session_events.at(1).children;
+    EXPECT_EQ(children.size(), 2u);
+    const NodeId first_child = children.at(0), second_child = children.at(1);
+    scheduler.session_command(9, {.request_id = 3,
+                                  .op = DecodeCommand{.nodes = {first_child, second_child},
+                                                      .sampling = {.temperature = 0.8f, .seed = 3},
+                                                      .max_tokens = 7}});
+    scheduler.session_command(
+        9, {.request_id = 4, .op = ScoreCommand{.node = first_child, .continuation = {5, 6}}});
+    scheduler.session_command(
+        9, {.request_id = 5, .op = ScoreCommand{.node = second_child, .continuation = {7}}});
+    scheduler.session_command(9, {.request_id = 6, .op = CloseCommand{}});
     run_until(scheduler, [&] {
       for (const auto& e : jobs) {
         if (!e->finished()) return false;
       }
-      return tree->finished();
+      return tree->finished() && session->finished();
     });
     std::vector<std::vector<std::vector<TokenId>>> out;
     for (size_t i = 0; i < jobs.size(); ++i) out.push_back(branches(*jobs[i], 2 + i % 2));
@@ -508,10 +548,29 @@ TEST_F(SchedulerTest, DeviceSamplingStepsGiveTheSameTokens) {
     std::vector<std::vector<TokenId>> tree_nodes;
     for (const TreeSearchNode& node : events.back().nodes) tree_nodes.push_back(node.tokens);
     out.push_back(tree_nodes);
+    session->next(session_events, std::chrono::milliseconds(0));
+    std::map<NodeId, std::vector<TokenId>> decoded;
+    std::vector<TokenId> scores;  // the scores' logprobs, scaled to ids for one comparison
+    for (const SessionEvent& e : session_events) {
+      EXPECT_NE(e.kind, SessionEvent::Kind::kError) << e.error;
+      if (e.kind == SessionEvent::Kind::kDecoded) {
+        decoded[e.node].insert(decoded[e.node].end(), e.delta.ids.begin(), e.delta.ids.end());
+      }
+      if (e.kind == SessionEvent::Kind::kScored) {
+        for (float logprob : e.token_logprobs) {
+          scores.push_back(static_cast<TokenId>(std::lround(logprob * 1e4)));
+        }
+      }
+    }
+    EXPECT_EQ(decoded.size(), 2u);
+    for (const auto& [node, ids] : decoded) out.push_back({ids});
+    EXPECT_EQ(scores.size(), 3u);
+    out.push_back({scores});
     return out;
   };
   EXPECT_EQ(run(sampled), run(*scheduler_));
   EXPECT_GT(device.sampled_steps, 0);
+  EXPECT_GT(device.mixed_steps, 0);
   EXPECT_EQ(sampled.kv().used_pages(), 0);
 }
 
