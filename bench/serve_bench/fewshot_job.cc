@@ -1,0 +1,62 @@
+// fewshot: Generate, --fewshot-n samples of a --fewshot-prompt-tokens prompt (the paper's
+// few-shot workload: one prompt node, n branches). EOS is ignored, so each branch must stream
+// exactly --fewshot-tokens tokens and end with FINISH_REASON_LENGTH.
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "bench/serve_bench/job.h"
+
+namespace deft::bench::serve {
+
+void run_fewshot_job(v1::Deft::Stub& stub, const JobEnv& env, std::mt19937_64& rng,
+                     JobRecord* record) {
+  const ServeOptions& options = *env.options;
+  v1::GenerateRequest request;
+  const std::vector<int32_t> prompt = random_prompt(env.model, options.fewshot_prompt_tokens, rng);
+  request.mutable_prompt()->mutable_tokens()->mutable_ids()->Add(prompt.begin(), prompt.end());
+  request.set_n(options.fewshot_n);
+  v1::SamplingParams& sampling = *request.mutable_sampling();
+  sampling.set_temperature(options.temperature);
+  sampling.set_seed(rng());
+  sampling.set_max_tokens(options.fewshot_tokens);
+  sampling.set_ignore_eos(true);
+  record->expected_tokens = int64_t{options.fewshot_n} * options.fewshot_tokens;
+
+  grpc::ClientContext context;
+  set_job_deadline(env, &context);
+  TokenTimer timer(record, env.received_tokens);
+  struct Branch {
+    int32_t tokens = 0;
+    v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  };
+  std::map<int32_t, Branch> branches;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
+      stub.Generate(&context, request);
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+    timer.add(response.branch(), response.delta().ids_size());
+    Branch& branch = branches[response.branch()];
+    branch.tokens += response.delta().ids_size();
+    if (response.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      branch.finish = response.finish_reason();
+    }
+  }
+  if (const grpc::Status status = reader->Finish(); !status.ok()) {
+    record->fail(status);
+    return;
+  }
+  if (static_cast<int32_t>(branches.size()) != options.fewshot_n) {
+    record->fail(kTokenCount, absl::StrCat("Generate streamed ", branches.size(),
+                                           " branches, asked for ", options.fewshot_n));
+  }
+  for (const auto& [index, branch] : branches) {
+    if (branch.tokens != options.fewshot_tokens || branch.finish != v1::FINISH_REASON_LENGTH) {
+      record->fail(kTokenCount,
+                   absl::StrCat("Generate branch ", index, " streamed ", branch.tokens,
+                                " tokens (finish ", v1::FinishReason_Name(branch.finish),
+                                "), asked for ", options.fewshot_tokens));
+    }
+  }
+}
+
+}  // namespace deft::bench::serve
