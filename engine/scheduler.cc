@@ -136,6 +136,13 @@ void Scheduler::prepare() {
   }
 }
 
+bool Scheduler::has_ready_sessions() const {
+  for (const auto& [id, session] : sessions_) {
+    if (!session->busy() && (session->has_commands() || session->closing())) return true;
+  }
+  return false;
+}
+
 void Scheduler::pump_sessions() {
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     Session& session = *it->second;

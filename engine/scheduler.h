@@ -87,6 +87,9 @@ class Scheduler {
   void abort_all(const absl::Status& status);
 
   bool has_live() const { return !live_.empty(); }
+  // A session has commands waiting that prepare() can start or answer now (the engine loop
+  // must not sleep then: nothing else would wake it).
+  bool has_ready_sessions() const;
   int32_t queued() const { return static_cast<int32_t>(queued_.size()); }
   int32_t live() const { return static_cast<int32_t>(live_.size()); }
   int32_t sessions() const { return static_cast<int32_t>(sessions_.size()); }

@@ -165,8 +165,10 @@ void EngineThread::run() {
     bool cancel_live = false;
     {
       std::unique_lock lock(mutex_);
-      // Idle: sleep until a command arrives (the timeout refreshes the rate gauges).
-      if (inbox_.empty() && !scheduler.has_live() && !stopping_) {
+      // Idle: sleep until a command arrives (the timeout refreshes the rate gauges). A session
+      // whose command just ended may have the next one queued: no sleep then.
+      if (inbox_.empty() && !scheduler.has_live() && !scheduler.has_ready_sessions() &&
+          !stopping_) {
         wake_.wait_for(lock, std::chrono::seconds(1));
       }
       commands.swap(inbox_);

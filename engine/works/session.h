@@ -135,6 +135,7 @@ class Session {
   // session is busy or closing. engine/works/session_work.h makes its work.
   std::optional<SessionCommand> next_command(Forest& forest);
   bool busy() const { return busy_; }
+  bool has_commands() const { return !commands_.empty(); }
   bool closing() const { return closing_; }
   // The client went away: stop after the running command (which the scheduler cancels).
   void begin_close() { closing_ = true; }

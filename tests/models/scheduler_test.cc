@@ -223,6 +223,30 @@ TEST_F(SchedulerTest, SessionCommandsMatchGenerate) {
   EXPECT_TRUE(scheduler_->forest().tree().check_invariants());
 }
 
+// The engine loop sleeps when nothing is live and nothing is ready; a session's next command,
+// queued while its previous one ran, must count as ready once that one ends.
+TEST_F(SchedulerTest, ASessionsQueuedCommandIsReadyWhenTheRunningOneEnds) {
+  auto events = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler_->open_session(4, events).ok());
+  EXPECT_FALSE(scheduler_->has_ready_sessions());
+  scheduler_->session_command(
+      4, {.request_id = 1, .op = CreateCommand{.prompt = encode("Once upon a time")}});
+  scheduler_->session_command(
+      4, {.request_id = 2, .op = ScoreCommand{.node = 1, .continuation = {5}}});
+  EXPECT_TRUE(scheduler_->has_ready_sessions());
+  scheduler_->prepare();  // the create starts; the score waits behind it
+  EXPECT_TRUE(scheduler_->has_live());
+  EXPECT_FALSE(scheduler_->has_ready_sessions());
+  for (int i = 0; i < 100 && scheduler_->has_live(); ++i) (void)scheduler_->step();
+  EXPECT_FALSE(scheduler_->has_live());
+  EXPECT_TRUE(scheduler_->has_ready_sessions()) << "the score would wait for the idle timeout";
+  scheduler_->prepare();
+  EXPECT_TRUE(scheduler_->has_live());  // the score runs
+  scheduler_->close_session(4);
+  run_until(*scheduler_, [&] { return scheduler_->sessions() == 0; });
+  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+}
+
 TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
   const std::vector<TokenId> prompt = encode("Once upon a time");
   const std::vector<TokenId> greedy = generate_alone(prompt, 1, 10)[0];
