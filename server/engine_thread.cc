@@ -199,7 +199,9 @@ void EngineThread::run() {
                                .attention_seconds = stats->attention_seconds,
                                .prompt_tokens = stats->rows - stats->generated,
                                .generated_tokens = stats->generated,
-                               .kv_tokens_read = stats->kv_tokens_read});
+                               .kv_tokens_read = stats->kv_tokens_read,
+                               .rows = stats->rows,
+                               .logit_rows = stats->logit_rows});
       }
       spdlog::trace("engine: step {} rows, {} works, {:.2f} ms", stats->rows, stats->works,
                     stats->step_seconds * 1e3);

@@ -37,6 +37,15 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   steps_ = &counter(r, "deft_engine_steps_total", "Engine steps (forward passes)");
   generated_tokens_ = &counter(r, "deft_generated_tokens_total", "Tokens sampled");
   prompt_tokens_ = &counter(r, "deft_prompt_tokens_total", "Prompt tokens prefilled");
+  step_rows_ = &counter(r, "deft_step_rows_total",
+                        "Query rows of all steps (mean rows per step: / deft_engine_steps_total)");
+  step_logit_rows_ = &counter(r, "deft_step_logit_rows_total",
+                              "Query rows whose next-token logits or token were computed");
+  plan_seconds_ = &counter(r, "deft_step_plan_seconds_total", "Host time planning attention");
+  forward_seconds_ = &counter(r, "deft_step_forward_seconds_total",
+                              "Time in the model's forward pass (sampling on the device included)");
+  step_seconds_ = &counter(r, "deft_step_seconds_total",
+                           "Time in engine steps: planning, forward, sampling, streaming");
   kv_tokens_read_ = &counter(r, "deft_attention_kv_tokens_read_total",
                              "KV tokens read by attention plans (per layer and KV head)");
   tokens_per_second_ = &gauge(r, "deft_tokens_per_second", "Tokens sampled per second (last 5 s)");
@@ -79,6 +88,11 @@ void ServerMetrics::record_step(const StepRecord& step) {
   steps_->Increment();
   generated_tokens_->Increment(static_cast<double>(step.generated_tokens));
   prompt_tokens_->Increment(static_cast<double>(step.prompt_tokens));
+  step_rows_->Increment(static_cast<double>(step.rows));
+  step_logit_rows_->Increment(static_cast<double>(step.logit_rows));
+  plan_seconds_->Increment(step.plan_seconds);
+  forward_seconds_->Increment(step.forward_seconds);
+  step_seconds_->Increment(step.step_seconds);
   kv_tokens_read_->Increment(static_cast<double>(step.kv_tokens_read));
   step_latency_->Observe(step.step_seconds);
   if (step.step_seconds > 0) {

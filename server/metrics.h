@@ -31,6 +31,8 @@ struct StepRecord {
   int64_t prompt_tokens = 0;   // prefilled this step
   int64_t generated_tokens = 0;
   int64_t kv_tokens_read = 0;  // the plan's KV IO (per layer and KV head)
+  int64_t rows = 0;            // query rows (prefill and decode)
+  int64_t logit_rows = 0;      // rows whose logits or token were computed
 };
 
 class ServerMetrics {
@@ -57,6 +59,11 @@ class ServerMetrics {
   prometheus::Counter* steps_ = nullptr;
   prometheus::Counter* generated_tokens_ = nullptr;
   prometheus::Counter* prompt_tokens_ = nullptr;
+  prometheus::Counter* step_rows_ = nullptr;
+  prometheus::Counter* step_logit_rows_ = nullptr;
+  prometheus::Counter* plan_seconds_ = nullptr;
+  prometheus::Counter* forward_seconds_ = nullptr;
+  prometheus::Counter* step_seconds_ = nullptr;
   prometheus::Counter* kv_tokens_read_ = nullptr;
   prometheus::Gauge* tokens_per_second_ = nullptr;
   prometheus::Gauge* steps_per_second_ = nullptr;

@@ -748,6 +748,29 @@ TEST(ServerConfig, DeviceIsNotUsedByTheCpuBackend) {
       << server.log();
 }
 
+// The per-step counters give means over any window: rows per step, host planning and forward
+// time per step.
+TEST(ServerMetrics, StepCountersAddUp) {
+  ServerProcess server;
+  ASSERT_TRUE(server.running());
+  grpc::ClientContext context;
+  auto reader = server.stub()->Generate(&context, token_request({1, 3, 4, 5, 6}, 3, 12));
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  std::map<std::string, double> m = server.metrics();
+  const double steps = m["deft_engine_steps_total"];
+  EXPECT_GT(steps, 1);
+  EXPECT_GE(m["deft_step_rows_total"], steps);
+  EXPECT_GE(m["deft_step_rows_total"], m["deft_step_logit_rows_total"]);
+  EXPECT_GE(m["deft_step_logit_rows_total"], steps);
+  EXPECT_GT(m["deft_step_forward_seconds_total"], 0);
+  EXPECT_GT(m["deft_step_plan_seconds_total"], 0);
+  EXPECT_GE(m["deft_step_seconds_total"], m["deft_step_forward_seconds_total"]);
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+}
+
 TEST(ServerConfig, TheShippedDefaultConfigStartsAndCommandLineOverridesIt) {
   ServerProcess server({"--config", DEFT_SOURCE_DIR "/configs/default.json", "--listen",
                         "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--kv-pages", "100"});
