@@ -93,7 +93,9 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                    qkv.data(), layer.qkv_bias.as<float>(), q.data(),
                                    layer.k_cache.data(), layer.v_cache.data(), stream);
     timer.mark(StepPhase::kOther);
-    if (deft_kernels) {
+    if (skip_attention) {
+      // set_attention_skipped (benchmarks): no attention; `attn` keeps what it holds.
+    } else if (deft_kernels) {
       kernels::launch_deft_attention(
           device_plan.view(), device_plan.shape(), dims, dtype, q.data(), layer.k_cache.data(),
           layer.v_cache.data(), partials.partial_out(), partials.partial_lse(), attn.data(), stream,
@@ -313,6 +315,15 @@ void LlamaCudaRunner::set_cuda_graphs(bool on) {
   const kernels::DeviceScope on_device(state_->device);
   state_->use_graphs = on;
   if (!on) state_->drop_graphs();
+}
+void LlamaCudaRunner::set_attention_skipped(bool skip) {
+  const kernels::DeviceScope on_device(state_->device);
+  if (state_->skip_attention == skip) return;
+  state_->drop_graphs();  // captured steps hold the attention launches (or not)
+  state_->skip_attention = skip;
+  if (skip) {
+    DEFT_CUDA_CHECK(cudaMemsetAsync(state_->attn.data(), 0, state_->attn.bytes(), state_->stream));
+  }
 }
 const CudaGraphStats& LlamaCudaRunner::cuda_graph_stats() const { return state_->graphs.stats(); }
 

@@ -168,6 +168,12 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   const StepTimes& last_step_times() const;
   // Turns CUDA graph replay on or off for the next steps (off drops the cached graphs).
   void set_cuda_graphs(bool on);
+  // Benchmarks only (bench/workload_replay's "no_attention" rows, the DeFT paper's upper bound:
+  // the same steps without attention): on, the next steps launch no attention kernel (DeFT,
+  // prefill or generic) and the O projection reads the attention output buffer as it stands
+  // (zeroed when switched on; finite), so the logits are meaningless. Off (the default): the
+  // full forward pass.
+  void set_attention_skipped(bool skip);
   const CudaGraphStats& cuda_graph_stats() const;
 
  private:

@@ -79,6 +79,7 @@ struct LlamaCudaRunner::State {
   bool deft_kernels = false;
   SkinnyGemmUse skinny_gemm = SkinnyGemmUse::kOff;  // set_skinny_gemm
   int64_t prefetch_bytes = 0;                       // set_weight_prefetch: per GEMM
+  bool skip_attention = false;                      // set_attention_skipped (benchmarks)
   DeviceBuffer cublas_workspace;
   int32_t sink_slot = 0;  // K/V of padded rows (one slot past the pool)
 
