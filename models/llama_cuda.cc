@@ -161,6 +161,16 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                       static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
                                   stream, /*drop_logits=*/true);
       timer.mark(StepPhase::kSampling);
+      // The chunk's rows that want their logits (sampling read them and left them intact).
+      for (size_t k = 0; k < launch.kept_rows.size(); ++k) {
+        const int32_t row = launch.kept_rows[k];
+        if (row < begin || row >= begin + count) continue;
+        DEFT_CUDA_CHECK(
+            cudaMemcpyAsync(launch.kept_out + k * static_cast<size_t>(vocab),
+                            logits.as<float>() + static_cast<size_t>(row - begin) * vocab,
+                            sizeof(float) * vocab, cudaMemcpyDeviceToHost, stream));
+      }
+      if (!launch.kept_rows.empty()) timer.mark(StepPhase::kCopy);
     } else if (!launch.logits_out.empty()) {
       DEFT_CUDA_CHECK(cudaMemcpyAsync(launch.logits_out.data() + static_cast<size_t>(begin) * vocab,
                                       logits.data(), sizeof(float) * count * vocab,
@@ -349,10 +359,6 @@ absl::Status LlamaCudaRunner::forward_sampled(const engine::StepBatch& batch,
       !status.ok()) {
     return status;
   }
-  // Wanted rows are copied out of the LM head's buffer after the step, which holds one chunk.
-  if (!logits.empty() && static_cast<int32_t>(batch.logit_rows.size()) > kLogitRowsPerChunk) {
-    return ModelRunner::forward_sampled(batch, rows, out, logits);
-  }
   return run_step(batch, logits, rows, out);
 }
 
@@ -384,6 +390,12 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
         step_graph_key(plan.view(), logit_rows, sample, s.dims, s.dtype, s.deft_kernels), s.stream);
     launch_rows = graph->key.rows;
     launch_logit_rows = graph->key.logit_rows;
+  }
+  // forward_sampled(): the logit rows that want their logits rather than a token.
+  std::vector<int32_t>& kept_rows = s.kept_rows;
+  kept_rows.clear();
+  for (int32_t i = 0; i < static_cast<int32_t>(sampling.size()); ++i) {
+    if (sampling[i].params == nullptr) kept_rows.push_back(i);
   }
   StepSamplingNeeds needs;
   if (sample) {
@@ -424,6 +436,10 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     s.plan.upload(plan.view(), s.dims, s.stream, inputs);
     if (s.deft_kernels) s.partials.reserve(plan.num_entries(), s.dims);
     launch.logits_out = sample ? std::span<float>() : logits;
+    if (sample) {  // the kept rows leave each LM-head chunk as it is computed
+      launch.kept_rows = kept_rows;
+      launch.kept_out = logits.data();
+    }
   }
   launch.inputs = step_inputs_view(launch.plan->extra(), launch_rows, launch_logit_rows);
   s.timer.mark(StepPhase::kCopy);
@@ -442,14 +458,13 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
                                       cudaMemcpyDeviceToHost, s.stream));
       s.timer.mark(StepPhase::kCopy);
     }
-    if (sample && !logits.empty()) {
-      // The rows that want their logits, from the LM head's buffer (one chunk: forward_sampled).
-      size_t kept = 0;
-      for (int32_t i = 0; i < logit_rows; ++i) {
-        if (sampling[i].params != nullptr) continue;
-        DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data() + kept++ * vocab,
-                                        s.logits.as<float>() + static_cast<size_t>(i) * vocab,
-                                        sizeof(float) * vocab, cudaMemcpyDeviceToHost, s.stream));
+    if (sample && graph != nullptr) {
+      // A graph step's kept rows, from the LM head's buffer (a graph step is one chunk).
+      for (size_t k = 0; k < kept_rows.size(); ++k) {
+        DEFT_CUDA_CHECK(
+            cudaMemcpyAsync(logits.data() + k * vocab,
+                            s.logits.as<float>() + static_cast<size_t>(kept_rows[k]) * vocab,
+                            sizeof(float) * vocab, cudaMemcpyDeviceToHost, s.stream));
       }
     }
     if (sample) {

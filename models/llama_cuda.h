@@ -122,9 +122,7 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   const ModelConfig& config() const { return config_; }
   absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override;
   // Samples on the GPU (kernels/sampling.h) right after the LM head: tokens, logprobs and
-  // asked-for top logprobs come back, and only the logits of the rows without params. A step of
-  // more logit rows than one LM-head chunk that wants some rows' logits runs forward() and
-  // samples on the host (the chunks reuse one device buffer).
+  // asked-for top logprobs come back, and only the logits of the rows without params.
   bool samples_on_device() const override { return true; }
   absl::Status forward_sampled(const engine::StepBatch& batch,
                                std::span<const engine::RowSampling> rows,

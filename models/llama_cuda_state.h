@@ -71,6 +71,7 @@ struct LlamaCudaRunner::State {
   // forward_sampled: per logit row params in, SampledRow (+ top lists) out; the weights
   // workspace is allocated on the first step that samples (kLogitRowsPerChunk rows).
   DeviceBuffer sampled, sampled_top, sampling_workspace;
+  std::vector<int32_t> kept_rows;  // the step's logit rows that want their logits (host)
   PinnedHostBuffer sampled_host, sampled_top_host;
   kernels::DevicePlan plan;  // an eager step's plan (a graph step's is its graph's)
   kernels::DeftAttentionBuffers partials;
@@ -101,6 +102,10 @@ struct LlamaCudaRunner::State {
     // Eager forward(): each LM-head chunk's logits are copied here (more than one chunk of
     // rows); empty: they stay in `logits` (at most one chunk).
     std::span<float> logits_out;
+    // Eager forward_sampled(): the logit rows (ascending) whose logits are copied to the host,
+    // row kept_rows[k] to kept_out + k * vocab, from each chunk before the next overwrites it.
+    std::span<const int32_t> kept_rows;
+    float* kept_out = nullptr;
   };
   // The forward pass (llama_cuda.cc).
   void launch_step(const ModelConfig& c, const StepLaunch& launch);

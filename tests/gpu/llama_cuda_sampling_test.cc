@@ -134,20 +134,22 @@ TEST(LlamaCudaSampling, ForwardSampledMatchesForwardAndSampler) {
   SequenceTree tree(1, &kv);
   int64_t compared = 0, boundary_cases = 0;
 
-  // Prefill 40 prompt tokens, every row sampled with a mix of params.
+  // Prefill 300 prompt tokens, every row sampled with a mix of params: more logit rows than one
+  // LM-head chunk (256), so the mixed run keeps rows of both chunks.
+  constexpr int kPrompt = 300;
   std::vector<TokenId> prompt;
-  for (int i = 0; i < 40; ++i) prompt.push_back(3 + static_cast<TokenId>(rng() % (vocab - 3)));
+  for (int i = 0; i < kPrompt; ++i) prompt.push_back(3 + static_cast<TokenId>(rng() % (vocab - 3)));
   ASSERT_TRUE(tree.append(tree.root(), prompt).ok());
   std::vector<QueryToken> queries;
   std::vector<int32_t> logit_rows;
   std::vector<SamplingParams> params;
   std::vector<uint64_t> steps;
-  for (int i = 0; i < 40; ++i) {
+  for (int i = 0; i < kPrompt; ++i) {
     queries.push_back({tree.root(), i});
     logit_rows.push_back(i);
     SamplingParams p = kinds[i % kinds.size()];
     p.seed = rng64();
-    p.stop_token_ids = {prompt[(i + 1) % 40], 2};
+    p.stop_token_ids = {prompt[(i + 1) % kPrompt], 2};
     params.push_back(p);
     steps.push_back(static_cast<uint64_t>(i));
   }
