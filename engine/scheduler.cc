@@ -44,7 +44,7 @@ absl::Status Scheduler::submit(std::unique_ptr<Work> work) {
     work->abort(status, forest_);
     return status;
   }
-  queued_.push_back(std::move(work));
+  queued_.push_back({.work = std::move(work)});
   return absl::OkStatus();
 }
 
@@ -112,8 +112,8 @@ void Scheduler::end_live(size_t index, const absl::Status& status) {
 void Scheduler::prepare() {
   // 1. Cancellations free KV now.
   for (auto it = queued_.begin(); it != queued_.end();) {
-    if ((*it)->cancelled()) {
-      (*it)->abort(absl::CancelledError("cancelled by the client"), forest_);
+    if (it->work->cancelled()) {
+      it->work->abort(absl::CancelledError("cancelled by the client"), forest_);
       it = queued_.erase(it);
     } else {
       ++it;
@@ -124,15 +124,21 @@ void Scheduler::prepare() {
   }
   // 2. Sessions: closed ones go once their command has ended; the others start commands.
   pump_sessions();
-  // 3. Admission, FIFO, under the KV pool.
+  // 3. Admission in arrival order, under the KV pool (scheduler.h: who may pass whom).
   int64_t committed = committed_pages();
-  while (!queued_.empty()) {
-    const int64_t pages = queued_.front()->pending_pages(forest_);
-    if (committed + pages > options_.kv_pages) break;
-    committed += pages;
-    live_.push_back(std::move(queued_.front()));
-    queued_.pop_front();
-    live_.back()->start(forest_);
+  bool reserved = false;  // an older job out of patience holds back the jobs behind it
+  for (auto it = queued_.begin(); it != queued_.end();) {
+    const bool session = it->work->is_session_command();
+    const int64_t pages = it->work->pending_pages(forest_);
+    if ((session || !reserved) && committed + pages <= options_.kv_pages) {
+      committed += pages;
+      live_.push_back(std::move(it->work));
+      it = queued_.erase(it);
+      live_.back()->start(forest_);
+      continue;
+    }
+    if (!session && ++it->waited >= options_.admission_patience) reserved = true;
+    ++it;
   }
 }
 
@@ -243,7 +249,7 @@ std::optional<StepStats> Scheduler::step() {
 }
 
 void Scheduler::refuse_queued(const absl::Status& status) {
-  for (auto& work : queued_) work->abort(status, forest_);
+  for (Queued& queued : queued_) queued.work->abort(status, forest_);
   queued_.clear();
 }
 

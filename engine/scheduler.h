@@ -3,9 +3,13 @@
 //   1. cancellations: works whose client cancelled or went away end now and free their KV;
 //   2. sessions: their queued commands start (branch / prune / close at once, the others as
 //      works);
-//   3. admission, FIFO (no work overtakes an older one): a work is admitted while the used KV
-//      pages plus the pending (worst-case) pages of every live work still fit the pool, so a
-//      live work never runs out of KV;
+//   3. admission, in arrival order: a work is admitted while the used KV pages plus the pending
+//      (worst-case) pages of every live work still fit the pool, so a live work never runs out
+//      of KV. A work that does not fit yet waits without holding back the ones behind it (a
+//      one-page job passes a sixteen-page one), but a job (Generate, RunTree) that has waited
+//      `admission_patience` steps reserves the room: no later job is admitted before it.
+//      Session commands are never held back: their sessions hold KV that only their own later
+//      commands (prune, close) free, so making them wait could wait forever;
 //   4. one step: every live work, in a rotating order (fair under a short budget), adds its
 //      query rows under the step's token budget (prompts are prefilled in chunks), one plan
 //      and one forward pass serve them all, and each work takes its logits.
@@ -35,6 +39,8 @@ struct SchedulerOptions {
   int32_t page_tokens = 16;
   int32_t kv_pages = 2048;
   int32_t max_queued_works = 64;  // waiting for admission
+  // Steps a job may wait while later, smaller ones are admitted before it holds them back.
+  int32_t admission_patience = 64;
   int32_t max_step_tokens = 2048;  // query rows per step
   // Node ids of the forest start here (after the root, 0; at most kMaxFirstNodeId). Clients
   // see them (TreeSession, Verify): a high start shows at once whether a client handles ids
@@ -112,7 +118,11 @@ class Scheduler {
   AttentionPlan plan_;
   StepContext step_;
   std::vector<float> logits_;
-  std::deque<std::unique_ptr<Work>> queued_;
+  struct Queued {
+    std::unique_ptr<Work> work;
+    int32_t waited = 0;  // admission passes (steps) it has waited
+  };
+  std::deque<Queued> queued_;
   std::vector<std::unique_ptr<Work>> live_;
   size_t rotation_ = 0;
   std::vector<size_t> order_;  // this step's work order (kept to reuse its storage)

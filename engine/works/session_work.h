@@ -23,6 +23,7 @@ class SessionWork : public Work {
  public:
   SessionWork(std::shared_ptr<Session> session, uint64_t request_id)
       : session_(std::move(session)), request_id_(request_id) {}
+  bool is_session_command() const override { return true; }
   bool finished() const override { return finished_; }
   bool cancelled() const override { return session_->closing(); }
   void abort(const absl::Status& status, Forest& forest) override;

@@ -1,8 +1,9 @@
 // One unit of engine work that needs forward passes: a Generate job, a RunTree job, or one
 // command of a tree session (create, extend, decode, score, verify). The Scheduler admits
-// works in FIFO order under the KV capacity and, every step, lets each live work add query
-// rows under the step's token budget, runs one forward pass for all of them, and hands each
-// work the logits of the rows it asked for. All of it runs on the engine thread.
+// works in arrival order under the KV capacity (engine/scheduler.h) and, every step, lets each
+// live work add query rows under the step's token budget, runs one forward pass for all of
+// them, and hands each work the logits of the rows it asked for. All of it runs on the engine
+// thread.
 #pragma once
 
 #include <cstdint>
@@ -98,6 +99,9 @@ class Work {
   virtual absl::Status add_rows(StepContext& step) = 0;
   // Takes the logits of the rows it added, in order (exactly as many as it asked for).
   virtual absl::Status take_logits(StepContext& step) = 0;
+
+  // A command of a tree session (admission never holds these back: scheduler.h).
+  virtual bool is_session_command() const { return false; }
 
   virtual bool finished() const = 0;
   // Its client cancelled or went away (polled before every step).

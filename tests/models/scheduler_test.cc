@@ -247,6 +247,129 @@ TEST_F(SchedulerTest, ASessionsQueuedCommandIsReadyWhenTheRunningOneEnds) {
   EXPECT_EQ(scheduler_->kv().used_pages(), 0);
 }
 
+// Admission in a 64-page pool (8-token pages). A session holds two prompts (57 pages); a
+// Generate that fits the pool but not the 7 free pages queues; the session then scores one node
+// and prunes the other. The score must not wait behind the Generate (which waits for the pages
+// the prune frees): everything finishes, the Generate as it would alone.
+class SmallPoolTest : public SchedulerTest {
+ protected:
+  std::unique_ptr<Scheduler> small_pool(int32_t patience = 64) {
+    SchedulerOptions options{.page_tokens = kPageTokens,
+                             .kv_pages = 64,
+                             .admission_patience = patience,
+                             .max_step_tokens = 256};
+    return std::make_unique<Scheduler>(options, *runner_, *tokenizer_);
+  }
+  static std::vector<TokenId> ids(size_t count, TokenId first) {
+    std::vector<TokenId> out;
+    for (size_t i = 0; i < count; ++i)
+      out.push_back(3 + static_cast<TokenId>((first + i * 7) % 500));
+    return out;
+  }
+  // Sends a command and steps until its answer (the first non-decode event) arrives.
+  SessionEvent answer(Scheduler& scheduler, uint64_t session, SessionEvents& events,
+                      SessionCommand command) {
+    scheduler.session_command(session, std::move(command));
+    std::vector<SessionEvent> seen;
+    run_until(scheduler, [&] {
+      events.next(seen, std::chrono::milliseconds(0));
+      return !seen.empty();
+    });
+    return seen.empty() ? SessionEvent{} : seen.back();
+  }
+};
+
+TEST_F(SmallPoolTest, ASessionsScoreAndPruneNeverWaitBehindAQueuedJob) {
+  std::unique_ptr<Scheduler> scheduler = small_pool();
+  auto events = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler->open_session(1, events).ok());
+  const SessionEvent a =
+      answer(*scheduler, 1, *events, {.request_id = 1, .op = CreateCommand{.prompt = ids(250, 1)}});
+  const SessionEvent b =
+      answer(*scheduler, 1, *events, {.request_id = 2, .op = CreateCommand{.prompt = ids(200, 2)}});
+  ASSERT_EQ(a.kind, SessionEvent::Kind::kCreated) << a.error;
+  ASSERT_EQ(b.kind, SessionEvent::Kind::kCreated) << b.error;
+  EXPECT_EQ(scheduler->kv().used_pages(), 57);
+
+  const std::vector<TokenId> prompt = ids(50, 3);
+  std::shared_ptr<GenerateEvents> job = submit_generate(*scheduler, prompt, 4, 40);
+  scheduler->prepare();
+  EXPECT_EQ(scheduler->queued(), 1) << "the job fits the pool but not the free pages";
+  scheduler->session_command(
+      1, {.request_id = 3, .op = ScoreCommand{.node = a.node, .continuation = {5, 6, 7}}});
+  scheduler->session_command(1, {.request_id = 4, .op = PruneCommand{.node = b.node}});
+  std::vector<SessionEvent> seen;
+  run_until(*scheduler, [&] {
+    events->next(seen, std::chrono::milliseconds(0));
+    return job->finished() && seen.size() >= 2;
+  });
+  ASSERT_GE(seen.size(), 2u);
+  EXPECT_EQ(seen[0].kind, SessionEvent::Kind::kScored) << seen[0].error;
+  EXPECT_EQ(seen[1].kind, SessionEvent::Kind::kPruned) << seen[1].error;
+  EXPECT_EQ(branches(*job, 4), generate_alone(prompt, 4, 40));
+  scheduler->close_session(1);
+  run_until(*scheduler, [&] { return scheduler->sessions() == 0; });
+  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+}
+
+// A one-page job does not wait behind a queued job that needs more than the free pages.
+TEST_F(SmallPoolTest, ASmallJobPassesALargeOneThatDoesNotFitYet) {
+  std::unique_ptr<Scheduler> scheduler = small_pool();
+  auto events = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler->open_session(1, events).ok());
+  const SessionEvent held =
+      answer(*scheduler, 1, *events, {.request_id = 1, .op = CreateCommand{.prompt = ids(450, 1)}});
+  ASSERT_EQ(held.kind, SessionEvent::Kind::kCreated) << held.error;
+  std::shared_ptr<GenerateEvents> large = submit_generate(*scheduler, ids(60, 2), 2, 40);
+  std::shared_ptr<GenerateEvents> small = submit_generate(*scheduler, ids(3, 3), 1, 4);
+  run_until(*scheduler, [&] { return small->finished(); });
+  EXPECT_FALSE(large->finished());
+  EXPECT_EQ(scheduler->queued(), 1);
+  // The session lets go of its prompt: the large job runs.
+  scheduler->session_command(1, {.request_id = 2, .op = PruneCommand{.node = held.node}});
+  run_until(*scheduler, [&] { return large->finished(); });
+  EXPECT_TRUE(large->final_status().ok()) << large->final_status();
+  scheduler->close_session(1);
+  run_until(*scheduler, [&] { return scheduler->sessions() == 0; });
+  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+}
+
+// Passing is bounded: once a job has waited `admission_patience` steps, jobs that arrive after
+// it are not admitted before it.
+TEST_F(SmallPoolTest, AJobOutOfPatienceHoldsBackLaterJobs) {
+  std::unique_ptr<Scheduler> scheduler = small_pool(/*patience=*/3);
+  std::shared_ptr<GenerateEvents> running = submit_generate(*scheduler, ids(100, 1), 1, 200);
+  scheduler->prepare();
+  ASSERT_TRUE(scheduler->has_live());
+  std::shared_ptr<GenerateEvents> large = submit_generate(*scheduler, ids(100, 2), 1, 150);
+  std::shared_ptr<GenerateEvents> early = submit_generate(*scheduler, ids(8, 3), 1, 8);
+  for (int i = 0; i < 5; ++i) {
+    scheduler->prepare();
+    (void)scheduler->step();
+  }
+  EXPECT_EQ(scheduler->queued(), 1) << "the small early job passes the large one";
+  // The late job would fit, but the large one has waited out its patience: it goes first.
+  std::shared_ptr<GenerateEvents> late = submit_generate(*scheduler, ids(8, 4), 1, 8);
+  int large_first = -1, late_first = -1;
+  std::vector<GenerateEvent> batch;
+  for (int step = 0; step < 3000 && !(large->finished() && late->finished()); ++step) {
+    scheduler->prepare();
+    (void)scheduler->step();
+    batch.clear();
+    large->next(batch, std::chrono::milliseconds(0));
+    if (large_first < 0 && !batch.empty()) large_first = step;
+    batch.clear();
+    late->next(batch, std::chrono::milliseconds(0));
+    if (late_first < 0 && !batch.empty()) late_first = step;
+  }
+  EXPECT_TRUE(large->finished() && late->finished());
+  ASSERT_GE(large_first, 0);
+  ASSERT_GE(late_first, 0);
+  EXPECT_LE(large_first, late_first);
+  run_until(*scheduler, [&] { return running->finished() && early->finished(); });
+  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+}
+
 TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
   const std::vector<TokenId> prompt = encode("Once upon a time");
   const std::vector<TokenId> greedy = generate_alone(prompt, 1, 10)[0];
