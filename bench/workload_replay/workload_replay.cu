@@ -211,7 +211,52 @@ RowFigures figures(const ReplayResult& result, const models::ModelConfig& config
   return f;
 }
 
-// Tokens the replay should have produced, and its iterations: the CPU test's checks, on the GPU.
+// The tree every iteration should have, from the workload alone (bench/README.md's replay
+// rules, as the CPU test computes them), and the tokens the replay should have produced: every
+// iteration counts, the ones stride sampling fast-forwarded included.
+struct ExpectedReplay {
+  std::vector<IterationShape> shape;
+  int64_t tokens = 0;
+};
+
+ExpectedReplay expected_replay(const Workload& workload, int64_t prompt, int64_t iterations) {
+  ExpectedReplay want;
+  if (const auto* fewshot = std::get_if<FewShotWorkload>(&workload)) {
+    for (int64_t it = 1; it <= iterations; ++it) {
+      want.shape.push_back(
+          {.queries = fewshot->branches, .tree_tokens = prompt + fewshot->branches * it});
+    }
+    want.tokens = int64_t{fewshot->branches} * (iterations + 1);  // the first from the prompt
+  } else if (const auto* reasoning = std::get_if<ReasoningWorkload>(&workload)) {
+    // Live at `it`: start <= it <= end; a childless node is gone after its end.
+    const ReasoningTrace& trace = reasoning->trace;
+    for (int64_t it = 1; it <= iterations; ++it) {
+      IterationShape s{.queries = 0, .tree_tokens = prompt};
+      for (size_t id = 1; id < trace.nodes.size(); ++id) {
+        const ReasoningTrace::Node& n = trace.nodes[id];
+        if (n.start > it || (n.children.empty() && n.end < it)) continue;
+        s.tree_tokens += std::min<int64_t>(n.length, it - n.start + 1);
+        s.queries += n.end >= it ? 1 : 0;
+      }
+      want.shape.push_back(s);
+      want.tokens += s.queries;
+    }
+  } else {
+    // Step s: the whole token tree under the session node holding what was committed before.
+    const auto& spec = std::get<SpecDecWorkload>(workload);
+    const auto size = static_cast<int32_t>(spec.parents.size());
+    for (int64_t s = 0; s < iterations; ++s) {
+      want.shape.push_back({.queries = size, .tree_tokens = prompt + want.tokens + size});
+      const int64_t recorded =
+          spec.accept_lengths[static_cast<size_t>(s % std::ssize(spec.accept_lengths))];
+      want.tokens += std::min<int64_t>(recorded, spec.generate_tokens - want.tokens);
+    }
+  }
+  return want;
+}
+
+// The CPU test's checks, on the GPU: every iteration's tree (run or fast-forwarded), the steps'
+// weights, the tokens produced, and the KV freed.
 absl::Status check_shape(const Case& c, const ReplayResult& result, int64_t iterations) {
   int64_t weights = 0;
   for (const StepRecord& step : result.steps) weights += step.iteration > 0 ? step.weight : 0;
@@ -219,20 +264,17 @@ absl::Status check_shape(const Case& c, const ReplayResult& result, int64_t iter
     return absl::InternalError(absl::StrCat("replayed ", weights, " iterations (",
                                             result.iterations.size(), " shapes) of ", iterations));
   }
-  int64_t want = 0;
-  if (const auto* fewshot = std::get_if<FewShotWorkload>(&c.workload)) {
-    want = int64_t{fewshot->branches} * (iterations + 1);
-  } else if (std::holds_alternative<ReasoningWorkload>(c.workload)) {
-    for (const IterationShape& s : result.iterations) want += s.queries;
-  } else {
-    const auto& spec = std::get<SpecDecWorkload>(c.workload);
-    want = 0;
-    for (int64_t s = 0; s < iterations; ++s) {
-      const int64_t recorded =
-          spec.accept_lengths[static_cast<size_t>(s % std::ssize(spec.accept_lengths))];
-      want += std::min<int64_t>(recorded, spec.generate_tokens - want);
+  const ExpectedReplay expected = expected_replay(c.workload, result.prompt_tokens, iterations);
+  for (size_t i = 0; i < expected.shape.size(); ++i) {
+    const IterationShape& got = result.iterations[i];
+    const IterationShape& shape = expected.shape[i];
+    if (got.queries != shape.queries || got.tree_tokens != shape.tree_tokens) {
+      return absl::InternalError(
+          absl::StrCat("iteration ", i + 1, ": ", got.queries, " queries over ", got.tree_tokens,
+                       " tree tokens, expected ", shape.queries, " over ", shape.tree_tokens));
     }
   }
+  const int64_t want = expected.tokens;
   if (result.generated_tokens != want) {
     return absl::InternalError(
         absl::StrCat("produced ", result.generated_tokens, " tokens, expected ", want));

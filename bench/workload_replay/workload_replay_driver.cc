@@ -229,9 +229,11 @@ class ReasoningReplayWork final : public engine::Work {
       const TokenId token = next_token_[id];
       ++queries;
       if (step == nullptr) {
+        // The token the skipped row stands for: produced as a run row's is (take_logits).
         if (absl::Status status = tree.append(node, std::span(&token, 1)); !status.ok()) {
           return status;
         }
+        ++progress_->generated;
         continue;
       }
       if (absl::Status status = step->add_run(node, std::span(&token, 1)); !status.ok()) {

@@ -28,7 +28,8 @@
 // Sampling (`stride` > 1, reasoning and speculative only): iteration 1 + k * stride runs
 // through the engine; the iterations between are fast-forwarded (the same tree edits, their
 // tokens appended without a forward pass: their KV slots keep what the pool holds, zeros or
-// an earlier token's KV), and each run step stands for the iterations up to the next.
+// an earlier token's KV; they count in ReplayResult::generated_tokens as a run step's do),
+// and each run step stands for the iterations up to the next.
 #pragma once
 
 #include <cstdint>
@@ -105,8 +106,10 @@ struct ReplayResult {
   std::vector<StepRecord> steps;           // prefill steps, then decode steps
   std::vector<IterationShape> iterations;  // every iteration of the workload
   int64_t prompt_tokens = 0;
-  int64_t generated_tokens = 0;  // sampled by decode rows (few-shot, reasoning) or committed
-  int64_t kv_pages_left = -1;    // used pages once the work ended (0: all KV was freed)
+  // Sampled by decode rows (few-shot, reasoning) or committed (speculative), the iterations
+  // fast-forwarded by stride sampling included (a token per live node, or the accept length).
+  int64_t generated_tokens = 0;
+  int64_t kv_pages_left = -1;  // used pages once the work ended (0: all KV was freed)
 };
 
 using StepObserver = std::function<void(const StepRecord&)>;

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/workload_replay/workload_replay_driver.h"
@@ -188,6 +189,7 @@ TEST_F(WorkloadReplayTest, ReasoningFollowsBranchesAndPrunes) {
     ASSERT_TRUE(result.status.ok()) << result.status;
     expect_shape_eq(result.iterations, want);
     expect_steps_follow_shape(result, stride, 15);
+    EXPECT_EQ(result.generated_tokens, sum_queries(want));  // the fast-forwarded ones' too
     EXPECT_EQ(result.kv_pages_left, 0);
   }
 }
@@ -218,6 +220,33 @@ TEST_F(WorkloadReplayTest, ReasoningTracesReplayInFull) {
     expect_steps_follow_shape(head, 1, 12);
     EXPECT_EQ(head.generated_tokens, sum_queries(head.iterations));
     EXPECT_EQ(head.kv_pages_left, 0);
+  }
+}
+
+// Stride sampling (the benchmark's default: sequence 4, deft_node 8) over every reasoning
+// trace: every iteration's tree, run or fast-forwarded, is the trace's, and the fast-forwarded
+// iterations produce their tokens (one per live node) as the run ones do.
+TEST_F(WorkloadReplayTest, ReasoningTracesWithStrideProduceEveryIterationsTokens) {
+  const std::pair<PlanKind, int32_t> kStrides[] = {{PlanKind::kSequence, 4},
+                                                   {PlanKind::kDeftNode, 8}};
+  for (const char* task : {"sorting128ToT", "docmergeToT", "keywordToT", "set128ToT"}) {
+    SCOPED_TRACE(task);
+    absl::StatusOr<std::vector<ReasoningTrace>> traces =
+        load_reasoning_traces(kWorkloads + "/reasoning/" + task + ".json");
+    ASSERT_TRUE(traces.ok()) << traces.status();
+    ASSERT_FALSE(traces->empty());
+    const ReasoningWorkload reasoning{.trace = traces->front(), .prompt_tokens = 24};
+    const int64_t iterations = reasoning.trace.last_iteration;
+    const std::vector<IterationShape> want = expected_reasoning(reasoning.trace, 24, iterations);
+    for (const auto& [kind, stride] : kStrides) {
+      SCOPED_TRACE(std::string(engine::plan_kind_name(kind)) + " stride " + std::to_string(stride));
+      const ReplayResult result = replay(reasoning, kind, 0, stride);
+      ASSERT_TRUE(result.status.ok()) << result.status;
+      expect_shape_eq(result.iterations, want);
+      expect_steps_follow_shape(result, stride, iterations);
+      EXPECT_EQ(result.generated_tokens, sum_queries(want));
+      EXPECT_EQ(result.kv_pages_left, 0);
+    }
   }
 }
 
