@@ -58,24 +58,23 @@ uint64_t branch_seed(uint64_t parent_seed, uint64_t branch_index) {
 absl::Status validate_sampling_params(const SamplingParams& params, int32_t vocab_size) {
   if (!std::isfinite(params.temperature) || params.temperature < 0.0f) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sampling: temperature must be finite and >= 0, got ", params.temperature));
+        absl::StrCat("temperature must be finite and >= 0, got ", params.temperature));
   }
   if (params.top_k < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sampling: top_k must be >= 0 (0 = off), got ", params.top_k));
+        absl::StrCat("top_k must be >= 0 (0 = off), got ", params.top_k));
   }
   if (!(params.top_p > 0.0f && params.top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: top_p must be in (0, 1], got ", params.top_p));
+    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", params.top_p));
   }
   if (params.top_logprobs < 0 || params.top_logprobs > kMaxTopLogprobs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sampling: top_logprobs must be in [0, ", kMaxTopLogprobs, "], got ", params.top_logprobs));
+    return absl::InvalidArgumentError(absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs,
+                                                   "], got ", params.top_logprobs));
   }
   for (int32_t token : params.stop_token_ids) {
     if (token < 0 || token >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sampling: stop token id ", token, " outside the vocabulary [0, ", vocab_size, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop token id ", token, " outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
   return absl::OkStatus();

@@ -369,6 +369,11 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTr
       break;
   }
   options.max_depth = policy.max_depth();
+  if (!v1::BranchPolicy::Score_IsValid(policy.score())) {
+    return invalid(
+        absl::StrCat("policy.score = ", static_cast<int>(policy.score()),
+                     " is not a Score (SCORE_CUMULATIVE_LOGPROB or SCORE_MEAN_LOGPROB)"));
+  }
   options.score = policy.score() == v1::BranchPolicy::SCORE_MEAN_LOGPROB
                       ? engine::BranchPolicyOptions::Score::kMeanLogprob
                       : engine::BranchPolicyOptions::Score::kCumulativeLogprob;

@@ -443,6 +443,12 @@ TEST_F(TreeRpcTest, RunTreeBadInputs) {
   }
   {
     v1::RunTreeRequest r = base();
+    r.mutable_policy()->set_score(static_cast<v1::BranchPolicy::Score>(7));
+    cases.push_back({"unknown score", r, "policy.score = 7"});
+  }
+
+  {
+    v1::RunTreeRequest r = base();
     r.mutable_prompt()->mutable_tokens()->add_ids(kVocab);
     cases.push_back({"token outside vocab", r, "prompt.tokens.ids[3] = 512"});
   }
@@ -490,6 +496,9 @@ TEST_F(TreeRpcTest, RunTreeBadInputs) {
     SCOPED_TRACE(c.name);
     const TreeRun run = run_tree(*stub_, c.request);
     expect_status(run.status, grpc::StatusCode::INVALID_ARGUMENT, c.mention);
+    // The field is named once ("sampling: temperature ...", not "sampling: sampling: ...").
+    EXPECT_EQ(run.status.error_message().find("sampling: sampling"), std::string::npos)
+        << run.status.error_message();
     EXPECT_TRUE(run.events.empty());
   }
   // Over the limits: 64 ways at every token for 10 levels, keeping everything.
