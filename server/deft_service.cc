@@ -624,7 +624,9 @@ grpc::Status DeftService::verify(grpc::ServerContext* context, const v1::VerifyR
   while (reply->next(outcome, kPollInterval)) {
     if (!outcome.empty()) break;
     if (context->IsCancelled()) {
-      // The verify still runs in its session's turn; its result is dropped.
+      // The client gave up (cancel or deadline): the verify is dropped if it has not run yet,
+      // so nothing is committed under ids the client never learned.
+      reply->cancel();
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
     }
   }

@@ -48,6 +48,10 @@ std::optional<SessionCommand> Session::next_command(Forest& forest) {
     SessionCommand command = std::move(commands_.front());
     commands_.pop_front();
     absl::Status status = command.invalid;
+    if (const std::shared_ptr<VerifyReply> reply = command.verify_reply();
+        reply != nullptr && reply->cancelled()) {
+      status = absl::CancelledError("the client gave up on the verify before it ran");
+    }
     if (!status.ok()) {
       fail(command, status);
       continue;

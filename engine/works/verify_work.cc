@@ -35,6 +35,12 @@ class VerifyWork final : public SessionWork {
            pages_for(1, session_->page_tokens());
   }
   int64_t max_step_rows() const override { return static_cast<int64_t>(command_.tokens.size()); }
+  // A Verify RPC whose client gave up (cancel, deadline) before its step is dropped: nothing is
+  // committed. Once its step ran, the outcome stands (a reply may then go unread).
+  bool cancelled() const override {
+    return SessionWork::cancelled() ||
+           (!in_step_ && command_.reply != nullptr && command_.reply->cancelled());
+  }
 
   absl::Status add_rows(StepContext& step) override {
     const size_t n = command_.tokens.size();

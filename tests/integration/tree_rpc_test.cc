@@ -1432,6 +1432,44 @@ TEST(TreeRpcLimits, OverLimitTreesAreRefused) {
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
 }
 
+// A Verify whose client gives up while it waits behind the session's running decode must not
+// commit later: with room for one more node, a retry after the decode succeeds (an orphan chain
+// from the abandoned call would fill the session: RESOURCE_EXHAUSTED).
+TEST(TreeRpcLimits, AnAbandonedVerifyCommitsNothing) {
+  ServerProcess server({"--max-session-nodes", "2"});
+  ASSERT_TRUE(server.running());
+  auto stub = server.stub();
+  TestSession session(*stub);
+  const int64_t root = session.create_text("Once upon a time").created_node();
+  // A long decode keeps the session busy; the verify queues behind it.
+  v1::SessionRequest decode;
+  decode.mutable_decode()->add_nodes(root);
+  decode.mutable_decode()->mutable_sampling()->set_max_tokens(1500);
+  decode.mutable_decode()->mutable_sampling()->set_ignore_eos(true);
+  std::thread decoder([&] { session.call(decode); });
+  std::this_thread::sleep_for(milliseconds(100));
+  // Drafts the sampler accepts whatever the model says (a tiny draft probability, T = 1), so a
+  // verify that runs commits a new leaf.
+  v1::VerifyRequest request = verify_request(session.session_id(), root, {5, 6}, {-1, 0});
+  request.add_draft_probs(1e-30f);
+  request.add_draft_probs(1e-30f);
+  request.mutable_sampling()->set_temperature(1.0f);
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + milliseconds(50));
+    v1::VerifyResponse response;
+    const grpc::Status status = stub->Verify(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  }
+  decoder.join();
+  v1::VerifyResponse retried;
+  const grpc::Status status = verify(*stub, request, &retried);
+  EXPECT_TRUE(status.ok()) << status.error_code() << " " << status.error_message();
+  EXPECT_EQ(retried.accepted_size(), 2);
+  EXPECT_TRUE(session.close().closed());
+  EXPECT_TRUE(session.finish().ok());
+}
+
 TEST(TreeRpcLimits, SessionsOverMaxSessionsAreRefusedAtOnce) {
   ServerProcess server({"--max-sessions", "2"});
   ASSERT_TRUE(server.running());
