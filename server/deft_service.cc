@@ -309,6 +309,15 @@ absl::Status DeftService::sampling(const v1::SamplingParams& sampling, const std
   params->top_p = sampling.top_p() == 0.0f ? 1.0f : sampling.top_p();
   params->seed = sampling.seed();
   params->top_logprobs = sampling.top_logprobs();
+  // Counts first: each listed item costs the request's memory (and a stop string's matcher
+  // work per token) for as long as it runs.
+  if (sampling.stop_size() > config_.max_stop_sequences ||
+      sampling.stop_token_ids_size() > config_.max_stop_sequences) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " lists ", sampling.stop_size(), " stop strings and ",
+                     sampling.stop_token_ids_size(), " stop token ids; the limit is ",
+                     config_.max_stop_sequences, " of each (max_stop_sequences)"));
+  }
   params->stop_token_ids.assign(sampling.stop_token_ids().begin(),
                                 sampling.stop_token_ids().end());
   if (absl::Status status = engine::validate_sampling_params(*params, model_.vocab_size);
@@ -357,6 +366,11 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTr
       break;
     case v1::BranchPolicy::kDelimiter:
       options.trigger = engine::BranchPolicyOptions::Trigger::kDelimiter;
+      if (policy.delimiter().size() > static_cast<size_t>(config_.max_text_bytes)) {
+        return invalid(absl::StrCat("policy.delimiter has ", policy.delimiter().size(),
+                                    " bytes; the limit is ", config_.max_text_bytes,
+                                    " (max_text_bytes)"));
+      }
       options.delimiter = policy.delimiter();
       break;
     case v1::BranchPolicy::kStepEndToken:

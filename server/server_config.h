@@ -24,6 +24,7 @@ struct ServerConfig {
   int32_t default_max_tokens = 64;     // per branch when a request leaves max_tokens at 0
   int32_t max_step_tokens = 2048;      // token budget of one engine step (prefills + decodes)
   int32_t max_text_bytes = 1 << 20;    // Tokenize text, prompt text, stop strings together
+  int32_t max_stop_sequences = 32;     // stop strings, and stop token ids, of one request each
   int32_t max_sessions = 64;           // open TreeSessions
   int32_t max_session_nodes = 1024;    // nodes one session holds (each keeps a logits row)
   int32_t max_verify_entries = 256;    // drafted tokens of one Verify

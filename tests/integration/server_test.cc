@@ -360,6 +360,18 @@ TEST_F(ServerTest, GenerateBadInputsGetInvalidArgument) {
     cases.push_back(
         {"prompt over limit", r, grpc::StatusCode::INVALID_ARGUMENT, "max_prompt_tokens"});
   }
+  {
+    v1::GenerateRequest r = base();
+    for (int i = 0; i < 33; ++i) r.mutable_sampling()->add_stop("s" + std::to_string(i));
+    cases.push_back({"too many stop strings", r, grpc::StatusCode::INVALID_ARGUMENT,
+                     "33 stop strings and 0 stop token ids; the limit is 32"});
+  }
+  {
+    v1::GenerateRequest r = base();
+    for (int i = 0; i < 40; ++i) r.mutable_sampling()->add_stop_token_ids(3);
+    cases.push_back(
+        {"too many stop token ids", r, grpc::StatusCode::INVALID_ARGUMENT, "max_stop_sequences"});
+  }
   for (int n : {-1, 65}) {
     v1::GenerateRequest r = base();
     r.set_n(n);

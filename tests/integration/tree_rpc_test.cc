@@ -446,6 +446,11 @@ TEST_F(TreeRpcTest, RunTreeBadInputs) {
     r.mutable_policy()->set_score(static_cast<v1::BranchPolicy::Score>(7));
     cases.push_back({"unknown score", r, "policy.score = 7"});
   }
+  {
+    v1::RunTreeRequest r = base();
+    r.mutable_policy()->set_delimiter(std::string((1 << 20) + 1, '\n'));
+    cases.push_back({"oversized delimiter", r, "policy.delimiter has 1048577 bytes"});
+  }
 
   {
     v1::RunTreeRequest r = base();
