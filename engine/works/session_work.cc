@@ -188,7 +188,9 @@ class DecodeWork final : public SessionWork {
   void release_held(Forest& forest) override {
     (void)forest;
     for (Live& live_node : nodes_) {
-      if (live_node.done) continue;
+      // A node that never streamed a token (the decode was refused or ended before its first
+      // step) is untouched: no finish of its own, its logits kept; the error answers the command.
+      if (live_node.done || live_node.stream->generated() == 0) continue;
       // The node ran tokens whose logits never came back: it has none until extended.
       session_->set_logits(live_node.node, nullptr);
       session_->events().push({.request_id = request_id_,

@@ -312,6 +312,38 @@ TEST_F(SmallPoolTest, ASessionsScoreAndPruneNeverWaitBehindAQueuedJob) {
   EXPECT_EQ(scheduler->kv().used_pages(), 0);
 }
 
+// A decode that could never fit the pool is refused with one error and nothing else: no
+// CANCELLED finish per node, and the node keeps its logits (a smaller decode then runs).
+TEST_F(SmallPoolTest, ARefusedSessionDecodeAnswersOnlyItsError) {
+  std::unique_ptr<Scheduler> scheduler = small_pool();
+  auto events = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler->open_session(1, events).ok());
+  const SessionEvent root =
+      answer(*scheduler, 1, *events, {.request_id = 1, .op = CreateCommand{.prompt = ids(10, 1)}});
+  ASSERT_EQ(root.kind, SessionEvent::Kind::kCreated) << root.error;
+  scheduler->session_command(
+      1, {.request_id = 2,
+          .op = DecodeCommand{
+              .nodes = {root.node}, .sampling = {.temperature = 0.0f}, .max_tokens = 1000}});
+  std::vector<SessionEvent> answers;
+  for (int i = 0; i < 3; ++i) {
+    scheduler->prepare();
+    (void)scheduler->step();
+    events->next(answers, std::chrono::milliseconds(0));
+  }
+  ASSERT_EQ(answers.size(), 1u) << "only the error answers the refused decode";
+  EXPECT_EQ(answers[0].kind, SessionEvent::Kind::kError);
+  EXPECT_EQ(answers[0].error.code(), absl::StatusCode::kResourceExhausted) << answers[0].error;
+  const SessionEvent decoded =
+      answer(*scheduler, 1, *events,
+             {.request_id = 3,
+              .op = DecodeCommand{
+                  .nodes = {root.node}, .sampling = {.temperature = 0.0f}, .max_tokens = 3}});
+  EXPECT_EQ(decoded.kind, SessionEvent::Kind::kDecoded) << decoded.error;
+  scheduler->close_session(1);
+  run_until(*scheduler, [&] { return scheduler->sessions() == 0; });
+}
+
 // A one-page job does not wait behind a queued job that needs more than the free pages.
 TEST_F(SmallPoolTest, ASmallJobPassesALargeOneThatDoesNotFitYet) {
   std::unique_ptr<Scheduler> scheduler = small_pool();
