@@ -234,7 +234,8 @@ void Session::close(Forest& forest, const absl::Status& status) {
   nodes_.clear();
   for (const SessionCommand& command : commands_) {
     if (const std::shared_ptr<VerifyReply> reply = command.verify_reply(); reply != nullptr) {
-      reply->finish(absl::AbortedError(absl::StrCat("session ", id_, " closed")));
+      reply->finish(
+          absl::NotFoundError(absl::StrCat("session ", id_, " closed before the verify ran")));
     }
   }
   commands_.clear();

@@ -1475,6 +1475,35 @@ TEST(TreeRpcLimits, AnAbandonedVerifyCommitsNothing) {
   EXPECT_TRUE(session.finish().ok());
 }
 
+// A Verify queued behind the session's running decode when the session's stream goes away:
+// NOT_FOUND (the session closed before the verify ran), a code the proto lists.
+TEST(TreeRpcLimits, AVerifyOfASessionThatClosesIsNotFound) {
+  ServerProcess server;
+  ASSERT_TRUE(server.running());
+  auto stub = server.stub();
+  auto session = std::make_unique<TestSession>(*stub);
+  const int64_t root = session->create_text("Once upon a time").created_node();
+  const uint64_t id = session->session_id();
+  v1::SessionRequest decode;
+  decode.mutable_decode()->add_nodes(root);
+  decode.mutable_decode()->mutable_sampling()->set_max_tokens(1500);
+  decode.mutable_decode()->mutable_sampling()->set_ignore_eos(true);
+  std::thread decoder([&] { session->call(decode, /*expect_end=*/true); });
+  std::this_thread::sleep_for(milliseconds(100));
+  grpc::Status status;
+  std::thread verifier([&] {
+    v1::VerifyResponse response;
+    status = verify(*stub, verify_request(id, root, {5, 6}, {-1, 0}), &response);
+  });
+  std::this_thread::sleep_for(milliseconds(100));
+  session->context().TryCancel();
+  verifier.join();
+  decoder.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
+  EXPECT_NE(status.error_message().find("closed before the verify ran"), std::string::npos)
+      << status.error_message();
+}
+
 TEST(TreeRpcLimits, SessionsOverMaxSessionsAreRefusedAtOnce) {
   ServerProcess server({"--max-sessions", "2"});
   ASSERT_TRUE(server.running());
