@@ -205,8 +205,7 @@ std::optional<StepStats> Scheduler::step() {
         // the rows that want them (a prompt's last row, a branch point, a verify tree).
         step_.sampled.resize(step_.logit_rows.size());
         const std::span<const RowSampling> rows = step_.row_sampling();
-        logits_.resize(static_cast<size_t>(step_.wanted_logit_rows()) *
-                       static_cast<size_t>(runner_.vocab_size()));
+        logits_.resize(step_.wanted_logit_rows() * static_cast<size_t>(runner_.vocab_size()));
         status = runner_.forward_sampled(batch, rows, step_.sampled, logits_);
       } else {
         logits_.resize(step_.logit_rows.size() * static_cast<size_t>(runner_.vocab_size()));

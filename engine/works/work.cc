@@ -58,24 +58,16 @@ std::span<const RowSampling> StepContext::row_sampling() {
   row_steps_.resize(logit_rows.size());
   row_sampling_.resize(logit_rows.size());
   logits_index_.assign(logit_rows.size(), -1);
-  int32_t wanted = 0;
+  wanted_rows_ = 0;
   for (size_t i = 0; i < logit_rows.size(); ++i) {
     if (row_samples_[i] != 0) {
       row_sampling_[i] = {.params = &row_params_[i], .step = row_steps_[i]};
     } else {
       row_sampling_[i] = {.params = nullptr};
-      logits_index_[i] = wanted++;
+      logits_index_[i] = static_cast<int32_t>(wanted_rows_++);
     }
   }
   return row_sampling_;
-}
-
-int64_t StepContext::wanted_logit_rows() const {
-  int64_t wanted = 0;
-  for (size_t i = 0; i < logit_rows.size(); ++i) {
-    wanted += i < row_samples_.size() && row_samples_[i] != 0 ? 0 : 1;
-  }
-  return wanted;
 }
 
 absl::StatusOr<SampledToken> StepContext::next_sampled() {
@@ -114,6 +106,7 @@ void StepContext::clear() {
   row_samples_.clear();
   row_sampling_.clear();
   logits_index_.clear();
+  wanted_rows_ = 0;
   sampled.clear();
 }
 

@@ -67,7 +67,8 @@ class StepContext {
   bool any_row_sampled() const;
   // One per logit row, null params for a row that wants its logits (valid until the next add).
   std::span<const RowSampling> row_sampling();
-  int64_t wanted_logit_rows() const;  // logit rows not marked by sample_last_row()
+  // Rows without params in the last row_sampling(): the rows a device step returns logits of.
+  size_t wanted_logit_rows() const { return wanted_rows_; }
   std::vector<SampledToken> sampled;  // filled by forward_sampled(); empty: `logits` has all rows
 
   void clear();
@@ -79,6 +80,7 @@ class StepContext {
   std::vector<uint8_t> row_samples_;        // 1: the row only needs a sampled token
   std::vector<RowSampling> row_sampling_;
   std::vector<int32_t> logits_index_;  // per logit row: its row in a device step's `logits`
+  size_t wanted_rows_ = 0;
 };
 
 class Work {
