@@ -35,7 +35,12 @@ JobRecord run_job(JobKind kind, v1::Deft::Stub& stub, const JobEnv& env, uint64_
   std::mt19937_64 rng(env.options->seed * 0x9e3779b97f4a7c15ULL + job_index);
   switch (kind) {
     case JobKind::kFewShot:
-      run_fewshot_job(stub, env, rng, &record);
+      run_generate_job(stub, env, env.options->fewshot_prompt_tokens, env.options->fewshot_n,
+                       env.options->fewshot_tokens, rng, &record);
+      break;
+    case JobKind::kStream:
+      run_generate_job(stub, env, env.options->stream_prompt_tokens, 1, env.options->stream_tokens,
+                       rng, &record);
       break;
     case JobKind::kRunTree:
       run_runtree_job(stub, env, job_index, rng, &record);

@@ -1,5 +1,5 @@
 // One benchmark job as the client sees it: what it is given (JobEnv), what it records
-// (JobRecord), and the four kinds' entry points (fewshot_job.cc, runtree_job.cc,
+// (JobRecord), and the kinds' entry points (generate_job.cc, runtree_job.cc,
 // session_job.cc, spec_job.cc). A job runs on the calling thread with the synchronous gRPC API,
 // timestamps every token message it reads, and checks that each stream produced exactly the
 // tokens it asked for.
@@ -96,9 +96,10 @@ struct JobEnv {
 JobRecord run_job(JobKind kind, v1::Deft::Stub& stub, const JobEnv& env, uint64_t job_index,
                   Clock::time_point start);
 
-// The kinds (one file each).
-void run_fewshot_job(v1::Deft::Stub& stub, const JobEnv& env, std::mt19937_64& rng,
-                     JobRecord* record);
+// The kinds (one file each). fewshot and stream are both Generate jobs, of `n` samples of
+// `tokens` tokens from a random `prompt_tokens`-token prompt.
+void run_generate_job(v1::Deft::Stub& stub, const JobEnv& env, int32_t prompt_tokens, int32_t n,
+                      int32_t tokens, std::mt19937_64& rng, JobRecord* record);
 void run_runtree_job(v1::Deft::Stub& stub, const JobEnv& env, uint64_t job_index,
                      std::mt19937_64& rng, JobRecord* record);
 void run_session_job(v1::Deft::Stub& stub, const JobEnv& env, uint64_t job_index,

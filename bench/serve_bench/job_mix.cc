@@ -27,6 +27,8 @@ const char* job_kind_name(JobKind kind) {
       return "session";
     case JobKind::kSpec:
       return "spec";
+    case JobKind::kStream:
+      return "stream";
   }
   return "?";
 }
@@ -70,8 +72,9 @@ absl::StatusOr<JobMix> parse_job_mix(const std::string& text) {
     const std::vector<std::string> kind_weight = absl::StrSplit(part, ':');
     const std::optional<JobKind> kind = parse_job_kind(kind_weight[0]);
     if (!kind) {
-      return absl::InvalidArgumentError(absl::StrCat("--mix: unknown job kind '", kind_weight[0],
-                                                     "' (fewshot, runtree, session, spec)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--mix: unknown job kind '", kind_weight[0],
+                       "' (fewshot, runtree, session, spec, stream)"));
     }
     double weight = 1;
     if (kind_weight.size() > 2 ||

@@ -15,11 +15,12 @@ enum class JobKind : uint8_t {
   kRunTree,  // RunTree: a server-side tree-of-thought search shaped like a reasoning trace
   kSession,  // TreeSession: the client drives a reasoning trace's tree (branch, decode, prune)
   kSpec,     // TreeSession + verify: speculative decoding with a recorded Medusa token tree
+  kStream,   // Generate: one sample of a short prompt (a chat-like stream)
 };
 inline constexpr JobKind kJobKinds[] = {JobKind::kFewShot, JobKind::kRunTree, JobKind::kSession,
-                                        JobKind::kSpec};
+                                        JobKind::kSpec, JobKind::kStream};
 
-// "fewshot", "runtree", "session", "spec".
+// "fewshot", "runtree", "session", "spec", "stream".
 const char* job_kind_name(JobKind kind);
 std::optional<JobKind> parse_job_kind(const std::string& name);
 

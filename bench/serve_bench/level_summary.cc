@@ -130,7 +130,15 @@ LevelSummary summarize_level(const LevelRun& run, const std::string& mix, const 
     server.prompt_tokens_per_s = prompt / window_s;
     server.busy_share = step_s / window_s;
     if (steps > 0) {
-      server.mean_rows_per_step = (prompt + generated) / steps;
+      // deft_step_rows_total counts every query row; before it existed, prompt + generated.
+      const double rows = delta("deft_step_rows_total");
+      server.mean_rows_per_step = rows > 0 ? rows / steps : (prompt + generated) / steps;
+      server.logit_rows_per_step = delta("deft_step_logit_rows_total") / steps;
+      const double plan_s = delta("deft_step_plan_seconds_total");
+      const double forward_s = delta("deft_step_forward_seconds_total");
+      server.plan_ms = plan_s / steps * 1e3;
+      server.forward_ms = forward_s / steps * 1e3;
+      server.other_ms = (delta("deft_step_seconds_total") - plan_s - forward_s) / steps * 1e3;
       server.mean_generated_per_step = generated / steps;
       server.kv_tokens_read_per_step = delta("deft_attention_kv_tokens_read_total") / steps;
     }
@@ -183,15 +191,19 @@ ResultRow result_row(const LevelSummary& s) {
                        {"busy_share", v.busy_share},
                        {"generated_tokens_per_s", v.generated_tokens_per_s},
                        {"prompt_tokens_per_s", v.prompt_tokens_per_s},
-                       {"kv_tokens_read_per_step", v.kv_tokens_read_per_step}};
+                       {"kv_tokens_read_per_step", v.kv_tokens_read_per_step},
+                       {"logit_rows_per_step", v.logit_rows_per_step},
+                       {"plan_ms_per_step", v.plan_ms},
+                       {"forward_ms_per_step", v.forward_ms},
+                       {"other_ms_per_step", v.other_ms}};
   }
   return row;
 }
 
 void print_table(const std::vector<LevelSummary>& summaries) {
-  std::printf("\n%-30s %-13s %-6s %9s %9s %17s %15s %15s %10s %8s %9s %8s\n", "mix", "plan", "load",
-              "ok/fail", "tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "job p50/p99 s", "KV pages",
-              "steps/s", "rows/step", "step ms");
+  std::printf("\n%-30s %-13s %-6s %9s %9s %17s %15s %15s %10s %8s %9s %8s %17s\n", "mix", "plan",
+              "load", "ok/fail", "tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "job p50/p99 s",
+              "KV pages", "steps/s", "rows/step", "step ms", "plan/fwd/other");
   for (const LevelSummary& s : summaries) {
     const std::string jobs = absl::StrCat(s.all.done, "/", s.all.failed);
     // "p50/p99" of a spread in `unit`s, "-" without samples.
@@ -203,17 +215,19 @@ void print_table(const std::vector<LevelSummary>& summaries) {
     const std::string ttft = pair(s.all.ttft, 1e3, 1);
     const std::string itl = pair(s.all.itl, 1e3, 2);
     const std::string latency = pair(s.all.latency, 1.0, 2);
-    std::string kv = "-", steps = "-", rows = "-", step_ms = "-";
+    std::string kv = "-", steps = "-", rows = "-", step_ms = "-", split = "-";
     if (s.server) {
       kv = absl::StrFormat("%.0f/%.0f", s.server->kv_pages_used_max, s.server->kv_pages_total);
       steps = absl::StrFormat("%.1f", s.server->steps_per_s);
       rows = absl::StrFormat("%.1f", s.server->mean_rows_per_step);
       step_ms = absl::StrFormat("%.2f", s.server->mean_step_ms);
+      split = absl::StrFormat("%.2f/%.2f/%.2f", s.server->plan_ms, s.server->forward_ms,
+                              s.server->other_ms);
     }
-    std::printf("%-30s %-13s %-6s %9s %9.0f %17s %15s %15s %10s %8s %9s %8s\n", s.mix.c_str(),
+    std::printf("%-30s %-13s %-6s %9s %9.0f %17s %15s %15s %10s %8s %9s %8s %17s\n", s.mix.c_str(),
                 s.plan.c_str(), s.level.c_str(), jobs.c_str(), s.tokens_per_s, ttft.c_str(),
                 itl.c_str(), latency.c_str(), kv.c_str(), steps.c_str(), rows.c_str(),
-                step_ms.c_str());
+                step_ms.c_str(), split.c_str());
     for (const auto& [code, count] : s.all.failures) {
       std::printf("%-30s   %lld failed with %s\n", "", static_cast<long long>(count), code.c_str());
     }

@@ -48,8 +48,7 @@ struct LevelSummary {
   double max_start_delay_s = 0;
 
   // From the server's /metrics (nullopt: no endpoint). Rows per step: every step's query rows
-  // are its prefill/extend/verify rows (deft_prompt_tokens_total, which the server counts as
-  // rows - generated) plus its sampled rows (deft_generated_tokens_total).
+  // (prefill, extend, verify and decode rows: deft_step_rows_total).
   struct Server {
     double kv_pages_used_max = 0, kv_pages_total = 0;
     double queue_depth_max = 0, live_jobs_max = 0;
@@ -57,6 +56,11 @@ struct LevelSummary {
     double mean_step_ms = 0, busy_share = 0;  // step time / window
     double generated_tokens_per_s = 0, prompt_tokens_per_s = 0;
     double kv_tokens_read_per_step = 0;
+    // Where a step's time goes (per step, from the deft_step_*_seconds_total counters): host
+    // attention planning, the model's forward pass (device sampling included), and the rest of
+    // the step on the engine thread (host sampling, works' bookkeeping, streaming events).
+    double logit_rows_per_step = 0;
+    double plan_ms = 0, forward_ms = 0, other_ms = 0;
     int64_t steps = 0;
   };
   std::optional<Server> server;

@@ -11,7 +11,7 @@
 //   server_process.*    the deft-server child     metrics_scraper.*  its /metrics
 //   load_driver.*       one level's clients       level_summary.*    its figures, row, table
 //   workload_shapes.*   job shapes from the traces
-//   job.*, session_client.*, {fewshot,runtree,session,spec}_job.cc   the jobs
+//   job.*, session_client.*, {generate,runtree,session,spec}_job.cc   the jobs
 #include <array>
 #include <cstdio>
 #include <memory>

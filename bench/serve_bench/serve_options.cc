@@ -50,14 +50,16 @@ Load levels (each runs --duration seconds, or --jobs jobs)
 
 The mix
   --mix "MIXES"             mixes separated by ';', each KIND[:WEIGHT],... of fewshot, runtree,
-                            session, spec; every mix runs every level (default: one mix of all
-                            four, equal weights)
+                            session, spec, stream; every mix runs every level (default: one mix of the
+                            first four, equal weights)
   --seed N                  prompts, kinds and trace records per job derive from it (default 1)
 
 Job shapes
   fewshot   Generate: n samples of one prompt (random token ids), EOS ignored
   --fewshot-prompt-tokens N (default 4000)   --fewshot-n N (default 20)
   --fewshot-tokens N        tokens per sample (default 200)
+  stream    Generate: one sample of a short prompt (random token ids), EOS ignored
+  --stream-prompt-tokens N (default 512)   --stream-tokens N (default 256)
   --temperature T           of Generate, RunTree and session decodes (default 0.8)
   runtree   RunTree shaped like a reasoning trace record: branch_factor = its widest fan-out,
             every_tokens = its median thought, max_depth = its depth, keep_best 1
@@ -190,6 +192,8 @@ absl::StatusOr<ServeOptions> parse_serve_options(int argc, char** argv, bool* he
       {"--fewshot-prompt-tokens", number(&options.fewshot_prompt_tokens, 1)},
       {"--fewshot-n", number(&options.fewshot_n, 1)},
       {"--fewshot-tokens", number(&options.fewshot_tokens, 1)},
+      {"--stream-prompt-tokens", number(&options.stream_prompt_tokens, 1)},
+      {"--stream-tokens", number(&options.stream_tokens, 1)},
       {"--temperature", number(&options.temperature, 0)},
       {"--workloads", text(&options.workloads_dir)},
       {"--tot-traces", list(&options.tot_traces)},

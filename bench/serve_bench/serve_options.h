@@ -37,6 +37,8 @@ struct ServeOptions {
   int32_t fewshot_prompt_tokens = 4000;
   int32_t fewshot_n = 20;
   int32_t fewshot_tokens = 200;
+  int32_t stream_prompt_tokens = 512;
+  int32_t stream_tokens = 256;
   float temperature = 0.8f;   // Generate, RunTree and session decodes
   std::string workloads_dir;  // ../shared/workloads
   std::vector<std::string> tot_traces = {"keywordToT", "set128ToT"};

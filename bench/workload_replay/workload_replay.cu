@@ -5,6 +5,8 @@
 //
 // Cases (names as ../shared/BENCH_RESULTS.md asks: the workload files without .json):
 //   fewshot_b20, fewshot_b30, fewshot_b50  a 4000-token prompt, b branches, 400 iterations
+//   fewshot_b64  the same with 64 branches, only when named: not a paper workload, the engine
+//     side of serve_bench's 64-row comparison (bench/README.md)
 //   sorting128ToT, docmergeToT, keywordToT, set128ToT  the first complete tree, every iteration
 //   apps_tree_size{32,64,128,256}  the first record's APPS prompt (1016 Llama 3 tokens), its
 //     Accept_length sequence step by step (cycled) until prompt + committed = 6000 tokens
@@ -67,12 +69,14 @@ random-weight Llama-3-8B-shaped model (CUDA), every method in one run.
 
   workload_replay [--workloads DIR] [--out DIR] [--case NAMES] [--method NAMES]
                   [--max-steps N] [--stride LIST] [--tokenizer DIR] [--deadline-s S]
+                  [--model-config FILE]
 
   --workloads DIR  the traces (default: ../shared/workloads beside the source tree)
   --out DIR        where workload_replay-<gpu>-<date>.json goes (default: bench/results/)
-  --case NAMES     comma-separated cases (default: all): fewshot_b20, fewshot_b30,
-                   fewshot_b50, sorting128ToT, docmergeToT, keywordToT, set128ToT,
-                   apps_tree_size{32,64,128,256}, apps_tree_size{32,64,128,256}_p{1000,6000}
+  --case NAMES     comma-separated cases (default: all but fewshot_b64): fewshot_b20,
+                   fewshot_b30, fewshot_b50, sorting128ToT, docmergeToT, keywordToT, set128ToT,
+                   apps_tree_size{32,64,128,256}, apps_tree_size{32,64,128,256}_p{1000,6000},
+                   fewshot_b64 (64 branches: the engine side of serve_bench's 64-row step)
   --method NAMES   comma-separated methods (default: all): deft_flatten, sequence, deft_node,
                    deft_node_chunk, dense_mask, no_attention
   --max-steps N    replay at most N iterations of each workload (0, the default: all)
@@ -85,6 +89,9 @@ random-weight Llama-3-8B-shaped model (CUDA), every method in one run.
                    1016 random ids, the length Llama 3 gives it)
   --deadline-s S   start no case/method after S seconds of the run (default 450; 0: none);
                    the ones left are listed, not run
+  --model-config FILE  a Hugging Face config.json whose shape the random model takes instead of
+                   Llama-3-8B's (e.g. the one bench/make_random_checkpoint.py wrote for the
+                   server serve_bench drove, to compare the same steps)
 )";
 
 struct Method {
@@ -293,7 +300,7 @@ int main(int argc, char** argv) {
   using namespace deft::bench;
   const Clock::time_point run_start = Clock::now();
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines through a pipe, as they come
-  std::string workloads = DEFT_WORKLOADS_DIR, out, case_arg, method_arg;
+  std::string workloads = DEFT_WORKLOADS_DIR, out, case_arg, method_arg, model_config_path;
   std::string stride_arg = "deft_flatten=1,sequence=4,8";
   std::string tokenizer_dir = std::string(DEFT_SOURCE_DIR) + "/.cache/tokenizers/llama3";
   int64_t max_steps = 0;
@@ -322,6 +329,8 @@ int main(int argc, char** argv) {
       stride_arg = value;
     else if (flag == "--tokenizer")
       tokenizer_dir = value;
+    else if (flag == "--model-config")
+      model_config_path = value;
     else if (flag == "--max-steps")
       ok = absl::SimpleAtoi(value, &max_steps) && max_steps >= 0;
     else if (flag == "--deadline-s")
@@ -363,6 +372,8 @@ int main(int argc, char** argv) {
   for (const std::string suffix : {"", "_p1000", "_p6000"}) {
     for (int32_t t : tree_sizes) all_cases.push_back(absl::StrCat("apps_tree_size", t, suffix));
   }
+  const std::string opt_in_case = "fewshot_b64";  // runs only when named
+  all_cases.push_back(opt_in_case);
   std::vector<std::string> wanted;
   const std::vector<std::string> case_names = absl::StrSplit(case_arg, ',', absl::SkipEmpty());
   for (const std::string& name : case_names) {
@@ -373,7 +384,8 @@ int main(int argc, char** argv) {
     wanted.push_back(name);
   }
   const auto selected = [&](const std::string& name) {
-    return wanted.empty() || std::find(wanted.begin(), wanted.end(), name) != wanted.end();
+    if (wanted.empty()) return name != opt_in_case;
+    return std::find(wanted.begin(), wanted.end(), name) != wanted.end();
   };
 
   // The tokenizer: Llama 3's encodes the APPS prompt (and streams the few-shot tokens, as the
@@ -389,7 +401,16 @@ int main(int argc, char** argv) {
       engine::load_tokenizer(tokenizer_dir);
   must(tokenizer.status(), "tokenizer");
 
-  const models::ModelConfig config = llama3_8b_config();
+  models::ModelConfig config = llama3_8b_config();
+  std::string model_name = "llama3-8b-random";
+  if (!model_config_path.empty()) {
+    absl::StatusOr<models::ModelConfig> loaded = models::load_model_config(model_config_path);
+    must(loaded.status(), "--model-config");
+    config = *loaded;
+    config.torch_dtype = models::DType::kBF16;  // the replay runs bf16 whatever the file says
+    model_name =
+        absl::StrCat(config.num_hidden_layers, "-layer random model of ", model_config_path);
+  }
   std::vector<Case> cases;
   const std::map<std::string, std::pair<double, double>> paper = {
       {"fewshot_b20", {9.98, 12.37}},        {"fewshot_b30", {10.99, 14.08}},
@@ -406,7 +427,7 @@ int main(int argc, char** argv) {
     }
     cases.push_back(std::move(c));
   };
-  for (int32_t b : {20, 30, 50}) {
+  for (int32_t b : {20, 30, 50, 64}) {
     const std::string name = absl::StrCat("fewshot_b", b);
     if (selected(name)) {
       add_case(name, "fewshot",
@@ -470,10 +491,10 @@ int main(int argc, char** argv) {
                                               .page_tokens = kPageTokens,
                                               .max_batch_rows = kMaxStepTokens,
                                               .max_cuda_graphs = 128},
-                                             1, "llama3-8b-random");
+                                             1, model_name);
   must(runner.status(), "runner");
   models::LlamaCudaRunner& model = **runner;
-  std::printf("random Llama-3-8B-shaped model ready in %.1f s, %.2f GB weights, %.1f GB KV pool\n",
+  std::printf("%s ready in %.1f s, %.2f GB weights, %.1f GB KV pool\n", model_name.c_str(),
               seconds_since(t_load), model.weight_bytes() / 1e9, model.kv_cache_bytes() / 1e9);
   const double weight_read_bytes =
       double(model.weight_bytes()) - 2.0 * config.vocab_size * config.hidden_size;
@@ -594,6 +615,7 @@ int main(int argc, char** argv) {
       row.extra = {
           {"status", "ok"},
           {"family", c.family},
+          {"model", model_name},
           {"plan_kind", std::string(engine::plan_kind_name(m.kind))},
           {"attention",
            m.skip_attention ? "skipped (LlamaCudaRunner::set_attention_skipped)" : "run"},
@@ -636,7 +658,7 @@ int main(int argc, char** argv) {
             {"capture_s", (graphs_now.capture_us - graphs_before.capture_us) * 1e-6},
             {"eager_steps", graphs_now.eager_steps - graphs_before.eager_steps}}},
       };
-      if (c.paper_flatten_s > 0) {
+      if (c.paper_flatten_s > 0 && model_config_path.empty()) {
         row.extra["paper_a100_s"] = {{"deft_flatten", c.paper_flatten_s},
                                      {"radix_attention", c.paper_radix_s}};
       }

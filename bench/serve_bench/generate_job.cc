@@ -1,6 +1,7 @@
-// fewshot: Generate, --fewshot-n samples of a --fewshot-prompt-tokens prompt (the paper's
-// few-shot workload: one prompt node, n branches). EOS is ignored, so each branch must stream
-// exactly --fewshot-tokens tokens and end with FINISH_REASON_LENGTH.
+// fewshot and stream: Generate, n samples of a random prompt (fewshot: --fewshot-n samples of a
+// --fewshot-prompt-tokens prompt, the paper's few-shot workload, one prompt node and n branches;
+// stream: one sample of a --stream-prompt-tokens prompt). EOS is ignored, so each branch must
+// stream exactly the tokens asked for and end with FINISH_REASON_LENGTH.
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -8,19 +9,19 @@
 
 namespace deft::bench::serve {
 
-void run_fewshot_job(v1::Deft::Stub& stub, const JobEnv& env, std::mt19937_64& rng,
-                     JobRecord* record) {
+void run_generate_job(v1::Deft::Stub& stub, const JobEnv& env, int32_t prompt_tokens, int32_t n,
+                      int32_t tokens, std::mt19937_64& rng, JobRecord* record) {
   const ServeOptions& options = *env.options;
   v1::GenerateRequest request;
-  const std::vector<int32_t> prompt = random_prompt(env.model, options.fewshot_prompt_tokens, rng);
+  const std::vector<int32_t> prompt = random_prompt(env.model, prompt_tokens, rng);
   request.mutable_prompt()->mutable_tokens()->mutable_ids()->Add(prompt.begin(), prompt.end());
-  request.set_n(options.fewshot_n);
+  request.set_n(n);
   v1::SamplingParams& sampling = *request.mutable_sampling();
   sampling.set_temperature(options.temperature);
   sampling.set_seed(rng());
-  sampling.set_max_tokens(options.fewshot_tokens);
+  sampling.set_max_tokens(tokens);
   sampling.set_ignore_eos(true);
-  record->expected_tokens = int64_t{options.fewshot_n} * options.fewshot_tokens;
+  record->expected_tokens = int64_t{n} * tokens;
 
   grpc::ClientContext context;
   set_job_deadline(env, &context);
@@ -45,16 +46,16 @@ void run_fewshot_job(v1::Deft::Stub& stub, const JobEnv& env, std::mt19937_64& r
     record->fail(status);
     return;
   }
-  if (static_cast<int32_t>(branches.size()) != options.fewshot_n) {
-    record->fail(kTokenCount, absl::StrCat("Generate streamed ", branches.size(),
-                                           " branches, asked for ", options.fewshot_n));
+  if (static_cast<int32_t>(branches.size()) != n) {
+    record->fail(kTokenCount,
+                 absl::StrCat("Generate streamed ", branches.size(), " branches, asked for ", n));
   }
   for (const auto& [index, branch] : branches) {
-    if (branch.tokens != options.fewshot_tokens || branch.finish != v1::FINISH_REASON_LENGTH) {
-      record->fail(kTokenCount,
-                   absl::StrCat("Generate branch ", index, " streamed ", branch.tokens,
-                                " tokens (finish ", v1::FinishReason_Name(branch.finish),
-                                "), asked for ", options.fewshot_tokens));
+    if (branch.tokens != tokens || branch.finish != v1::FINISH_REASON_LENGTH) {
+      record->fail(
+          kTokenCount,
+          absl::StrCat("Generate branch ", index, " streamed ", branch.tokens, " tokens (finish ",
+                       v1::FinishReason_Name(branch.finish), "), asked for ", tokens));
     }
   }
 }
