@@ -236,12 +236,10 @@ absl::StatusOr<Acceptance> accept_draft_tree(const DraftTree& tree, std::span<co
     return absl::InvalidArgumentError(
         absl::StrCat("draft acceptance: vocab_size must be >= 1, got ", vocab_size));
   }
+  // A bad tree is named before a logits size that does not fit it.
   if (absl::Status status =
           validate_draft_tree(tree, vocab_size, std::numeric_limits<int32_t>::max());
       !status.ok()) {
-    return status;
-  }
-  if (absl::Status status = validate_sampling_params(params, vocab_size); !status.ok()) {
     return status;
   }
   const size_t entries = tree.tokens.size();
@@ -251,9 +249,42 @@ absl::StatusOr<Acceptance> accept_draft_tree(const DraftTree& tree, std::span<co
                                                    " floats, want (", entries,
                                                    " entries + 1) rows of ", vocab_size));
   }
+  std::vector<std::span<const float>> rows(entries + 1);
+  for (size_t row = 0; row < rows.size(); ++row) rows[row] = logits.subspan(row * row_size, row_size);
+  return accept_draft_tree(tree, rows, vocab_size, params, step);
+}
+
+absl::StatusOr<Acceptance> accept_draft_tree(const DraftTree& tree,
+                                             std::span<const std::span<const float>> rows,
+                                             int32_t vocab_size, const SamplingParams& params,
+                                             uint64_t step) {
+  if (vocab_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("draft acceptance: vocab_size must be >= 1, got ", vocab_size));
+  }
+  if (absl::Status status =
+          validate_draft_tree(tree, vocab_size, std::numeric_limits<int32_t>::max());
+      !status.ok()) {
+    return status;
+  }
+  if (absl::Status status = validate_sampling_params(params, vocab_size); !status.ok()) {
+    return status;
+  }
+  const size_t entries = tree.tokens.size();
+  if (rows.size() != entries + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("draft acceptance: ", rows.size(),
+                                                   " logits rows, want ", entries, " entries + 1"));
+  }
+  for (size_t row = 0; row < rows.size(); ++row) {
+    if (rows[row].size() != static_cast<size_t>(vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("draft acceptance: logits row ", row, " holds ",
+                                                     rows[row].size(), " floats, want ",
+                                                     vocab_size));
+    }
+  }
   const TreeShape shape(tree);
   const auto row_of = [&](int32_t node) {  // node -1: the anchor's row 0
-    return logits.subspan(static_cast<size_t>(node + 1) * row_size, row_size);
+    return rows[static_cast<size_t>(node + 1)];
   };
   // Position of the token that follows `node` (a child's token, or the bonus).
   const auto next_position = [&](int32_t node) {

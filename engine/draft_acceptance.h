@@ -75,5 +75,12 @@ struct Acceptance {
 absl::StatusOr<Acceptance> accept_draft_tree(const DraftTree& tree, std::span<const float> logits,
                                              int32_t vocab_size, const SamplingParams& params,
                                              uint64_t step);
+// The same over one span per row (rows[0] the anchor's, rows[1 + i] after entry i, each
+// vocab_size floats), so a caller need not copy rows it already holds into one buffer (a
+// 256-entry tree's logits are 131 MB of a 128256-token vocabulary).
+absl::StatusOr<Acceptance> accept_draft_tree(const DraftTree& tree,
+                                             std::span<const std::span<const float>> rows,
+                                             int32_t vocab_size, const SamplingParams& params,
+                                             uint64_t step);
 
 }  // namespace deft::engine

@@ -72,6 +72,15 @@ class ModelRunner {
   // with a row that just needs a token.
   virtual bool samples_on_device() const { return false; }
 
+  // Where the engine should have forward() / forward_sampled() write `floats` floats of logits:
+  // a host buffer the backend copies into fastest (a GPU backend's pinned memory: a pageable
+  // destination costs the copy half its speed or more), valid until the next call. Empty (the
+  // default): the engine passes a buffer of its own.
+  virtual std::span<float> logits_buffer(size_t floats) {
+    (void)floats;
+    return {};
+  }
+
   // Attention time of the last step in seconds (all layers), or < 0 when it was not timed.
   // time_attention(true) asks the next steps to time it (a backend may charge a little for
   // that: the server samples it now and then for its attention-share metric).

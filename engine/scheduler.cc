@@ -205,11 +205,13 @@ std::optional<StepStats> Scheduler::step() {
         // the rows that want them (a prompt's last row, a branch point, a verify tree).
         step_.sampled.resize(step_.logit_rows.size());
         const std::span<const RowSampling> rows = step_.row_sampling();
-        logits_.resize(step_.wanted_logit_rows() * static_cast<size_t>(runner_.vocab_size()));
-        status = runner_.forward_sampled(batch, rows, step_.sampled, logits_);
+        const std::span<float> logits = logits_for(step_.wanted_logit_rows());
+        step_.logits = logits;
+        status = runner_.forward_sampled(batch, rows, step_.sampled, logits);
       } else {
-        logits_.resize(step_.logit_rows.size() * static_cast<size_t>(runner_.vocab_size()));
-        status = runner_.forward(batch, logits_);
+        const std::span<float> logits = logits_for(step_.logit_rows.size());
+        step_.logits = logits;
+        status = runner_.forward(batch, logits);
       }
       stats.forward_seconds = seconds_since(forward_start);
       if (timed) {
@@ -219,7 +221,6 @@ std::optional<StepStats> Scheduler::step() {
       stats.kv_tokens_read = plan_.io.kv_tokens_read;
     }
     if (status.ok()) {
-      step_.logits = logits_;
       for (size_t index : order) {
         if (absl::Status taken = live_[index]->take_logits(step_); !taken.ok()) {
           spdlog::error("engine: a request failed: {}", taken.ToString());
@@ -245,6 +246,15 @@ std::optional<StepStats> Scheduler::step() {
   step_.clear();
   if (stats.rows == 0) return std::nullopt;
   return stats;
+}
+
+std::span<float> Scheduler::logits_for(size_t rows) {
+  const size_t floats = rows * static_cast<size_t>(runner_.vocab_size());
+  if (const std::span<float> buffer = runner_.logits_buffer(floats); buffer.size() >= floats) {
+    return buffer.first(floats);
+  }
+  logits_.resize(floats);
+  return logits_;
 }
 
 void Scheduler::refuse_queued(const absl::Status& status) {

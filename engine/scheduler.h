@@ -107,6 +107,8 @@ class Scheduler {
   int64_t committed_pages() const;
   void pump_sessions();
   void end_live(size_t index, const absl::Status& status);
+  // The step's logits destination for `rows` rows: the runner's buffer, or logits_.
+  std::span<float> logits_for(size_t rows);
 
   SchedulerOptions options_;
   ModelRunner& runner_;
@@ -117,7 +119,7 @@ class Scheduler {
   Sampler sampler_;
   AttentionPlan plan_;
   StepContext step_;
-  std::vector<float> logits_;
+  std::vector<float> logits_;  // when the runner offers no logits_buffer()
   struct Queued {
     std::unique_ptr<Work> work;
     int32_t waited = 0;  // admission passes (steps) it has waited

@@ -346,6 +346,16 @@ engine::AttentionWave LlamaCudaRunner::attention_wave() const {
           .group_size = s.dims.group_size()};
 }
 
+std::span<float> LlamaCudaRunner::logits_buffer(size_t floats) {
+  kernels::PinnedHostBuffer& buffer = state_->logits_host;
+  if (buffer.bytes() < floats * sizeof(float)) {
+    // Doubling: cudaMallocHost is slow (milliseconds for a few hundred MB), so a growing load
+    // reallocates a few times, not every step.
+    buffer.reserve(std::max(floats * sizeof(float), 2 * buffer.bytes()));
+  }
+  return {buffer.as<float>(), floats};
+}
+
 absl::Status LlamaCudaRunner::forward(const engine::StepBatch& batch, std::span<float> logits) {
   return run_step(batch, logits, {}, {});
 }

@@ -128,6 +128,8 @@ class LlamaCudaRunner final : public engine::ModelRunner {
                                std::span<const engine::RowSampling> rows,
                                std::span<engine::SampledToken> out,
                                std::span<float> logits = {}) override;
+  // Pinned host memory, grown to the largest step's logits so far (kept for the runner's life).
+  std::span<float> logits_buffer(size_t floats) override;
 
   // The DeFT stage-1 launch (CTAs resident at once, KV heads, GQA group); none on the generic
   // attention fallback.

@@ -73,6 +73,7 @@ struct LlamaCudaRunner::State {
   DeviceBuffer sampled, sampled_top, sampling_workspace;
   std::vector<int32_t> kept_rows;  // the step's logit rows that want their logits (host)
   PinnedHostBuffer sampled_host, sampled_top_host;
+  PinnedHostBuffer logits_host;  // logits_buffer(): where the engine has logits copied
   kernels::DevicePlan plan;  // an eager step's plan (a graph step's is its graph's)
   kernels::DeftAttentionBuffers partials;
   kernels::PrefillAttentionBuffers prefill_scratch;  // split-KV partials of long prefixes

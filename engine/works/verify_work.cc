@@ -73,14 +73,10 @@ class VerifyWork final : public SessionWork {
   absl::Status take_logits(StepContext& step) override {
     if (!in_step_) return absl::OkStatus();
     const size_t n = command_.tokens.size();
-    const auto vocab = static_cast<size_t>(step.vocab_size);
-    std::vector<float> logits((n + 1) * vocab);
-    const std::vector<float>& anchor = *session_->node_logits(command_.node);
-    std::copy(anchor.begin(), anchor.end(), logits.begin());
-    for (size_t i = 0; i < n; ++i) {
-      const std::span<const float> row = step.next_logits();
-      std::copy(row.begin(), row.end(), logits.begin() + static_cast<ptrdiff_t>((i + 1) * vocab));
-    }
+    // Row spans, not a copy: the step's logits stay valid until this work returns.
+    std::vector<std::span<const float>> logits(n + 1);
+    logits[0] = *session_->node_logits(command_.node);
+    for (size_t i = 0; i < n; ++i) logits[i + 1] = step.next_logits();
     const TreeNode& anchor_node = step.forest.tree().node(command_.node);
     const auto first_position =
         static_cast<uint64_t>(anchor_node.depth_begin + anchor_node.tokens.size());
@@ -109,7 +105,7 @@ class VerifyWork final : public SessionWork {
       if (absl::Status status = forest.tree().truncate(leaf, index_of_[last] + 1); !status.ok()) {
         return status;
       }
-      const auto row = std::span<const float>(logits).subspan((last + 1) * vocab, vocab);
+      const std::span<const float> row = logits[last + 1];
       session_->adopt(leaf, std::make_shared<const std::vector<float>>(row.begin(), row.end()));
       outcome.node = leaf;
     } else {
