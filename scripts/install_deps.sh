@@ -11,6 +11,7 @@ packages=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3-grpcio python3-protobuf python3-grpc-tools prometheus-cpp-dev
   libsentencepiece-dev sentencepiece libpcre2-dev
+  libssl-dev openssl
   nginx
 )
 

@@ -171,8 +171,14 @@ v1::TreeEvent tree_event(engine::TreeSearchEvent& event) {
 
 }  // namespace
 
-DeftService::DeftService(const ServerConfig& config, ServerMetrics* metrics)
-    : config_(config), metrics_(metrics) {}
+DeftService::DeftService(const ServerConfig& config, const Authenticator& auth,
+                         ServerMetrics* metrics)
+    : config_(config),
+      auth_(auth),
+      metrics_(metrics),
+      key_limits_({.max_concurrent = config.max_concurrent_per_key,
+                   .max_queued_jobs = config.max_queued_jobs_per_key,
+                   .max_tokens_per_minute = config.max_tokens_per_minute_per_key}) {}
 
 void DeftService::attach(ModelFacts model, const engine::Tokenizer& tokenizer,
                          EngineThread& engine) {
@@ -189,12 +195,37 @@ grpc::Status DeftService::loading() {
                       "the model is still loading; retry when the health service reports SERVING");
 }
 
-grpc::Status DeftService::done(const char* rpc, grpc::Status status) const {
-  if (metrics_ != nullptr) metrics_->record_request(rpc, code_name(status.error_code()));
+grpc::Status DeftService::done(const char* rpc, const Caller& caller, grpc::Status status) const {
+  if (metrics_ != nullptr) {
+    metrics_->record_request(rpc, code_name(status.error_code()), caller.key_id);
+  }
   if (!status.ok()) {
-    spdlog::debug("{}: {} {}", rpc, code_name(status.error_code()), status.error_message());
+    spdlog::debug("{}: {} {}{}{}", rpc, code_name(status.error_code()), status.error_message(),
+                  caller.key_id.empty() ? "" : " key ", caller.key_id);
   }
   return status;
+}
+
+grpc::Status DeftService::authenticate(const grpc::ServerContext& context, Caller* caller) const {
+  absl::StatusOr<Caller> authenticated = auth_.authenticate(context);
+  if (!authenticated.ok()) return to_grpc(authenticated.status());
+  *caller = std::move(*authenticated);
+  return grpc::Status::OK;
+}
+
+absl::Status DeftService::admit_job(const Caller& caller, KeyLimits::Hold* stream,
+                                    KeyLimits::Hold* queued) {
+  if (absl::Status status = key_limits_.check_tokens(caller.key_id); !status.ok()) return status;
+  if (absl::Status status = key_limits_.open_stream(caller.key_id, stream); !status.ok()) {
+    return status;
+  }
+  return key_limits_.queue_job(caller.key_id, queued);
+}
+
+void DeftService::count_tokens(const Caller& caller, int64_t tokens) {
+  if (caller.key_id.empty() || tokens == 0) return;
+  key_limits_.add_tokens(caller.key_id, tokens);
+  if (metrics_ != nullptr) metrics_->record_key_tokens(caller.key_id, tokens);
 }
 
 absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
@@ -248,10 +279,14 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
 
 grpc::Status DeftService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  return done("Generate", ready() ? generate(context, *request, writer) : loading());
+  Caller caller;
+  grpc::Status status = authenticate(*context, &caller);
+  if (status.ok()) status = ready() ? generate(context, caller, *request, writer) : loading();
+  return done("Generate", caller, std::move(status));
 }
 
-grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::GenerateRequest& request,
+grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& caller,
+                                   const v1::GenerateRequest& request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
   engine::GenerateJob job;
   absl::StatusOr<std::vector<engine::TokenId>> prompt = prompt_tokens(request.prompt(), "prompt");
@@ -282,9 +317,16 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const v1::Gener
                                 "); the limit is ", config_.max_tree_tokens, " (max_tree_tokens)"));
   }
 
+  KeyLimits::Hold stream_hold;
+  KeyLimits::Hold queued_hold;
+  if (absl::Status status = admit_job(caller, &stream_hold, &queued_hold); !status.ok()) {
+    return to_grpc(status);
+  }
   std::shared_ptr<engine::GenerateEvents> events = engine_->generate(std::move(job));
   bool first = true;
   return stream_events(context, *events, writer, [&](engine::GenerateEvent& event) {
+    queued_hold.release();  // answering: no longer waiting
+    count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
     v1::GenerateResponse response;
     response.set_branch(event.branch);
     if (first) response.set_prompt_tokens(static_cast<int32_t>(prompt_size));
@@ -346,10 +388,14 @@ absl::Status DeftService::sampling(const v1::SamplingParams& sampling, const std
 
 grpc::Status DeftService::RunTree(grpc::ServerContext* context, const v1::RunTreeRequest* request,
                                   grpc::ServerWriter<v1::TreeEvent>* writer) {
-  return done("RunTree", ready() ? run_tree(context, *request, writer) : loading());
+  Caller caller;
+  grpc::Status status = authenticate(*context, &caller);
+  if (status.ok()) status = ready() ? run_tree(context, caller, *request, writer) : loading();
+  return done("RunTree", caller, std::move(status));
 }
 
-grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTreeRequest& request,
+grpc::Status DeftService::run_tree(grpc::ServerContext* context, const Caller& caller,
+                                   const v1::RunTreeRequest& request,
                                    grpc::ServerWriter<v1::TreeEvent>* writer) {
   engine::TreeSearchJob job;
   absl::StatusOr<std::vector<engine::TokenId>> prompt = prompt_tokens(request.prompt(), "prompt");
@@ -416,8 +462,19 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const v1::RunTr
                                 config_.max_tree_tokens, " (max_tree_tokens)"));
   }
 
+  KeyLimits::Hold stream_hold;
+  KeyLimits::Hold queued_hold;
+  if (absl::Status status = admit_job(caller, &stream_hold, &queued_hold); !status.ok()) {
+    return to_grpc(status);
+  }
   std::shared_ptr<engine::TreeSearchEvents> events = engine_->run_tree(std::move(job));
-  return stream_events(context, *events, writer, tree_event);
+  return stream_events(context, *events, writer, [&](engine::TreeSearchEvent& event) {
+    queued_hold.release();  // answering: no longer waiting
+    if (event.kind == engine::TreeSearchEvent::Kind::kTokens) {
+      count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
+    }
+    return tree_event(event);
+  });
 }
 
 // ---- TreeSession --------------------------------------------------------------------------
@@ -569,17 +626,30 @@ v1::SessionResponse session_response(engine::SessionEvent& event, uint64_t sessi
 grpc::Status DeftService::TreeSession(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
-  return done("TreeSession", ready() ? tree_session(context, stream) : loading());
+  Caller caller;
+  grpc::Status status = authenticate(*context, &caller);
+  if (status.ok()) status = ready() ? tree_session(context, caller, stream) : loading();
+  return done("TreeSession", caller, std::move(status));
 }
 
 grpc::Status DeftService::tree_session(
-    grpc::ServerContext* context,
+    grpc::ServerContext* context, const Caller& caller,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  // Opening costs no tokens: the key's token rate is checked per decode command below.
+  KeyLimits::Hold stream_hold;
+  if (absl::Status status = key_limits_.open_stream(caller.key_id, &stream_hold); !status.ok()) {
+    return to_grpc(status);
+  }
   auto events = std::make_shared<engine::SessionEvents>();
   const absl::StatusOr<uint64_t> opened = engine_->open_session(events);
   if (!opened.ok()) return to_grpc(opened.status());
   const uint64_t session = *opened;
-  spdlog::debug("TreeSession: session {} opened", session);
+  {
+    std::lock_guard lock(session_owners_mutex_);
+    session_owners_[session] = caller.key_id;
+  }
+  spdlog::debug("TreeSession: session {} opened{}{}", session,
+                caller.key_id.empty() ? "" : " by key ", caller.key_id);
   // One thread writes what the engine answers; this one reads the client's commands.
   std::atomic<bool> client_gone{false};
   std::thread writer([&] {
@@ -588,6 +658,9 @@ grpc::Status DeftService::tree_session(
       batch.clear();
       const bool more = events->next(batch, kPollInterval);
       for (engine::SessionEvent& event : batch) {
+        if (event.kind == engine::SessionEvent::Kind::kDecoded) {
+          count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
+        }
         if (client_gone.load()) continue;
         if (!stream->Write(session_response(event, session))) client_gone.store(true);
       }
@@ -599,6 +672,10 @@ grpc::Status DeftService::tree_session(
   bool closed = false;
   while (!client_gone.load() && stream->Read(&request)) {
     engine::SessionCommand command = session_command(request);
+    if (std::holds_alternative<engine::DecodeCommand>(command.op) && command.invalid.ok()) {
+      // A decode is where a session spends tokens: the key's rate is checked per command.
+      command.invalid = key_limits_.check_tokens(caller.key_id);
+    }
     closed = std::holds_alternative<engine::CloseCommand>(command.op) && command.invalid.ok();
     engine_->session_command(session, std::move(command));
     if (closed) break;
@@ -611,6 +688,10 @@ grpc::Status DeftService::tree_session(
     engine_->session_command(session, {.op = engine::CloseCommand{}});
   }
   writer.join();
+  {
+    std::lock_guard lock(session_owners_mutex_);
+    session_owners_.erase(session);
+  }
   spdlog::debug("TreeSession: session {} closed", session);
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
@@ -622,11 +703,24 @@ grpc::Status DeftService::tree_session(
 
 grpc::Status DeftService::Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
                                  v1::VerifyResponse* response) {
-  return done("Verify", ready() ? verify(context, *request, response) : loading());
+  Caller caller;
+  grpc::Status status = authenticate(*context, &caller);
+  if (status.ok()) status = ready() ? verify(context, caller, *request, response) : loading();
+  return done("Verify", caller, std::move(status));
 }
 
-grpc::Status DeftService::verify(grpc::ServerContext* context, const v1::VerifyRequest& request,
-                                 v1::VerifyResponse* response) {
+grpc::Status DeftService::verify(grpc::ServerContext* context, const Caller& caller,
+                                 const v1::VerifyRequest& request, v1::VerifyResponse* response) {
+  {
+    std::lock_guard lock(session_owners_mutex_);
+    const auto owner = session_owners_.find(request.session_id());
+    if (owner != session_owners_.end() && owner->second != caller.key_id) {
+      // Another key's session is answered as the engine answers an unknown id: its existence
+      // is not revealed.
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("no open session ", request.session_id()));
+    }
+  }
   engine::VerifyCommand command;
   if (absl::Status status = verify_command(request, "", &command); !status.ok()) {
     return to_grpc(status);
@@ -655,8 +749,12 @@ grpc::Status DeftService::verify(grpc::ServerContext* context, const v1::VerifyR
 
 // ---- Tokenizer and model ------------------------------------------------------------------
 
-grpc::Status DeftService::Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* request,
+grpc::Status DeftService::Tokenize(grpc::ServerContext* context, const v1::TokenizeRequest* request,
                                    v1::TokenizeResponse* response) {
+  Caller caller;
+  if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
+    return done("Tokenize", caller, status);
+  }
   const auto run = [&]() -> grpc::Status {
     if (request->text().size() > static_cast<size_t>(config_.max_text_bytes)) {
       return invalid(absl::StrCat("text has ", request->text().size(), " bytes; the limit is ",
@@ -668,11 +766,16 @@ grpc::Status DeftService::Tokenize(grpc::ServerContext*, const v1::TokenizeReque
     response->mutable_ids()->Add(ids->begin(), ids->end());
     return grpc::Status::OK;
   };
-  return done("Tokenize", ready() ? run() : loading());
+  return done("Tokenize", caller, ready() ? run() : loading());
 }
 
-grpc::Status DeftService::Detokenize(grpc::ServerContext*, const v1::DetokenizeRequest* request,
+grpc::Status DeftService::Detokenize(grpc::ServerContext* context,
+                                     const v1::DetokenizeRequest* request,
                                      v1::DetokenizeResponse* response) {
+  Caller caller;
+  if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
+    return done("Detokenize", caller, status);
+  }
   const auto run = [&]() -> grpc::Status {
     const int32_t vocab = tokenizer_->vocab_size();
     if (request->ids_size() > config_.max_tree_tokens) {
@@ -689,12 +792,16 @@ grpc::Status DeftService::Detokenize(grpc::ServerContext*, const v1::DetokenizeR
     response->set_text(tokenizer_->decode(ids, request->skip_special()));
     return grpc::Status::OK;
   };
-  return done("Detokenize", ready() ? run() : loading());
+  return done("Detokenize", caller, ready() ? run() : loading());
 }
 
-grpc::Status DeftService::ModelInfo(grpc::ServerContext*, const v1::ModelInfoRequest*,
+grpc::Status DeftService::ModelInfo(grpc::ServerContext* context, const v1::ModelInfoRequest*,
                                     v1::ModelInfoResponse* response) {
-  if (!ready()) return done("ModelInfo", loading());
+  Caller caller;
+  if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
+    return done("ModelInfo", caller, status);
+  }
+  if (!ready()) return done("ModelInfo", caller, loading());
   response->set_name(model_.name);
   response->set_architecture(model_.architecture);
   response->set_vocab_size(model_.vocab_size);
@@ -714,7 +821,7 @@ grpc::Status DeftService::ModelInfo(grpc::ServerContext*, const v1::ModelInfoReq
   response->set_max_prompt_tokens(config_.max_prompt_tokens);
   response->set_max_tree_tokens(config_.max_tree_tokens);
   response->set_max_branches(config_.max_branches);
-  return done("ModelInfo", grpc::Status::OK);
+  return done("ModelInfo", caller, grpc::Status::OK);
 }
 
 }  // namespace deft::server

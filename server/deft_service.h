@@ -5,12 +5,16 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "deft/v1/deft.grpc.pb.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "server/auth.h"
 #include "server/engine_thread.h"
+#include "server/key_limits.h"
 #include "server/server_config.h"
 
 namespace deft::server {
@@ -34,9 +38,14 @@ struct ModelFacts {
 class DeftService final : public deft::v1::Deft::Service {
  public:
   // The service can serve before the model is loaded: until attach(), every RPC answers
-  // UNAVAILABLE (the health service says NOT_SERVING then). `config` and `metrics` must outlive
-  // the service; `metrics` may be null.
-  DeftService(const ServerConfig& config, ServerMetrics* metrics);
+  // UNAVAILABLE (the health service says NOT_SERVING then). `config`, `auth` and `metrics` must
+  // outlive the service; `metrics` may be null.
+  //
+  // Every RPC first authenticates its caller through `auth` (UNAUTHENTICATED without a valid
+  // key when keys are configured), then applies the caller's key limits (config's *_per_key).
+  // A TreeSession belongs to the key that opened it: a Verify on it from another key gets the
+  // same NOT_FOUND as an unknown session id.
+  DeftService(const ServerConfig& config, const Authenticator& auth, ServerMetrics* metrics);
   // The loaded model; `tokenizer` and `engine` must outlive the service. Called once.
   void attach(ModelFacts model, const engine::Tokenizer& tokenizer, EngineThread& engine);
 
@@ -57,15 +66,24 @@ class DeftService final : public deft::v1::Deft::Service {
                          deft::v1::ModelInfoResponse* response) override;
 
  private:
-  grpc::Status generate(grpc::ServerContext* context, const deft::v1::GenerateRequest& request,
+  grpc::Status generate(grpc::ServerContext* context, const Caller& caller,
+                        const deft::v1::GenerateRequest& request,
                         grpc::ServerWriter<deft::v1::GenerateResponse>* writer);
-  grpc::Status run_tree(grpc::ServerContext* context, const deft::v1::RunTreeRequest& request,
+  grpc::Status run_tree(grpc::ServerContext* context, const Caller& caller,
+                        const deft::v1::RunTreeRequest& request,
                         grpc::ServerWriter<deft::v1::TreeEvent>* writer);
   grpc::Status tree_session(
-      grpc::ServerContext* context,
+      grpc::ServerContext* context, const Caller& caller,
       grpc::ServerReaderWriter<deft::v1::SessionResponse, deft::v1::SessionRequest>* stream);
-  grpc::Status verify(grpc::ServerContext* context, const deft::v1::VerifyRequest& request,
-                      deft::v1::VerifyResponse* response);
+  grpc::Status verify(grpc::ServerContext* context, const Caller& caller,
+                      const deft::v1::VerifyRequest& request, deft::v1::VerifyResponse* response);
+  // The caller of `context`, or UNAUTHENTICATED.
+  grpc::Status authenticate(const grpc::ServerContext& context, Caller* caller) const;
+  // A new job's key limits: tokens of the last minute, then one of the key's concurrent
+  // streams into `stream`, then a waiting place into `queued`.
+  absl::Status admit_job(const Caller& caller, KeyLimits::Hold* stream, KeyLimits::Hold* queued);
+  // Counts tokens streamed to the caller (key limits, per-key metrics).
+  void count_tokens(const Caller& caller, int64_t tokens);
   // Token ids of a prompt (text: tokenized, with BOS when `add_bos`; ids: checked against the
   // vocabulary), within max_prompt_tokens.
   absl::StatusOr<std::vector<engine::TokenId>> prompt_tokens(const deft::v1::Prompt& prompt,
@@ -86,10 +104,15 @@ class DeftService final : public deft::v1::Deft::Service {
   bool ready() const;
   static grpc::Status loading();
   // Records the RPC's outcome (metrics, debug log) and returns it.
-  grpc::Status done(const char* rpc, grpc::Status status) const;
+  grpc::Status done(const char* rpc, const Caller& caller, grpc::Status status) const;
 
   const ServerConfig& config_;
+  const Authenticator& auth_;
   ServerMetrics* metrics_;
+  KeyLimits key_limits_;
+  // The key id that opened each open TreeSession.
+  mutable std::mutex session_owners_mutex_;
+  std::unordered_map<uint64_t, std::string> session_owners_;
   // Set once by attach(), then read only; ready_ publishes them to the handler threads.
   ModelFacts model_;
   const engine::Tokenizer* tokenizer_ = nullptr;

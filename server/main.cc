@@ -1,11 +1,12 @@
 // deft-server: loads the configuration and the model, starts the engine thread, the gRPC
-// service (with the grpc.health.v1 health service and server reflection) and the Prometheus
-// exposer, and runs until SIGTERM or SIGINT: then it stops admitting, lets live jobs finish for
-// shutdown_grace_seconds, cancels the rest, and exits 0. Exit 2: bad configuration; exit 1: the
-// model or a listening address could not be set up.
+// service (with the grpc.health.v1 health service and server reflection; plaintext, TLS or
+// mutual TLS; API keys when configured) and the Prometheus exposer, and runs until SIGTERM or
+// SIGINT: then it stops admitting, lets live jobs finish for shutdown_grace_seconds, cancels the
+// rest, and exits 0. SIGHUP rereads the API key file. Exit 2: bad configuration (also an
+// unreadable or invalid TLS or key file); exit 1: the model or a listening address could not be
+// set up.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 
 #include <atomic>
@@ -27,10 +28,13 @@
 #include "models/llama_cuda.h"
 #endif
 #include "models/model_config.h"
+#include "server/auth.h"
 #include "server/deft_service.h"
 #include "server/engine_thread.h"
+#include "server/health_service.h"
 #include "server/metrics.h"
 #include "server/server_config.h"
+#include "server/tls.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -65,6 +69,21 @@ int fail(int code, const std::string& message) {
   return code;
 }
 
+// SIGHUP: the key file is reread; a bad file keeps the keys in use.
+void reload_keys(deft::server::Authenticator& auth) {
+  if (!auth.enabled()) {
+    spdlog::info("SIGHUP received: no api_keys file to reload");
+    return;
+  }
+  const absl::StatusOr<size_t> loaded = auth.reload();
+  if (loaded.ok()) {
+    spdlog::info("SIGHUP received: {} API keys loaded", *loaded);
+  } else {
+    spdlog::error("SIGHUP received: {}; the keys in use stay",
+                  std::string(loaded.status().message()));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,13 +108,29 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
   spdlog::info("deft-server: config {}", deft::server::describe_config(config));
 
-  // Signals are taken by sigwait() below; block them before any thread starts so every thread
-  // inherits the mask and none is interrupted.
+  // Signals are taken by sigwait() below; block them before any thread starts (gRPC starts
+  // its own when the first credentials are made) so every thread inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // Credentials and keys before anything listens: a bad file is a bad configuration.
+  const deft::server::TlsFiles tls_files{
+      .cert = config.tls_cert, .key = config.tls_key, .client_ca = config.tls_client_ca};
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      deft::server::server_credentials(tls_files);
+  if (!credentials.ok()) return fail(2, std::string(credentials.status().message()));
+  std::unique_ptr<deft::server::Authenticator> auth =
+      std::make_unique<deft::server::Authenticator>();
+  if (!config.api_keys.empty()) {
+    absl::StatusOr<std::unique_ptr<deft::server::Authenticator>> loaded =
+        deft::server::Authenticator::from_file(config.api_keys);
+    if (!loaded.ok()) return fail(2, std::string(loaded.status().message()));
+    auth = std::move(*loaded);
+  }
 
   // ---- Metrics and gRPC first, NOT_SERVING until the model is loaded ----
   // A supervisor sees the process listening at once (a large model loads for minutes): liveness
@@ -110,25 +145,25 @@ int main(int argc, char** argv) {
     if (metrics_port < 0) return fail(1, error);
     spdlog::info("metrics: http://{}/metrics (port {})", config.metrics_listen, metrics_port);
   }
-  deft::server::DeftService service(config, &metrics);
-  grpc::EnableDefaultHealthCheckService(true);
+  deft::server::DeftService service(config, *auth, &metrics);
+  // Starts NOT_SERVING; our own service (not gRPC's default) so that it can require a key.
+  deft::server::HealthService health(*auth, config.auth_health);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and the
   // kernel would split new connections between the two (sessions then seem to vanish).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int grpc_port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &grpc_port);
+  builder.AddListeningPort(config.listen, *credentials, &grpc_port);
   builder.RegisterService(&service);
+  builder.RegisterService(&health);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
     return fail(1, absl::StrCat("gRPC: cannot listen on ", config.listen,
                                 " (in use, or not an address of this machine)"));
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus(false);
-  health->SetServingStatus("deft.v1.Deft", false);
-  const auto stop_grpc = [&server] {
+  const auto stop_grpc = [&server, &health] {
+    health.shutdown();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     server->Wait();
   };
@@ -139,8 +174,9 @@ int main(int argc, char** argv) {
   if (!config.port_file.empty() && !write_port_file(config.port_file, grpc_port, metrics_port)) {
     spdlog::error("cannot write the port file {}", config.port_file);
   }
-  spdlog::info("gRPC: listening on {} (port {}); NOT_SERVING while the model loads", config.listen,
-               grpc_port);
+  spdlog::info("gRPC: listening on {} (port {}, {}{}); NOT_SERVING while the model loads",
+               config.listen, grpc_port, deft::server::describe_transport(tls_files),
+               auth->enabled() ? ", API keys required" : "");
 
   // ---- Model, tokenizer, engine ----
   const std::filesystem::path dir = model_dir(config);
@@ -237,27 +273,30 @@ int main(int argc, char** argv) {
 
   // ---- Serving ----
   service.attach(std::move(facts), **tokenizer, **engine);
-  health->SetServingStatus(true);
-  health->SetServingStatus("deft.v1.Deft", true);
+  health.set_serving(true);
   spdlog::info("serving: deft.v1.Deft, grpc.health.v1.Health and reflection on {} (port {})",
                config.listen, grpc_port);
 
-  // ---- Run until a signal ----
+  // ---- Run until a signal (SIGHUP: reload the keys and go on) ----
   int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) reload_keys(*auth);
   const auto grace =
       std::chrono::milliseconds(static_cast<int64_t>(config.shutdown_grace_seconds * 1000.0));
   spdlog::info(
       "{} received: shutting down (no new jobs; live jobs have {:.1f} s to finish; a "
       "second signal cancels them)",
       signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
-  health->SetServingStatus(false);
+  health.set_serving(false);
   // A second signal cuts the grace short. The watcher is woken by a signal of our own once
   // the shutdown is over, so it never outlives the engine.
   std::atomic<bool> shut_down{false};
-  std::thread second_signal([&signals, &shut_down, engine = engine->get()] {
+  std::thread second_signal([&signals, &shut_down, &auth, engine = engine->get()] {
     int again = 0;
-    if (sigwait(&signals, &again) == 0 && !shut_down.load()) {
+    int error = 0;
+    while ((error = sigwait(&signals, &again)) == 0 && again == SIGHUP && !shut_down.load()) {
+      reload_keys(*auth);
+    }
+    if (error == 0 && again != SIGHUP && !shut_down.load()) {
       spdlog::warn("second signal: cancelling live jobs now");
       engine->begin_shutdown(std::chrono::milliseconds(0));
     }

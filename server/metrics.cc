@@ -32,8 +32,12 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   prometheus::Registry& r = *registry_;
   requests_ = &prometheus::BuildCounter()
                    .Name("deft_requests_total")
-                   .Help("Finished RPCs by method and status code")
+                   .Help("Finished RPCs by method, status code and API key id")
                    .Register(r);
+  key_tokens_ = &prometheus::BuildCounter()
+                     .Name("deft_key_generated_tokens_total")
+                     .Help("Generated tokens streamed to callers, by API key id")
+                     .Register(r);
   steps_ = &counter(r, "deft_engine_steps_total", "Engine steps (forward passes)");
   generated_tokens_ = &counter(r, "deft_generated_tokens_total", "Tokens sampled");
   prompt_tokens_ = &counter(r, "deft_prompt_tokens_total", "Prompt tokens prefilled");
@@ -128,8 +132,18 @@ void ServerMetrics::set_engine_state(int32_t queued_jobs, int32_t live_jobs, int
   kv_pages_free_->Set(kv_pages_free);
 }
 
-void ServerMetrics::record_request(const std::string& rpc, const std::string& code) {
-  requests_->Add({{"rpc", rpc}, {"code", code}}).Increment();
+void ServerMetrics::record_request(const std::string& rpc, const std::string& code,
+                                   const std::string& key_id) {
+  // Without keys the label is left out, so the series are those of a server without auth.
+  if (key_id.empty()) {
+    requests_->Add({{"rpc", rpc}, {"code", code}}).Increment();
+  } else {
+    requests_->Add({{"rpc", rpc}, {"code", code}, {"key", key_id}}).Increment();
+  }
+}
+
+void ServerMetrics::record_key_tokens(const std::string& key_id, int64_t tokens) {
+  key_tokens_->Add({{"key", key_id}}).Increment(static_cast<double>(tokens));
 }
 
 }  // namespace deft::server

@@ -49,13 +49,17 @@ class ServerMetrics {
                         int32_t kv_pages_free);
   // Refreshes the windowed rate gauges (call now and then, also while idle).
   void refresh_rates();
-  // One finished RPC; `code` is the gRPC status code's name ("OK", "INVALID_ARGUMENT", ...).
-  void record_request(const std::string& rpc, const std::string& code);
+  // One finished RPC; `code` is the gRPC status code's name ("OK", "INVALID_ARGUMENT", ...);
+  // `key_id` the caller's API key id ("" without keys or when the call had no valid key).
+  void record_request(const std::string& rpc, const std::string& code, const std::string& key_id);
+  // Tokens streamed to a caller with an API key (deft_key_generated_tokens_total{key}).
+  void record_key_tokens(const std::string& key_id, int64_t tokens);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsHttpServer> http_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Family<prometheus::Counter>* key_tokens_ = nullptr;
   prometheus::Counter* steps_ = nullptr;
   prometheus::Counter* generated_tokens_ = nullptr;
   prometheus::Counter* prompt_tokens_ = nullptr;

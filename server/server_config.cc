@@ -16,7 +16,7 @@ namespace deft::server {
 namespace {
 
 using Member = std::variant<std::string ServerConfig::*, int32_t ServerConfig::*,
-                            int64_t ServerConfig::*, double ServerConfig::*>;
+                            int64_t ServerConfig::*, double ServerConfig::*, bool ServerConfig::*>;
 
 // One configurable field: its JSON key; its option is the key with '-' for '_'.
 struct Field {
@@ -74,6 +74,23 @@ const std::vector<Field>& fields() {
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
       {"port_file", &ServerConfig::port_file,
        "write 'grpc=PORT' and 'metrics=PORT' lines here once listening (for tests)"},
+      {"tls_cert", &ServerConfig::tls_cert,
+       "PEM certificate (chain) of the gRPC port: TLS with tls_key; empty: plaintext"},
+      {"tls_key", &ServerConfig::tls_key, "PEM private key of tls_cert"},
+      {"tls_client_ca", &ServerConfig::tls_client_ca,
+       "PEM CA certificates: mutual TLS, clients without a certificate signed by one are refused"},
+      {"api_keys", &ServerConfig::api_keys,
+       "file of API keys (KEY or ID:KEY a line, # comments); every call needs 'authorization: "
+       "Bearer KEY'; reread on SIGHUP; empty: no keys"},
+      {"auth_health", &ServerConfig::auth_health,
+       "true: grpc.health.v1 needs an API key too (false: open, for probes)"},
+      {"max_concurrent_per_key", &ServerConfig::max_concurrent_per_key,
+       "most Generate, RunTree and TreeSession streams open at once per API key; 0: no limit"},
+      {"max_queued_jobs_per_key", &ServerConfig::max_queued_jobs_per_key,
+       "most Generate and RunTree jobs per API key submitted and not yet answering; 0: no limit"},
+      {"max_tokens_per_minute_per_key", &ServerConfig::max_tokens_per_minute_per_key,
+       "new requests and session decodes of an API key are refused while it generated this many "
+       "tokens in the last 60 s; 0: no limit"},
   };
   return table;
 }
@@ -88,6 +105,8 @@ std::string value_text(const ServerConfig& config, const Field& field) {
         const auto& value = config.*member;
         if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::string>) {
           return absl::StrCat("\"", value, "\"");
+        } else if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
+          return value ? "true" : "false";
         } else {
           return absl::StrCat(value);
         }
@@ -109,6 +128,15 @@ absl::Status set_from_text(ServerConfig& config, const Field& field, const std::
     if (!absl::SimpleAtoi(text, &(config.**member))) {
       return absl::InvalidArgumentError(
           absl::StrCat("option ", name, ": '", text, "' is not a 64-bit integer"));
+    }
+  } else if (auto* member = std::get_if<bool ServerConfig::*>(&field.member)) {
+    if (text == "true" || text == "1") {
+      config.** member = true;
+    } else if (text == "false" || text == "0") {
+      config.** member = false;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option ", name, ": '", text, "' is not true or false"));
     }
   } else {
     const auto real = std::get<double ServerConfig::*>(field.member);
@@ -140,6 +168,9 @@ absl::Status set_from_json(ServerConfig& config, const Field& field, const nlohm
       return bad("a 64-bit integer");
     }
     config.** member = value.get<int64_t>();
+  } else if (auto* member = std::get_if<bool ServerConfig::*>(&field.member)) {
+    if (!value.is_boolean()) return bad("true or false");
+    config.** member = value.get<bool>();
   } else {
     if (!value.is_number()) return bad("a number");
     config.*std::get<double ServerConfig::*>(field.member) = value.get<double>();
@@ -261,6 +292,9 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_session_nodes", config.max_session_nodes, 1),
            at_least("max_verify_entries", config.max_verify_entries, 1),
            at_least("first_node_id", config.first_node_id, 1),
+           at_least("max_concurrent_per_key", config.max_concurrent_per_key, 0),
+           at_least("max_queued_jobs_per_key", config.max_queued_jobs_per_key, 0),
+           at_least("max_tokens_per_minute_per_key", config.max_tokens_per_minute_per_key, 0),
        }) {
     if (!status.ok()) return status;
   }
@@ -285,6 +319,20 @@ absl::Status validate_config(const ServerConfig& config) {
   if (config.backend != "auto" && config.backend != "cpu" && config.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(
         "config: backend \"", config.backend, "\" is not one of auto, cpu, cuda"));
+  }
+  if (config.api_keys.empty()) {
+    for (const auto& [key, value] :
+         {std::pair<const char*, int64_t>{"max_concurrent_per_key", config.max_concurrent_per_key},
+          {"max_queued_jobs_per_key", config.max_queued_jobs_per_key},
+          {"max_tokens_per_minute_per_key", config.max_tokens_per_minute_per_key}}) {
+      if (value != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config: ", key, " = ", value, " limits API keys: it needs api_keys (a key file)"));
+      }
+    }
+    if (config.auth_health) {
+      return absl::InvalidArgumentError("config: auth_health = true needs api_keys (a key file)");
+    }
   }
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   bool known_level = false;

@@ -37,6 +37,15 @@ struct ServerConfig {
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
   std::string log_level = "info";      // trace | debug | info | warn | error | off
   std::string port_file;               // when set: the bound ports are written there
+  // Security (README "Security"): TLS, mutual TLS, API keys, per-key limits (0: no limit).
+  std::string tls_cert;                       // PEM certificate chain; empty: plaintext
+  std::string tls_key;                        // PEM private key of tls_cert
+  std::string tls_client_ca;                  // PEM CAs of client certificates: mutual TLS
+  std::string api_keys;                       // key file (server/auth.h); empty: no keys
+  bool auth_health = false;                   // grpc.health.v1 needs a key too
+  int32_t max_concurrent_per_key = 0;         // Generate + RunTree + TreeSession streams
+  int32_t max_queued_jobs_per_key = 0;        // jobs submitted, not yet answering
+  int64_t max_tokens_per_minute_per_key = 0;  // generated tokens in the last 60 s
 };
 
 // What parse_command_line() asks main to do.

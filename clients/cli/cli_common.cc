@@ -10,8 +10,13 @@
 namespace deft::cli {
 
 const char kUsage[] =
-    "usage: deft-cli [--server HOST:PORT] COMMAND [ARGS]\n"
+    "usage: deft-cli [--server HOST:PORT] [TLS] [--api-key KEY] COMMAND [ARGS]\n"
     "  --server HOST:PORT   deft-server address (default 127.0.0.1:50051)\n"
+    "  --tls                TLS, trusting the system's CA certificates\n"
+    "  --tls-ca FILE        TLS, trusting the PEM CA certificates in FILE\n"
+    "  --tls-cert FILE --tls-key FILE\n"
+    "                       TLS with this PEM client certificate and key (mutual TLS)\n"
+    "  --api-key KEY        sent as 'authorization: Bearer KEY' (default: $DEFT_API_KEY)\n"
     "commands:\n"
     "  info                 the model and the server's limits (ModelInfo)\n"
     "  health               the grpc.health.v1 status\n"

@@ -1,6 +1,8 @@
 // deft-cli: a command-line client of deft-server (`deft-cli --help` lists the commands).
 //
-//   deft-cli [--server HOST:PORT] info | health | tokenize | detokenize | generate
+//   deft-cli [CONNECTION] info | health | tokenize | detokenize | generate
+//   CONNECTION: --server HOST:PORT, --tls, --tls-ca FILE, --tls-cert FILE --tls-key FILE,
+//               --api-key KEY (else $DEFT_API_KEY); cli_channel.{h,cc}
 //   deft-cli [--server HOST:PORT] tree [POLICY] [SAMPLING] PROMPT      (RunTree)
 //   deft-cli [--server HOST:PORT] session [SCRIPT]                     (TreeSession)
 //   deft-cli [--server HOST:PORT] verify --tokens ... --parents ... PROMPT  (Verify)
@@ -12,6 +14,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "clients/cli/cli_channel.h"
 #include "clients/cli/cli_common.h"
 #include "clients/cli/cli_session.h"
 #include "clients/cli/cli_tree.h"
@@ -154,18 +158,23 @@ int generate(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  std::string server = "127.0.0.1:50051";
-  while (!args.empty() && args[0].rfind("--", 0) == 0) {
-    if (args[0] == "--help") {
+  cli::ChannelOptions channel_options;
+  if (const char* key = std::getenv("DEFT_API_KEY"); key != nullptr) channel_options.api_key = key;
+  size_t first = 0;
+  for (; first < args.size() && args[first].rfind("--", 0) == 0; ++first) {
+    if (args[first] == "--help") {
       std::fputs(cli::kUsage, stdout);
       return 0;
     }
-    if (args[0] != "--server" || args.size() < 2) {
-      return usage_error(absl::StrCat("unknown option ", args[0]));
+    const cli::ChannelFlag flag = cli::parse_channel_flag(args, &first, &channel_options);
+    if (flag == cli::ChannelFlag::kMissingValue) {
+      return usage_error(absl::StrCat("option ", args[first], " needs a value"));
     }
-    server = args[1];
-    args.erase(args.begin(), args.begin() + 2);
+    if (flag == cli::ChannelFlag::kNotChannel) {
+      return usage_error(absl::StrCat("unknown option ", args[first]));
+    }
   }
+  args.erase(args.begin(), args.begin() + static_cast<std::ptrdiff_t>(first));
   if (args.empty()) return usage_error("no command");
   const std::string command = args[0];
   args.erase(args.begin());
@@ -176,8 +185,12 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
+  std::string channel_error;
+  std::shared_ptr<grpc::Channel> channel = cli::make_channel(channel_options, &channel_error);
+  if (channel == nullptr) {
+    std::fprintf(stderr, "deft-cli: %s\n", channel_error.c_str());
+    return 2;
+  }
   auto stub = v1::Deft::NewStub(channel);
   if (command == "info") return info(*stub);
   if (command == "health") return health(channel);

@@ -5,6 +5,7 @@ writes them to build/tests/integration/python_stubs; put that folder on PYTHONPA
     python3 -m grpc_tools.protoc -Iproto --python_out=OUT --grpc_python_out=OUT deft/v1/deft.proto
 
     from deft_client import DeftClient
+    # TLS and an API key: DeftClient("host:50051", tls_ca="ca.pem", api_key="...")
     with DeftClient("127.0.0.1:50051") as client:
         print(client.model_info())
         for branch in client.generate("Once upon a time", n=4, max_tokens=32):
@@ -22,7 +23,9 @@ writes them to build/tests/integration/python_stubs; put that folder on PYTHONPA
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -111,14 +114,78 @@ def sampling_params(
     )
 
 
+class _CallDetails(
+        collections.namedtuple(
+            "_CallDetails",
+            ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+        grpc.ClientCallDetails):
+    pass
+
+
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer KEY` to every call (plaintext or TLS alike; gRPC's call
+    credentials would refuse a plaintext channel)."""
+
+    def __init__(self, key: str):
+        self._metadata = (("authorization", f"Bearer {key}"),)
+
+    def _details(self, details):
+        return _CallDetails(details.method, details.timeout,
+                            tuple(details.metadata or ()) + self._metadata,
+                            details.credentials, details.wait_for_ready,
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def _pem(value: Union[None, str, bytes]) -> Optional[bytes]:
+    """PEM bytes as given, or read from a path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as file:
+        return file.read()
+
+
 class DeftClient:
     """Blocking client; every method raises grpc.RpcError (with .code() and .details()) when
-    the server refuses a request."""
+    the server refuses a request.
 
-    def __init__(self, address: str, timeout: float = 60.0):
+    Plaintext by default. TLS when `tls` is true or any tls_* argument is given: `tls_ca`
+    holds the CA certificates to trust (None: the system's), `tls_cert` and `tls_key` a client
+    certificate for mutual TLS; each a path or PEM bytes. `api_key` (default: the DEFT_API_KEY
+    environment variable) is sent as `authorization: Bearer KEY` on every call."""
+
+    def __init__(self, address: str, timeout: float = 60.0, *, tls: bool = False,
+                 tls_ca: Union[None, str, bytes] = None,
+                 tls_cert: Union[None, str, bytes] = None,
+                 tls_key: Union[None, str, bytes] = None,
+                 api_key: Optional[str] = None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (a client certificate and its key)")
+        if tls or tls_ca is not None or tls_cert is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                certificate_chain=_pem(tls_cert))
+            self._raw_channel = grpc.secure_channel(address, credentials)
+        else:
+            self._raw_channel = grpc.insecure_channel(address)
+        if api_key is None:
+            api_key = os.environ.get("DEFT_API_KEY") or None
+        self.channel = (grpc.intercept_channel(self._raw_channel, _BearerKey(api_key))
+                        if api_key else self._raw_channel)
         self.stub = deft_pb2_grpc.DeftStub(self.channel)
         self._health = self.channel.unary_unary(
             HEALTH_CHECK_METHOD,
@@ -127,7 +194,7 @@ class DeftClient:
         )
 
     def close(self) -> None:
-        self.channel.close()
+        self._raw_channel.close()
 
     def __enter__(self) -> "DeftClient":
         return self
@@ -145,7 +212,7 @@ class DeftClient:
         """Waits until the server reports SERVING (it listens, NOT_SERVING, while the model
         loads); RuntimeError when it does not within `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        grpc.channel_ready_future(self._raw_channel).result(timeout=timeout)
         status = self.health()
         while status != "SERVING" and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -424,5 +424,84 @@ class TreeClientTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"best path: \d+ \d+ \d+\n")
         self.assertIn("best text: " + prompt, result.stdout)
 
+
+def make_certificates(directory):
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate of that CA,
+    made with the openssl command line."""
+    script = """set -e
+ossl() { openssl "$@" 2>>openssl.log; }
+ossl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj "/CN=DeFT test CA"
+ossl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "/CN=localhost"
+printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext
+ossl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile server.ext
+ossl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj "/CN=deft client"
+ossl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2
+"""
+    subprocess.run(["sh", "-c", script], cwd=directory, check=True, timeout=120)
+    return lambda name: os.path.join(directory, name)
+
+
+class SecurityClientTest(unittest.TestCase):
+    """DeftClient over mutual TLS with an API key, against a server that requires both."""
+
+    KEY = "python-0123456789abcdef01234567"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.certs = tempfile.TemporaryDirectory(prefix="deft-py-certs-")
+        cls.file = staticmethod(make_certificates(cls.certs.name))
+        with open(cls.file("keys.txt"), "w") as keys:
+            keys.write(f"# test key\npy:{cls.KEY}\n")
+        cls.server = Server("--tls-cert", cls.file("server.pem"), "--tls-key",
+                            cls.file("server.key"), "--tls-client-ca", cls.file("ca.pem"),
+                            "--api-keys", cls.file("keys.txt"))
+        with DeftClient(cls.server.address, tls_ca=cls.file("ca.pem"),
+                        tls_cert=cls.file("client.pem"), tls_key=cls.file("client.key"),
+                        api_key=cls.KEY) as waiting:
+            waiting.wait_until_serving()
+
+    @classmethod
+    def tearDownClass(cls):
+        code = cls.server.stop()
+        assert code == 0, f"deft-server exited with {code}:\n{cls.server.log()}"
+        cls.certs.cleanup()
+
+    def client(self, **options):
+        return DeftClient(self.server.address, timeout=30, **options)
+
+    def test_tls_client_certificate_and_key(self):
+        with self.client(tls_ca=self.file("ca.pem"), tls_cert=self.file("client.pem"),
+                         tls_key=self.file("client.key"), api_key=self.KEY) as secure:
+            self.assertEqual(secure.model_info().vocab_size, 512)
+            branches = secure.generate("Once upon a time", n=2, max_tokens=4, ignore_eos=True)
+            self.assertEqual([len(branch.ids) for branch in branches], [4, 4])
+            with secure.session() as session:
+                root = session.create("Once upon a time")
+                self.assertEqual(len(session.branch(root, 2)), 2)
+        # PEM bytes work as well as paths.
+        with open(self.file("ca.pem"), "rb") as ca, open(self.file("client.pem"), "rb") as cert, \
+                open(self.file("client.key"), "rb") as key:
+            with self.client(tls_ca=ca.read(), tls_cert=cert.read(), tls_key=key.read(),
+                             api_key=self.KEY) as secure:
+                self.assertEqual(secure.tokenize("a"), secure.tokenize("a"))
+
+    def test_refusals(self):
+        pem = dict(tls_ca=self.file("ca.pem"), tls_cert=self.file("client.pem"),
+                   tls_key=self.file("client.key"))
+        for api_key, mention in ((None, "API key"), ("wrong-key-0123456789abcdef", "not valid")):
+            with self.client(api_key=api_key, **pem) as refused:
+                with self.assertRaises(grpc.RpcError) as raised:
+                    refused.model_info()
+                self.assertEqual(raised.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+                self.assertIn(mention, raised.exception.details())
+                self.assertEqual(refused.health(), "SERVING")  # open for probes
+        # No client certificate, or no TLS at all: the connection itself is refused.
+        for options in (dict(tls_ca=self.file("ca.pem")), {}):
+            with self.client(api_key=self.KEY, **options) as refused:
+                with self.assertRaises(grpc.RpcError) as raised:
+                    refused.model_info()
+                self.assertEqual(raised.exception.code(), grpc.StatusCode.UNAVAILABLE)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -130,12 +130,14 @@ std::map<std::string, double> parse_metrics(const std::string& text) {
   return values;
 }
 
-ServerProcess::ServerProcess(std::vector<std::string> extra_args, bool wait_serving)
+ServerProcess::ServerProcess(std::vector<std::string> extra_args, bool wait_serving,
+                             std::shared_ptr<grpc::ChannelCredentials> credentials)
     : dir_(make_temp_dir()) {
-  start(std::move(extra_args), wait_serving);
+  start(std::move(extra_args), wait_serving, std::move(credentials));
 }
 
-void ServerProcess::start(std::vector<std::string> extra_args, bool wait_serving) {
+void ServerProcess::start(std::vector<std::string> extra_args, bool wait_serving,
+                          std::shared_ptr<grpc::ChannelCredentials> credentials) {
   const std::filesystem::path port_file = dir_ / "ports.txt";
   std::vector<std::string> argv = {DEFT_SERVER_BINARY, "--listen",    "127.0.0.1:0",
                                    "--metrics-listen", "127.0.0.1:0", "--port-file",
@@ -161,7 +163,7 @@ void ServerProcess::start(std::vector<std::string> extra_args, bool wait_serving
     if (line.rfind("metrics=", 0) == 0) metrics_port_ = std::stoi(line.substr(8));
   }
   ASSERT_GT(grpc_port_, 0) << read_file(port_file);
-  channel_ = grpc::CreateChannel(address(), grpc::InsecureChannelCredentials());
+  channel_ = grpc::CreateChannel(address(), credentials);
   while (wait_serving && !serving()) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "never SERVING:\n" << log();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -48,8 +48,11 @@ class ServerProcess {
   // Starts deft-server with `extra_args` after the test defaults (loopback port 0, metrics on
   // port 0, port file, warn logging) and waits until it listens and, with `wait_serving`, until
   // its health service reports SERVING (the model is loaded). Fails the current test (and
-  // returns with running() false) when it does not come up.
-  explicit ServerProcess(std::vector<std::string> extra_args = {}, bool wait_serving = true);
+  // returns with running() false) when it does not come up. `credentials` are those of
+  // channel() (TLS for a server started with --tls-cert).
+  explicit ServerProcess(
+      std::vector<std::string> extra_args = {}, bool wait_serving = true,
+      std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials());
   ~ServerProcess();  // SIGKILL when still running
 
   bool running() const { return pid_ > 0; }
@@ -75,7 +78,8 @@ class ServerProcess {
                           std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
  private:
-  void start(std::vector<std::string> extra_args, bool wait_serving);
+  void start(std::vector<std::string> extra_args, bool wait_serving,
+             std::shared_ptr<grpc::ChannelCredentials> credentials);
 
   std::filesystem::path dir_;
   pid_t pid_ = -1;
