@@ -66,7 +66,10 @@ absl::Status with_row(const absl::Status& status, int32_t row) {
 }
 
 // One target row in the draft_probs mode: its raw log-softmax and the sampling distribution
-// p (temperature, top-k, top-p with the Sampler's kept-set rule), normalised.
+// p (temperature, top-k, top-p with the Sampler's kept-set rule), kept unnormalised (weights and
+// their total): a rejection then costs O(1), where renormalising the whole row after each one
+// cost three passes over the vocabulary per rejected child (a 64-entry Medusa tree rejects
+// several children per level, over 128256 tokens). Its buffers are reused across rows.
 class TargetRow {
  public:
   absl::Status load(std::span<const float> logits, const SamplingParams& params) {
@@ -83,58 +86,69 @@ class TargetRow {
     if (max_logit == -std::numeric_limits<float>::infinity()) {
       return absl::InternalError("every logit of the row is -inf");
     }
+    // Weights as the Sampler computes them (float, divided by T); at T = 1 they are also the
+    // raw normaliser's terms.
+    weights_.resize(logits.size());
     double raw_sum = 0.0;
-    for (int32_t token = 0; token < vocab_size; ++token)
-      raw_sum += std::exp(logits[token] - max_logit);
+    if (params.temperature == 1.0f) {
+      for (int32_t token = 0; token < vocab_size; ++token) {
+        weights_[token] = std::exp(logits[token] - max_logit);
+        raw_sum += weights_[token];
+      }
+    } else {
+      for (int32_t token = 0; token < vocab_size; ++token) {
+        raw_sum += std::exp(logits[token] - max_logit);
+        weights_[token] = std::exp((logits[token] - max_logit) / params.temperature);
+      }
+    }
     log_normaliser_ = static_cast<double>(max_logit) + std::log(raw_sum);
 
-    // Weights as the Sampler computes them (float, divided by T).
-    std::vector<float> weights(logits.size());
-    for (int32_t token = 0; token < vocab_size; ++token) {
-      weights[token] = std::exp((logits[token] - max_logit) / params.temperature);
-    }
     int32_t boundary = -1;  // least likely kept token in (logit desc, id asc) order; -1: all
     if (params.top_k > 0 || params.top_p < 1.0f) {
       const bool top_k_filters = params.top_k > 0 && params.top_k < vocab_size;
       const size_t candidates = top_k_filters ? static_cast<size_t>(params.top_k) : logits.size();
-      std::vector<int32_t> order(logits.size());
-      for (int32_t token = 0; token < vocab_size; ++token) order[token] = token;
-      std::partial_sort(order.begin(), order.begin() + static_cast<ptrdiff_t>(candidates),
-                        order.end(), [this](int32_t a, int32_t b) { return more_likely(a, b); });
-      boundary = order[candidates - 1];
+      order_.resize(logits.size());
+      for (int32_t token = 0; token < vocab_size; ++token) order_[token] = token;
+      std::partial_sort(order_.begin(), order_.begin() + static_cast<ptrdiff_t>(candidates),
+                        order_.end(), [this](int32_t a, int32_t b) { return more_likely(a, b); });
+      boundary = order_[candidates - 1];
       if (params.top_p < 1.0f) {
         double candidate_mass = 0.0;
-        for (size_t i = 0; i < candidates; ++i) candidate_mass += weights[order[i]];
+        for (size_t i = 0; i < candidates; ++i) candidate_mass += weights_[order_[i]];
         const double mass_needed = params.top_p * candidate_mass;
         double cumulative = 0.0;
         for (size_t i = 0; i < candidates; ++i) {
-          cumulative += weights[order[i]];
+          cumulative += weights_[order_[i]];
           if (cumulative >= mass_needed) {
-            boundary = order[i];
+            boundary = order_[i];
             break;
           }
         }
       }
     }
-    probabilities_.assign(logits.size(), 0.0);
+    mass_.resize(logits.size());
+    total_ = 0.0;
     for (int32_t token = 0; token < vocab_size; ++token) {
       const bool kept = boundary < 0 || !more_likely(boundary, token);
-      if (kept) probabilities_[token] = weights[token];
+      mass_[token] = kept ? weights_[token] : 0.0;
+      total_ += mass_[token];
     }
-    normalise();
     return absl::OkStatus();
   }
 
-  double probability(TokenId token) const { return probabilities_[token]; }
+  double probability(TokenId token) const { return mass_[token] / total_; }
   float raw_logprob(TokenId token) const {
     return static_cast<float>(static_cast<double>(logits_[token]) - log_normaliser_);
   }
 
   // After rejecting a drafted token with draft probability q: p(t) = max(0, p(t) - q),
-  // renormalised.
+  // renormalised (here: its mass loses q times the total, and the total what it lost).
   void remove_draft_mass(TokenId token, double draft_prob) {
-    probabilities_[token] = std::max(0.0, probabilities_[token] - draft_prob);
-    normalise();
+    const double before = mass_[token];
+    mass_[token] = std::max(0.0, before - draft_prob * total_);
+    total_ -= before - mass_[token];
+    // A rejection needs p(t) < q <= 1, so mass remains elsewhere.
+    DEFT_CHECK(total_ > 0.0, "draft acceptance: target distribution lost all its mass");
   }
 
   // Inverse CDF in id order (as the Sampler); zero-probability tokens are never drawn.
@@ -142,10 +156,10 @@ class TargetRow {
     const double target = uniform * total_;
     double cumulative = 0.0;
     TokenId chosen = -1;
-    for (size_t token = 0; token < probabilities_.size(); ++token) {
-      if (probabilities_[token] == 0.0) continue;
+    for (size_t token = 0; token < mass_.size(); ++token) {
+      if (mass_[token] == 0.0) continue;
       chosen = static_cast<TokenId>(token);  // the last one absorbs rounding at the top end
-      cumulative += probabilities_[token];
+      cumulative += mass_[token];
       if (cumulative > target) break;
     }
     return chosen;
@@ -156,20 +170,12 @@ class TargetRow {
     return logits_[a] != logits_[b] ? logits_[a] > logits_[b] : a < b;
   }
 
-  void normalise() {
-    double total = 0.0;
-    for (double p : probabilities_) total += p;
-    // A rejection needs p(t) < q <= 1, so mass remains elsewhere.
-    DEFT_CHECK(total > 0.0, "draft acceptance: target distribution lost all its mass");
-    for (double& p : probabilities_) p /= total;
-    total_ = 0.0;
-    for (double p : probabilities_) total_ += p;
-  }
-
   std::span<const float> logits_;
   double log_normaliser_ = 0.0;
-  std::vector<double> probabilities_;
-  double total_ = 1.0;  // sum of probabilities_ after normalising (1 up to rounding)
+  std::vector<float> weights_;
+  std::vector<int32_t> order_;
+  std::vector<double> mass_;  // p times total_: the kept weights, less the rejected drafts' mass
+  double total_ = 0.0;        // sum of mass_
 };
 
 }  // namespace
