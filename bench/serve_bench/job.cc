@@ -42,6 +42,13 @@ JobRecord run_job(JobKind kind, v1::Deft::Stub& stub, const JobEnv& env, uint64_
       run_generate_job(stub, env, env.options->stream_prompt_tokens, 1, env.options->stream_tokens,
                        rng, &record);
       break;
+    case JobKind::kRepeat: {
+      // The prompt's ids from the run's seed alone: the same prompt for every job (and plan).
+      std::mt19937_64 prompt_rng(env.options->seed * 0x9e3779b97f4a7c15ULL - 1);
+      run_generate_job(stub, env, env.options->fewshot_prompt_tokens, env.options->fewshot_n,
+                       env.options->fewshot_tokens, prompt_rng, &record);
+      break;
+    }
     case JobKind::kRunTree:
       run_runtree_job(stub, env, job_index, rng, &record);
       break;

@@ -29,6 +29,8 @@ const char* job_kind_name(JobKind kind) {
       return "spec";
     case JobKind::kStream:
       return "stream";
+    case JobKind::kRepeat:
+      return "repeat";
   }
   return "?";
 }
@@ -74,7 +76,7 @@ absl::StatusOr<JobMix> parse_job_mix(const std::string& text) {
     if (!kind) {
       return absl::InvalidArgumentError(
           absl::StrCat("--mix: unknown job kind '", kind_weight[0],
-                       "' (fewshot, runtree, session, spec, stream)"));
+                       "' (fewshot, runtree, session, spec, stream, repeat)"));
     }
     double weight = 1;
     if (kind_weight.size() > 2 ||

@@ -16,11 +16,12 @@ enum class JobKind : uint8_t {
   kSession,  // TreeSession: the client drives a reasoning trace's tree (branch, decode, prune)
   kSpec,     // TreeSession + verify: speculative decoding with a recorded Medusa token tree
   kStream,   // Generate: one sample of a short prompt (a chat-like stream)
+  kRepeat,   // fewshot's shape, every job the same prompt (what a prefix cache serves)
 };
 inline constexpr JobKind kJobKinds[] = {JobKind::kFewShot, JobKind::kRunTree, JobKind::kSession,
-                                        JobKind::kSpec, JobKind::kStream};
+                                        JobKind::kSpec,    JobKind::kStream,  JobKind::kRepeat};
 
-// "fewshot", "runtree", "session", "spec", "stream".
+// "fewshot", "runtree", "session", "spec", "stream", "repeat".
 const char* job_kind_name(JobKind kind);
 std::optional<JobKind> parse_job_kind(const std::string& name);
 

@@ -50,7 +50,7 @@ Load levels (each runs --duration seconds, or --jobs jobs)
 
 The mix
   --mix "MIXES"             mixes separated by ';', each KIND[:WEIGHT],... of fewshot, runtree,
-                            session, spec, stream; every mix runs every level (default: one mix of the
+                            session, spec, stream, repeat; every mix runs every level (default: one mix of the
                             first four, equal weights)
   --seed N                  prompts, kinds and trace records per job derive from it (default 1)
 
@@ -58,6 +58,8 @@ Job shapes
   fewshot   Generate: n samples of one prompt (random token ids), EOS ignored
   --fewshot-prompt-tokens N (default 4000)   --fewshot-n N (default 20)
   --fewshot-tokens N        tokens per sample (default 200)
+  repeat    fewshot's shape, but every job sends the same prompt: time to first token with
+            the server's prefix cache (compare with fewshot's at the same level)
   stream    Generate: one sample of a short prompt (random token ids), EOS ignored
   --stream-prompt-tokens N (default 512)   --stream-tokens N (default 256)
   --temperature T           of Generate, RunTree and session decodes (default 0.8)
