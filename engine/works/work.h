@@ -34,8 +34,9 @@ class StepContext {
   int64_t generated = 0;  // tokens sampled this step (metrics)
 
   enum class Logits : uint8_t { kNone, kLast, kAll };
-  // Appends `tokens` to leaf `node` and adds one query row per token, asking for the logits
-  // of no row, the last row, or every row. Fails (nothing added) when KV is short.
+  // Appends `tokens` to leaf `node` (Forest::append: evicting cached KV for room) and adds one
+  // query row per token, asking for the logits of no row, the last row, or every row. Fails
+  // (nothing added) when KV is short.
   absl::Status add_run(NodeId node, std::span<const TokenId> tokens, Logits logits = Logits::kLast);
   // Feeds `tokens` (a prompt, an extension) to `node` in chunks under the budget: appends
   // tokens [*next, *next + budget) and advances *next; only the chunk that ends `tokens` asks
