@@ -59,9 +59,15 @@ PromptPlacement Forest::place_prompt(std::span<const TokenId> prompt) {
     if (best < 0) break;
     const NodeUse& best_use = use(best);
     const bool was_cached = !is_referenced(best_use);
-    const bool whole = best_match == static_cast<int64_t>(tree_.node(best).tokens.size());
-    if (whole && best_use.holds == 0) {
-      at = best;  // nobody appends to an unheld node: go on below it
+    const auto size = static_cast<int64_t>(tree_.node(best).tokens.size());
+    const bool whole = best_match == size;
+    // Nobody appends to an unheld node: go on below it when it is referenced already, or
+    // cached and ends on a page boundary. Below a cached node that ends inside a page the
+    // prompt's node would start on a fresh page, so the cached pages the prompt comes to
+    // reference would pass the pages admission counted for it (Work::pending_pages: the
+    // prompt's own pages) by one per such node; reuse ends at its last page boundary instead.
+    if (whole && best_use.holds == 0 && (!was_cached || size % page == 0)) {
+      at = best;
       pos += best_match;
       if (was_cached) cached += best_match;
       continue;

@@ -16,16 +16,18 @@
 //
 // Prefix reuse (radix-style): a new prompt walks down from the root along the node whose
 // tokens share the longest prefix with it, referenced or cached. It goes on below a node it
-// matches whole when nobody holds that node (nobody appends to it, so its KV stays as it is);
-// where the match ends inside a node, that node is split at the last page boundary of the match
+// matches whole when nobody holds that node (nobody appends to it, so its KV stays as it is)
+// and, for a cached node, when the node ends on a page boundary (so the cached pages the prompt
+// comes to reference never pass the prompt's own page count, which admission counted); where
+// the match ends inside a node, that node is split at the last page boundary of the match
 // (SequenceTree::split: the head takes the shared pages, the node keeps its id as the tail, so
 // its holder sees nothing change) and the prompt's own node hangs under the head.
-// Alignment: reuse ends at a page boundary inside a node, or at the end of a whole node. A node
-// owns whole pages, so either way the prompt's node starts on a fresh page and no KV is copied;
-// token-aligned reuse would need a copy of the last partial page (a device operation the runner
-// does not have) to save at most page_tokens - 1 recomputed tokens, under 0.4% of a 4000-token
-// prompt at 16-token pages. The prompt's last token is always recomputed, so its next-token
-// logits exist.
+// Alignment: reuse ends at a page boundary inside a node, or at the end of a whole live node. A
+// node owns whole pages, so either way the prompt's node starts on a fresh page and no KV is
+// copied; token-aligned reuse would need a copy of the last partial page (a device operation the
+// runner does not have) to save at most page_tokens - 1 recomputed tokens, under 0.4% of a
+// 4000-token prompt at 16-token pages. The prompt's last token is always recomputed, so its
+// next-token logits exist.
 #pragma once
 
 #include <cstdint>

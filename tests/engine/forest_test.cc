@@ -213,14 +213,28 @@ TEST(PrefixCacheTest, AReleasedPromptStaysCachedAndIsReused) {
   EXPECT_EQ(kv.used_pages(), 7) << "5 shared pages, the cached tail's page, the new node's page";
   ASSERT_TRUE(forest.check_invariants().ok()) << forest.check_invariants();
 
-  // A longer prompt goes on below the whole cached tail: reuse ends at the node's end (22
-  // tokens, not a page boundary), and the new node starts on a fresh page; no KV is copied.
+  // Reuse ends on a page boundary. A longer prompt goes on below the head `again` references,
+  // but not into the cached 2-token tail: it ends inside a page, and the prompt's node would
+  // start on a fresh page after it (one page more than the prompt's own, which admission
+  // counted).
   std::vector<TokenId> longer = prompt;
   longer.insert(longer.end(), {1, 2, 3, 4, 5});
   const PromptPlacement below = place_and_fill(forest, longer);
-  EXPECT_EQ(below.shared, 22);
-  EXPECT_EQ(below.cached, 2) << "20 of the 22 tokens were referenced by `again` already";
+  EXPECT_EQ(below.shared, 20);
+  EXPECT_EQ(below.cached, 0);
   EXPECT_EQ(path_tokens(forest, below.node), longer);
+  // Below a cached node that ends on a page boundary it goes on: the whole node is reused.
+  const std::vector<TokenId> aligned = iota_tokens(24, 500);
+  const PromptPlacement first_aligned = place_and_fill(forest, aligned);
+  forest.release(first_aligned.node);
+  std::vector<TokenId> aligned_longer = aligned;
+  aligned_longer.insert(aligned_longer.end(), {7, 8});
+  const PromptPlacement after = place_and_fill(forest, aligned_longer);
+  EXPECT_EQ(after.shared, 24);
+  EXPECT_EQ(after.cached, 24);
+  EXPECT_EQ(forest.tree().node(after.node).parent, first_aligned.node);
+  EXPECT_EQ(forest.cache_stats().hit_tokens, 20 + 24);
+  forest.release(after.node);
   forest.release(again.node);
   forest.release(below.node);
   EXPECT_EQ(forest.referenced_pages(), 0);
@@ -333,10 +347,17 @@ TEST(PrefixCacheTest, RandomOperationsNeverEvictReferencedKv) {
         for (size_t i = pick(14) + (prompt.empty() ? 1 : 0); i > 0; --i) {
           prompt.push_back(static_cast<TokenId>(pick(3)));
         }
+        const int64_t referenced_before = forest.referenced_pages();
         const PromptPlacement placed = forest.place_prompt(prompt);
         ASSERT_EQ(path_tokens(forest, placed.node),
                   std::vector<TokenId>(prompt.begin(), prompt.begin() + placed.shared));
         ASSERT_LE(placed.cached, placed.shared);
+        // Admission counts a prompt's own pages (Work::pending_pages): the cached pages its
+        // placement comes to reference, plus the pages of what it still prefills, stay within.
+        const auto pages_for = [](int64_t tokens) { return (tokens + 3) / 4; };
+        ASSERT_LE(forest.referenced_pages() - referenced_before +
+                      pages_for(static_cast<int64_t>(prompt.size()) - placed.shared),
+                  pages_for(static_cast<int64_t>(prompt.size())));
         held.push_back(placed.node);
         const std::span<const TokenId> rest =
             std::span(prompt).subspan(static_cast<size_t>(placed.shared));
