@@ -168,7 +168,7 @@ void Forest::discard(NodeId node) {
              static_cast<long long>(node));
   --node_use.holds;
   if (!is_referenced(node_use)) {
-    now_cached(node, cache_.tick());
+    now_cached(node, cache_.tick(), /*file_node=*/false);
     free_cached_subtree(node);
   }
   trim();
@@ -189,13 +189,13 @@ void Forest::now_referenced(NodeId node) {
   }
 }
 
-void Forest::now_cached(NodeId node, uint64_t tick) {
-  while (node != tree_.root()) {
+void Forest::now_cached(NodeId node, uint64_t tick, bool file_node) {
+  for (bool first = true; node != tree_.root(); first = false) {
     NodeUse& node_use = use(node);
     node_use.cached_at = tick;
     cache_.add_pages(node_pages(node));
     const TreeNode& tree_node = tree_.node(node);
-    if (tree_node.children.empty()) cache_.add_leaf(node, tick);
+    if (tree_node.children.empty() && (file_node || !first)) cache_.add_leaf(node, tick);
     const NodeId parent = tree_node.parent;
     if (parent == tree_.root()) return;
     NodeUse& parent_use = use(parent);

@@ -125,8 +125,10 @@ class Forest {
   // `node` has just become referenced (it was cached); so do its cached ancestors.
   void now_referenced(NodeId node);
   // `node` has just become unreferenced; so do the ancestors it alone referenced. Each is
-  // cached at `tick`.
-  void now_cached(NodeId node, uint64_t tick);
+  // cached at `tick`; `node` itself enters the LRU (when a leaf) only if `file_node`: a
+  // discarded node is freed next, and a speculative step discards many (an LRU entry is a heap
+  // allocation, which SequenceTree spares such nodes).
+  void now_cached(NodeId node, uint64_t tick, bool file_node = true);
   // Splits a node for place_prompt (see the header comment), keeping the references.
   NodeId split(NodeId node, int64_t at);
   // Evicts the least recently used cached leaf (the cache must have one).
