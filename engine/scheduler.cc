@@ -29,7 +29,7 @@ Scheduler::Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokeni
       runner_(runner),
       tokenizer_(tokenizer),
       kv_({.page_tokens = options.page_tokens, .num_pages = options.kv_pages}),
-      forest_(&kv_, options.first_node_id),
+      forest_(&kv_, options.first_node_id, {.max_pages = options.prefix_cache_pages}),
       planner_(with_wave(options.planner, runner)),
       step_(forest_, sampler_, tokenizer, runner.vocab_size()) {}
 
@@ -99,7 +99,7 @@ void Scheduler::close_session(uint64_t id) {
 }
 
 int64_t Scheduler::committed_pages() const {
-  int64_t pages = kv_.used_pages();
+  int64_t pages = forest_.referenced_pages();  // cached pages are free for admission
   for (const auto& work : live_) pages += work->pending_pages(forest_);
   return pages;
 }
@@ -235,6 +235,9 @@ std::optional<StepStats> Scheduler::step() {
     for (size_t i = live_.size(); i-- > 0;) {
       end_live(i, absl::InternalError(absl::StrCat("engine step failed: ", status.message())));
     }
+    // The step's rows were appended but their KV may never have been written: none of it may
+    // be offered to a later prompt (the works' nodes, released above, are cached now).
+    forest_.clear_cache();
   }
   for (size_t i = live_.size(); i-- > 0;) {
     if (live_[i]->finished()) live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(i));

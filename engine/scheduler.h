@@ -3,10 +3,12 @@
 //   1. cancellations: works whose client cancelled or went away end now and free their KV;
 //   2. sessions: their queued commands start (branch / prune / close at once, the others as
 //      works);
-//   3. admission, in arrival order: a work is admitted while the used KV pages plus the pending
-//      (worst-case) pages of every live work still fit the pool, so a live work never runs out
-//      of KV. A work that does not fit yet waits without holding back the ones behind it (a
-//      one-page job passes a sixteen-page one), but a job (Generate, RunTree) that has waited
+//   3. admission, in arrival order: a work is admitted while the referenced KV pages plus the
+//      pending (worst-case) pages of every live work still fit the pool, so a live work never
+//      runs out of KV. Cached KV (the prefix cache, engine/forest.h) counts as free: a step
+//      that needs its pages evicts it (Forest::append), so the cache never holds a work back. A
+//      work that does not fit yet waits without holding back the ones behind it (a one-page job
+//      passes a sixteen-page one), but a job (Generate, RunTree) that has waited
 //      `admission_patience` steps reserves the room: no later job is admitted before it.
 //      Session commands are never held back: their sessions hold KV that only their own later
 //      commands (prune, close) free, so making them wait could wait forever;
@@ -46,6 +48,9 @@ struct SchedulerOptions {
   // see them (TreeSession, Verify): a high start shows at once whether a client handles ids
   // past 2^32, which a real server reaches after days.
   NodeId first_node_id = 1;
+  // Most KV pages finished requests' prefixes keep cached (engine/prefix_cache.h): -1, the
+  // whole pool; 0, no prefix cache.
+  int64_t prefix_cache_pages = -1;
   PlannerOptions planner;
   SessionLimits sessions;
 };

@@ -142,12 +142,16 @@ EngineSnapshot EngineThread::snapshot() const {
 
 void EngineThread::publish() {
   const engine::Scheduler& s = *scheduler_;
-  kv_pages_used_.store(s.kv().used_pages());
+  // Used: referenced by live work; cached prefixes are free for admission (engine/forest.h).
+  const auto used = static_cast<int32_t>(s.forest().referenced_pages());
+  kv_pages_used_.store(used);
   queued_jobs_.store(s.queued());
   live_jobs_.store(s.live());
   sessions_.store(s.sessions());
   if (metrics_ != nullptr) {
-    metrics_->set_engine_state(s.queued(), s.live(), s.kv().used_pages(), s.kv().free_pages());
+    const engine::PrefixCacheStats& cache = s.forest().cache_stats();
+    metrics_->set_engine_state(s.queued(), s.live(), used, s.kv().free_pages());
+    metrics_->set_prefix_cache(cache.cached_pages, cache.hit_tokens, cache.evicted_pages);
     metrics_->refresh_rates();
   }
 }

@@ -34,7 +34,7 @@ class ServerMetrics;
 
 // Counters a health check or a test can read at any time.
 struct EngineSnapshot {
-  int32_t kv_pages_used = 0;
+  int32_t kv_pages_used = 0;  // referenced by live work (cached prefixes count as free)
   int32_t kv_pages_free = 0;
   int32_t queued_jobs = 0;
   int32_t live_jobs = 0;

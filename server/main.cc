@@ -254,6 +254,7 @@ int main(int argc, char** argv) {
       .max_queued_works = config.max_queued_jobs,
       .max_step_tokens = config.max_step_tokens,
       .first_node_id = config.first_node_id,
+      .prefix_cache_pages = config.prefix_cache_pages,
       .sessions = {.max_sessions = config.max_sessions,
                    .max_nodes = config.max_session_nodes,
                    .max_branches = config.max_branches,

@@ -56,8 +56,17 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   steps_per_second_ = &gauge(r, "deft_steps_per_second", "Engine steps per second (last 5 s)");
   queue_depth_ = &gauge(r, "deft_queue_depth", "Jobs waiting for admission");
   live_jobs_ = &gauge(r, "deft_live_jobs", "Jobs being decoded");
-  kv_pages_used_ = &gauge(r, "deft_kv_pages_used", "KV cache pages in use");
+  kv_pages_used_ = &gauge(r, "deft_kv_pages_used",
+                          "KV cache pages in use by live requests and sessions (cached prefixes "
+                          "aside: deft_kv_pages_cached)");
   kv_pages_free_ = &gauge(r, "deft_kv_pages_free", "KV cache pages free");
+  kv_pages_cached_ = &gauge(r, "deft_kv_pages_cached",
+                            "KV cache pages of finished requests kept as a prefix cache "
+                            "(evicted when pages are needed)");
+  prefix_hit_tokens_ = &counter(r, "deft_prefix_cache_hit_tokens_total",
+                                "Prompt tokens whose KV was found in the prefix cache");
+  prefix_evicted_pages_ = &counter(r, "deft_prefix_cache_evicted_pages_total",
+                                   "KV pages evicted from the prefix cache");
   forward_share_ = &gauge(r, "deft_step_forward_share",
                           "Share of the last step spent in the model forward pass (attention "
                           "included)");
@@ -130,6 +139,16 @@ void ServerMetrics::set_engine_state(int32_t queued_jobs, int32_t live_jobs, int
   live_jobs_->Set(live_jobs);
   kv_pages_used_->Set(kv_pages_used);
   kv_pages_free_->Set(kv_pages_free);
+}
+
+void ServerMetrics::set_prefix_cache(int64_t cached_pages, int64_t hit_tokens_total,
+                                     int64_t evicted_pages_total) {
+  kv_pages_cached_->Set(static_cast<double>(cached_pages));
+  prefix_hit_tokens_->Increment(static_cast<double>(hit_tokens_total - prefix_hit_tokens_total_));
+  prefix_evicted_pages_->Increment(
+      static_cast<double>(evicted_pages_total - prefix_evicted_pages_total_));
+  prefix_hit_tokens_total_ = hit_tokens_total;
+  prefix_evicted_pages_total_ = evicted_pages_total;
 }
 
 void ServerMetrics::record_request(const std::string& rpc, const std::string& code,

@@ -45,8 +45,13 @@ class ServerMetrics {
   int listen(const std::string& address, std::string* error);
 
   void record_step(const StepRecord& step);
+  // kv_pages_used: pages referenced by live requests and sessions; kv_pages_free: pages on the
+  // free list (used + free + cached = the pool).
   void set_engine_state(int32_t queued_jobs, int32_t live_jobs, int32_t kv_pages_used,
                         int32_t kv_pages_free);
+  // The prefix cache (engine/prefix_cache.h): its pages now, and its counters' totals so far.
+  void set_prefix_cache(int64_t cached_pages, int64_t hit_tokens_total,
+                        int64_t evicted_pages_total);
   // Refreshes the windowed rate gauges (call now and then, also while idle).
   void refresh_rates();
   // One finished RPC; `code` is the gRPC status code's name ("OK", "INVALID_ARGUMENT", ...);
@@ -75,6 +80,11 @@ class ServerMetrics {
   prometheus::Gauge* live_jobs_ = nullptr;
   prometheus::Gauge* kv_pages_used_ = nullptr;
   prometheus::Gauge* kv_pages_free_ = nullptr;
+  prometheus::Gauge* kv_pages_cached_ = nullptr;
+  prometheus::Counter* prefix_hit_tokens_ = nullptr;
+  prometheus::Counter* prefix_evicted_pages_ = nullptr;
+  int64_t prefix_hit_tokens_total_ = 0;  // what the counters were last advanced to
+  int64_t prefix_evicted_pages_total_ = 0;
   prometheus::Gauge* forward_share_ = nullptr;
   prometheus::Gauge* attention_share_ = nullptr;
   prometheus::Gauge* plan_share_ = nullptr;

@@ -35,6 +35,10 @@ const std::vector<Field>& fields() {
        "Prometheus /metrics address host:port (port 0: any free port); empty: no metrics"},
       {"kv_pages", &ServerConfig::kv_pages, "KV cache pool size in pages"},
       {"page_tokens", &ServerConfig::page_tokens, "tokens per KV page"},
+      {"prefix_cache_pages", &ServerConfig::prefix_cache_pages,
+       "most KV pages finished requests' prompts and outputs keep cached for reuse by later "
+       "prompts (least recently used evicted first, whenever pages are needed); -1: the whole "
+       "pool; 0: no prefix cache (as --no-prefix-cache)"},
       {"max_queued_jobs", &ServerConfig::max_queued_jobs,
        "jobs waiting for admission before RESOURCE_EXHAUSTED"},
       {"max_tree_tokens", &ServerConfig::max_tree_tokens,
@@ -242,6 +246,10 @@ absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& a
       result.help = true;
       continue;
     }
+    if (arg == "--no-prefix-cache") {
+      result.config.prefix_cache_pages = 0;
+      continue;
+    }
     std::string value;
     bool has_value = false;
     if (const size_t eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
@@ -278,6 +286,7 @@ absl::Status validate_config(const ServerConfig& config) {
   for (const absl::Status& status : {
            at_least("kv_pages", config.kv_pages, 1),
            at_least("page_tokens", config.page_tokens, 1),
+           at_least("prefix_cache_pages", config.prefix_cache_pages, -1),
            at_least("max_queued_jobs", config.max_queued_jobs, 0),
            at_least("max_tree_tokens", config.max_tree_tokens, 2),
            at_least("max_prompt_tokens", config.max_prompt_tokens, 1),
@@ -358,7 +367,10 @@ std::string usage_text() {
     absl::StrAppend(&text, "  ", option_name(field), " VALUE\n      ", field.help, " (default ",
                     value_text(defaults, field), ")\n");
   }
-  absl::StrAppend(&text, "  --help                      this text\n");
+  absl::StrAppend(&text,
+                  "  --no-prefix-cache           finished requests' KV is freed at once "
+                  "(--prefix-cache-pages 0)\n"
+                  "  --help                      this text\n");
   return text;
 }
 

@@ -17,6 +17,9 @@ struct ServerConfig {
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: off
   int32_t kv_pages = 2048;                        // KV pool size in pages
   int32_t page_tokens = 16;                       // tokens per KV page (DESIGN.md §4)
+  // Pages finished requests' KV may keep as a prefix cache (engine/prefix_cache.h); -1: the
+  // whole pool (cached KV is evicted when pages are needed); 0: off (--no-prefix-cache).
+  int32_t prefix_cache_pages = -1;
   int32_t max_queued_jobs = 64;    // jobs waiting for admission; more: RESOURCE_EXHAUSTED
   int32_t max_tree_tokens = 8192;  // prompt + every branch's tokens of one job
   int32_t max_prompt_tokens = 2048;

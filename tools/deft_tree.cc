@@ -282,9 +282,11 @@ absl::StatusOr<TreeSearchEvent> run_job(deft::engine::Scheduler& scheduler,
     stats.rows += step->rows;
     stats.kv_tokens_read += step->kv_tokens_read;
     stats.forward_seconds += step->forward_seconds;
-    stats.peak_kv_pages = std::max<int64_t>(stats.peak_kv_pages, scheduler.kv().used_pages());
+    // The job's own KV: its finished leaves' pages stay cached (engine/forest.h), not in use.
+    const int64_t in_use = scheduler.forest().referenced_pages();
+    stats.peak_kv_pages = std::max<int64_t>(stats.peak_kv_pages, in_use);
     spdlog::debug("step {}: {} rows, {} sampled, {} KV pages in use", stats.steps, step->rows,
-                  step->generated, scheduler.kv().used_pages());
+                  step->generated, in_use);
   }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   while (events.next(batch, std::chrono::milliseconds(0))) {

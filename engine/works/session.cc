@@ -1,6 +1,7 @@
 #include "engine/works/session.h"
 
 #include <algorithm>
+#include <functional>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
@@ -211,17 +212,21 @@ void Session::prune(uint64_t request_id, const PruneCommand& command, Forest& fo
   }
   // The node and every node of the session below it; KV that others share stays.
   const SequenceTree& tree = forest.tree();
-  std::vector<NodeId> dropped;
+  std::vector<std::pair<int32_t, NodeId>> dropped;  // (distance below command.node, node)
   for (const auto& [node, logits] : nodes_) {
-    for (NodeId at = node; at != -1; at = tree.node(at).parent) {
+    int32_t distance = 0;
+    for (NodeId at = node; at != -1; at = tree.node(at).parent, ++distance) {
       if (at == command.node) {
-        dropped.push_back(node);
+        dropped.push_back({distance, node});
         break;
       }
     }
   }
-  for (NodeId node : dropped) nodes_.erase(node);
-  for (NodeId node : dropped) forest.release(node);
+  for (const auto& [distance, node] : dropped) nodes_.erase(node);
+  // A pruned node's KV is freed at once (DESIGN.md §4), not cached: the deepest nodes first,
+  // so each node is unreferenced, and freed, when its turn comes.
+  std::sort(dropped.begin(), dropped.end(), std::greater<>());
+  for (const auto& [distance, node] : dropped) forest.discard(node);
   events_->push(
       {.request_id = request_id, .kind = SessionEvent::Kind::kPruned, .node = command.node});
 }

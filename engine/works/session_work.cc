@@ -290,7 +290,8 @@ class ScoreWork final : public SessionWork {
 
  protected:
   void release_held(Forest& forest) override {
-    if (child_ >= 0) forest.release(child_);
+    // A hypothetical continuation: its KV is freed, not cached.
+    if (child_ >= 0) forest.discard(child_);
     child_ = -1;
   }
 

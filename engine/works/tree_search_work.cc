@@ -233,7 +233,7 @@ absl::Status TreeSearchWork::expand(int32_t depth, StepContext& step) {
     nodes_[id].finish = FinishReason::kPruned;
     nodes_[id].score = scores[i];
     live_[id]->state = State::kPruned;
-    forest.release(live_[id]->node);
+    forest.discard(live_[id]->node);  // a pruned branch's KV is freed, not cached
     live_[id]->node = -1;
     live_[id]->logits = {};
     events_->push({.kind = TreeSearchEvent::Kind::kPruned, .node = id});

@@ -126,8 +126,9 @@ class VerifyWork final : public SessionWork {
 
  protected:
   void release_held(Forest& forest) override {
-    // Children before parents, so each release frees its node at once.
-    for (auto it = created_.rbegin(); it != created_.rend(); ++it) forest.release(*it);
+    // Children before parents, so each discard frees its node at once. Rejected entries are
+    // discarded, not cached: one token and one page each, they would push useful prefixes out.
+    for (auto it = created_.rbegin(); it != created_.rend(); ++it) forest.discard(*it);
     created_.clear();
   }
   void answer_error(const absl::Status& status) override {

@@ -9,7 +9,7 @@ namespace deft::engine {
 absl::Status StepContext::add_run(NodeId node, std::span<const TokenId> run, Logits wanted) {
   SequenceTree& tree = forest.tree();
   const auto first = static_cast<int32_t>(tree.contains(node) ? tree.node(node).tokens.size() : 0);
-  if (absl::Status status = tree.append(node, run); !status.ok()) return status;
+  if (absl::Status status = forest.append(node, run); !status.ok()) return status;
   for (size_t i = 0; i < run.size(); ++i) {
     if (wanted == Logits::kAll || (wanted == Logits::kLast && i + 1 == run.size())) {
       logit_rows.push_back(static_cast<int32_t>(tokens.size()));

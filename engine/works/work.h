@@ -34,8 +34,9 @@ class StepContext {
   int64_t generated = 0;  // tokens sampled this step (metrics)
 
   enum class Logits : uint8_t { kNone, kLast, kAll };
-  // Appends `tokens` to leaf `node` and adds one query row per token, asking for the logits
-  // of no row, the last row, or every row. Fails (nothing added) when KV is short.
+  // Appends `tokens` to leaf `node` (Forest::append: evicting cached KV for room) and adds one
+  // query row per token, asking for the logits of no row, the last row, or every row. Fails
+  // (nothing added) when KV is short.
   absl::Status add_run(NodeId node, std::span<const TokenId> tokens, Logits logits = Logits::kLast);
   // Feeds `tokens` (a prompt, an extension) to `node` in chunks under the budget: appends
   // tokens [*next, *next + budget) and advances *next; only the chunk that ends `tokens` asks
@@ -88,8 +89,10 @@ class Work {
   virtual ~Work() = default;
 
   // KV pages this work may still allocate at worst, beyond the pages it holds now. The
-  // scheduler admits a work only while the used pages plus every live work's pending pages
-  // fit the pool, so no live work ever runs out of KV.
+  // scheduler admits a work only while the referenced pages plus every live work's pending
+  // pages fit the pool (cached pages count as free: a step evicts them for room), so no live
+  // work ever runs out of KV. Before start(), it counts the prompt's pages whole: a placement
+  // that reuses cached KV references at most that many pages (engine/forest.h).
   virtual int64_t pending_pages(const Forest& forest) const = 0;
   // Query rows its largest single step needs (admission checks it fits the step budget).
   virtual int64_t max_step_rows() const = 0;

@@ -104,7 +104,8 @@ class ServerTest : public ::testing::Test {
   void SetUp() override { ASSERT_TRUE(server_->running()); }
 
   void TearDown() override {
-    // Every test leaves the engine idle and the KV cache empty.
+    // Every test leaves the engine idle and no KV referenced (finished requests' KV may stay as
+    // cached prefixes: deft_kv_pages_cached).
     EXPECT_EQ(server_->wait_metric("deft_live_jobs", 0), 0);
     EXPECT_EQ(server_->wait_metric("deft_kv_pages_used", 0), 0);
     EXPECT_TRUE(server_->serving());
@@ -704,7 +705,8 @@ TEST(ServerConfig, HelpListsEveryOptionWithItsDefault) {
   for (const char* option :
        {"--config", "--model", "--listen", "--metrics-listen", "--kv-pages", "--page-tokens",
         "--max-queued-jobs", "--max-tree-tokens", "--max-prompt-tokens", "--plan", "--log-level",
-        "--first-node-id", "--device", "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
+        "--first-node-id", "--device", "--prefix-cache-pages", "--no-prefix-cache",
+        "(default \"127.0.0.1:50051\")", "(default 2048)"}) {
     EXPECT_NE(result.output.find(option), std::string::npos) << option << "\n" << result.output;
   }
 }
@@ -781,6 +783,55 @@ TEST(ServerMetrics, StepCountersAddUp) {
   EXPECT_GT(m["deft_step_plan_seconds_total"], 0);
   EXPECT_GE(m["deft_step_seconds_total"], m["deft_step_forward_seconds_total"]);
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+}
+
+// The prefix cache on /metrics: a finished job's KV stays cached, the same prompt again reuses
+// its whole pages (and decodes the same), and a job that needs the pages evicts it. With
+// --no-prefix-cache nothing is cached or reused.
+TEST(ServerMetrics, PrefixCacheHitsAndEvictionsAreExported) {
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 40; ++i) prompt.push_back(3 + (i * 7) % 500);
+  v1::GenerateRequest request = token_request(prompt, 1, 20);
+  request.mutable_sampling()->set_ignore_eos(true);
+  {
+    // 8 pages of 16 tokens: one job's worst case (3 prompt pages + 2) fits, two do not.
+    ServerProcess server({"--kv-pages", "8"});
+    ASSERT_TRUE(server.running());
+    const GenerateResult cold = generate(*server.stub(), request);
+    ASSERT_TRUE(cold.status.ok()) << cold.status.error_message();
+    EXPECT_EQ(server.wait_metric("deft_kv_pages_used", 0), 0);
+    std::map<std::string, double> m = server.metrics();
+    EXPECT_EQ(m["deft_kv_pages_cached"], 5) << "3 prompt pages, 2 of the branch";
+    EXPECT_EQ(m["deft_kv_pages_used"] + m["deft_kv_pages_free"] + m["deft_kv_pages_cached"], 8);
+    EXPECT_EQ(m["deft_prefix_cache_hit_tokens_total"], 0);
+    const GenerateResult warm = generate(*server.stub(), request);
+    ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
+    EXPECT_EQ(warm.branches.at(0).ids, cold.branches.at(0).ids);
+    m = server.metrics();
+    EXPECT_EQ(m["deft_prefix_cache_hit_tokens_total"], 32) << "the 2 whole pages before the last";
+    EXPECT_EQ(m["deft_prefix_cache_evicted_pages_total"], 0);
+    // Another prompt of the same size needs 5 pages at worst; 3 are free.
+    std::vector<int32_t> other = prompt;
+    for (int32_t& id : other) id = 3 + (id + 11) % 500;
+    v1::GenerateRequest other_request = token_request(other, 1, 20);
+    other_request.mutable_sampling()->set_ignore_eos(true);
+    const GenerateResult evicting = generate(*server.stub(), other_request);
+    ASSERT_TRUE(evicting.status.ok()) << evicting.status.error_message();
+    EXPECT_GT(server.metrics()["deft_prefix_cache_evicted_pages_total"], 0);
+    EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+  }
+  {
+    ServerProcess server({"--kv-pages", "8", "--no-prefix-cache"});
+    ASSERT_TRUE(server.running());
+    ASSERT_TRUE(generate(*server.stub(), request).status.ok());
+    ASSERT_TRUE(generate(*server.stub(), request).status.ok());
+    EXPECT_EQ(server.wait_metric("deft_kv_pages_used", 0), 0);
+    std::map<std::string, double> m = server.metrics();
+    EXPECT_EQ(m["deft_kv_pages_cached"], 0);
+    EXPECT_EQ(m["deft_kv_pages_free"], 8);
+    EXPECT_EQ(m["deft_prefix_cache_hit_tokens_total"], 0);
+    EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+  }
 }
 
 TEST(ServerConfig, TheShippedDefaultConfigStartsAndCommandLineOverridesIt) {

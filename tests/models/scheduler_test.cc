@@ -94,6 +94,16 @@ class SchedulerTest : public ::testing::Test {
     return branches(*events, n);
   }
 
+  // Once every work and session has ended: no KV is referenced any more, and whatever the
+  // pool still holds is cached prefixes (engine/forest.h), which a new work may evict at once.
+  // With the prefix cache off (the NoPrefixCache test) that is an empty pool.
+  static void expect_only_cached_kv(const Scheduler& scheduler) {
+    EXPECT_EQ(scheduler.forest().referenced_pages(), 0);
+    EXPECT_EQ(scheduler.kv().used_pages(), scheduler.forest().cached_pages());
+    const absl::Status invariants = scheduler.forest().check_invariants();
+    EXPECT_TRUE(invariants.ok()) << invariants;
+  }
+
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<models::LlamaCpuRunner> runner_;
   std::unique_ptr<Scheduler> scheduler_;
@@ -115,7 +125,7 @@ TEST_F(SchedulerTest, SixteenConcurrentJobsEqualEachAlone) {
     }
     return true;
   });
-  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler_);
   for (size_t i = 0; i < texts.size(); ++i) {
     SCOPED_TRACE(texts[i]);
     const int32_t n = 1 + static_cast<int32_t>(i % 3);
@@ -130,7 +140,7 @@ TEST_F(SchedulerTest, ChunkedPrefillUnderASmallBudgetGivesTheSameTokens) {
   std::shared_ptr<GenerateEvents> other = submit_generate(*small, encode("The king said"), 3, 8);
   run_until(*small, [&] { return events->finished() && other->finished(); });
   EXPECT_EQ(branches(*events, 2), generate_alone(prompt, 2, 8));
-  EXPECT_EQ(small->kv().used_pages(), 0);
+  expect_only_cached_kv(*small);
 }
 
 TEST_F(SchedulerTest, SessionCommandsMatchGenerate) {
@@ -209,17 +219,17 @@ TEST_F(SchedulerTest, SessionCommandsMatchGenerate) {
   EXPECT_EQ(more_ids, expected_more[0]);
 
   // A second session on the same prompt shares its KV, and closing both frees everything.
-  const int32_t used = scheduler_->kv().used_pages();
+  const int32_t used = scheduler_->forest().referenced_pages();
   auto other_events = std::make_shared<SessionEvents>();
   ASSERT_TRUE(scheduler_->open_session(2, other_events).ok());
   scheduler_->session_command(2, {.request_id = 1, .op = CreateCommand{.prompt = prompt}});
   run_until(*scheduler_, [&] { return !scheduler_->has_live() && scheduler_->queued() == 0; });
-  EXPECT_LE(scheduler_->kv().used_pages(), used + 1);
+  EXPECT_LE(scheduler_->forest().referenced_pages(), used + 1);
   scheduler_->close_session(2);
   command({.request_id = 9, .op = PruneCommand{.node = child}});
   command({.request_id = 10, .op = CloseCommand{}});
   run_until(*scheduler_, [&] { return scheduler_->sessions() == 0; });
-  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler_);
   EXPECT_TRUE(scheduler_->forest().tree().check_invariants());
 }
 
@@ -244,7 +254,7 @@ TEST_F(SchedulerTest, ASessionsQueuedCommandIsReadyWhenTheRunningOneEnds) {
   EXPECT_TRUE(scheduler_->has_live());  // the score runs
   scheduler_->close_session(4);
   run_until(*scheduler_, [&] { return scheduler_->sessions() == 0; });
-  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler_);
 }
 
 // Admission in a 64-page pool (8-token pages). A session holds two prompts (57 pages); a
@@ -309,7 +319,7 @@ TEST_F(SmallPoolTest, ASessionsScoreAndPruneNeverWaitBehindAQueuedJob) {
   EXPECT_EQ(branches(*job, 4), generate_alone(prompt, 4, 40));
   scheduler->close_session(1);
   run_until(*scheduler, [&] { return scheduler->sessions() == 0; });
-  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler);
 }
 
 // A decode that could never fit the pool is refused with one error and nothing else: no
@@ -363,7 +373,7 @@ TEST_F(SmallPoolTest, ASmallJobPassesALargeOneThatDoesNotFitYet) {
   EXPECT_TRUE(large->final_status().ok()) << large->final_status();
   scheduler->close_session(1);
   run_until(*scheduler, [&] { return scheduler->sessions() == 0; });
-  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler);
 }
 
 // Passing is bounded: once a job has waited `admission_patience` steps, jobs that arrive after
@@ -399,7 +409,7 @@ TEST_F(SmallPoolTest, AJobOutOfPatienceHoldsBackLaterJobs) {
   ASSERT_GE(late_first, 0);
   EXPECT_LE(large_first, late_first);
   run_until(*scheduler, [&] { return running->finished() && early->finished(); });
-  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler);
 }
 
 TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
@@ -449,7 +459,7 @@ TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
 
   scheduler_->close_session(3);
   run_until(*scheduler_, [&] { return scheduler_->sessions() == 0; });
-  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler_);
 }
 
 TEST_F(SchedulerTest, RunTreeFinishesReplaysAndFreesItsKv) {
@@ -486,7 +496,7 @@ TEST_F(SchedulerTest, RunTreeFinishesReplaysAndFreesItsKv) {
     if (id != 0) path_tokens += static_cast<int64_t>(result.nodes[id].tokens.size());
   }
   EXPECT_EQ(path_tokens, 12);
-  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
+  expect_only_cached_kv(*scheduler_);
   const std::vector<TreeSearchEvent> second = run(*scheduler_);
   ASSERT_EQ(second.back().kind, TreeSearchEvent::Kind::kFinished);
   EXPECT_EQ(second.back().best_path, result.best_path);
@@ -607,6 +617,8 @@ TEST_F(SchedulerTest, RandomCommandsKeepTheForestConsistentAndFreeEverything) {
     }
     ASSERT_TRUE(scheduler_->forest().tree().check_invariants()) << "round " << round;
     ASSERT_TRUE(scheduler_->kv().check_invariants()) << "round " << round;
+    const absl::Status invariants = scheduler_->forest().check_invariants();
+    ASSERT_TRUE(invariants.ok()) << "round " << round << ": " << invariants;
   }
   size_t learned = 0;
   for (const auto& held : nodes) learned += held.size();
@@ -617,8 +629,13 @@ TEST_F(SchedulerTest, RandomCommandsKeepTheForestConsistentAndFreeEverything) {
     return scheduler_->sessions() == 0 && !scheduler_->has_live() && scheduler_->queued() == 0;
   });
   for (const auto& reply : replies) EXPECT_TRUE(reply->finished());
-  EXPECT_EQ(scheduler_->kv().used_pages(), 0);
-  EXPECT_EQ(scheduler_->forest().tree().num_live_nodes(), 1);
+  expect_only_cached_kv(*scheduler_);
+  // Every node left is cached KV, none referenced.
+  for (NodeId node : scheduler_->forest().tree().dfs_order()) {
+    if (node != scheduler_->forest().tree().root()) {
+      EXPECT_FALSE(scheduler_->forest().referenced(node)) << node;
+    }
+  }
 }
 
 }  // namespace
@@ -750,7 +767,333 @@ TEST_F(SchedulerTest, DeviceSamplingStepsGiveTheSameTokens) {
   EXPECT_EQ(run(sampled), run(*scheduler_));
   EXPECT_GT(device.sampled_steps, 0);
   EXPECT_GT(device.mixed_steps, 0);
-  EXPECT_EQ(sampled.kv().used_pages(), 0);
+  expect_only_cached_kv(sampled);
+}
+
+}  // namespace
+}  // namespace deft::engine
+
+namespace deft::engine {
+namespace {
+
+// The prefix cache (engine/forest.h, engine/prefix_cache.h) under the Scheduler: finished
+// requests' KV stays cached and a repeated prompt prefills only what it does not find there.
+class PrefixCacheTest : public SchedulerTest {
+ protected:
+  std::unique_ptr<Scheduler> make(int32_t kv_pages, int64_t prefix_cache_pages = -1) {
+    SchedulerOptions options{.page_tokens = kPageTokens,
+                             .kv_pages = kv_pages,
+                             .max_step_tokens = 256,
+                             .prefix_cache_pages = prefix_cache_pages};
+    return std::make_unique<Scheduler>(options, *runner_, *tokenizer_);
+  }
+  static std::vector<TokenId> ids(size_t count, TokenId first) {
+    std::vector<TokenId> out;
+    for (size_t i = 0; i < count; ++i)
+      out.push_back(3 + static_cast<TokenId>((first + i * 7) % 500));
+    return out;
+  }
+  // Runs a greedy Generate to its end; returns its branches and the query rows of each step.
+  struct Run {
+    std::vector<std::vector<TokenId>> branches;
+    std::vector<int64_t> step_rows;
+  };
+  Run generate(Scheduler& scheduler, std::vector<TokenId> prompt, int32_t n, int32_t max_tokens) {
+    std::shared_ptr<GenerateEvents> events =
+        submit_generate(scheduler, std::move(prompt), n, max_tokens);
+    Run run;
+    for (int i = 0; i < 1000 && !events->finished(); ++i) {
+      scheduler.prepare();
+      if (std::optional<StepStats> stats = scheduler.step()) run.step_rows.push_back(stats->rows);
+    }
+    EXPECT_TRUE(events->finished());
+    run.branches = branches(*events, n);
+    return run;
+  }
+  static int64_t total(const std::vector<int64_t>& rows) {
+    int64_t sum = 0;
+    for (int64_t r : rows) sum += r;
+    return sum;
+  }
+};
+
+TEST_F(PrefixCacheTest, ARepeatedPromptPrefillsOnlyItsNewTokens) {
+  std::unique_ptr<Scheduler> scheduler = make(kPages);
+  const std::vector<TokenId> prompt = ids(101, 1);
+  const Run cold = generate(*scheduler, prompt, 2, 8);
+  expect_only_cached_kv(*scheduler);
+  EXPECT_GT(scheduler->forest().cached_pages(), 0) << "the finished job's KV stays cached";
+  EXPECT_EQ(scheduler->forest().cache_stats().hit_tokens, 0);
+  ASSERT_FALSE(cold.step_rows.empty());
+  EXPECT_EQ(cold.step_rows[0], 101) << "a cold prompt is prefilled whole (one step: budget 256)";
+
+  // Again: the cached prompt's whole pages before its last token (96 of 101 tokens, pages of
+  // 8) are reused; only the last 5 tokens are prefilled, and the output is the same.
+  const Run warm = generate(*scheduler, prompt, 2, 8);
+  constexpr int64_t kShared = (101 - 1) / kPageTokens * kPageTokens;
+  EXPECT_EQ(scheduler->forest().cache_stats().hit_tokens, kShared);
+  ASSERT_FALSE(warm.step_rows.empty());
+  EXPECT_EQ(warm.step_rows[0], 101 - kShared);
+  EXPECT_EQ(total(cold.step_rows) - total(warm.step_rows), kShared)
+      << "the decode rows are the same, the prefill is " << kShared << " rows shorter";
+  EXPECT_EQ(warm.branches, cold.branches);
+  EXPECT_EQ(warm.branches, generate_alone(prompt, 2, 8));
+
+  // A longer prompt with the same start reuses it too, and decodes as it would cold.
+  std::vector<TokenId> longer = prompt;
+  const std::vector<TokenId> tail = ids(20, 9);
+  longer.insert(longer.end(), tail.begin(), tail.end());
+  const Run extended = generate(*scheduler, longer, 1, 6);
+  EXPECT_GE(scheduler->forest().cache_stats().hit_tokens, 2 * kShared);
+  EXPECT_LT(extended.step_rows[0], static_cast<int64_t>(longer.size()) - kShared + 1);
+  EXPECT_EQ(extended.branches, generate_alone(longer, 1, 6));
+  EXPECT_EQ(scheduler->forest().cache_stats().evicted_pages, 0);
+  expect_only_cached_kv(*scheduler);
+}
+
+// A tiny pool: the first job's cached KV leaves too few free pages for the second job's worst
+// case; admission counts cached pages as free, so the job is admitted at once, its steps evict
+// the cached KV they need, and it decodes as it would alone.
+TEST_F(PrefixCacheTest, ATinyPoolEvictsCachedKvToAdmitANewJob) {
+  std::unique_ptr<Scheduler> scheduler = make(/*kv_pages=*/16);
+  const Run first = generate(*scheduler, ids(60, 1), 1, 20);
+  EXPECT_EQ(first.branches, generate_alone(ids(60, 1), 1, 20));
+  const int64_t cached = scheduler->forest().cached_pages();
+  EXPECT_GE(cached, 8);
+  const int64_t worst =
+      GenerateWork::max_pages({.prompt = ids(60, 2), .n = 1, .max_tokens = 20}, kPageTokens);
+  ASSERT_GT(worst, scheduler->kv().free_pages()) << "the test needs a job that fits only with "
+                                                    "the cached pages";
+  std::shared_ptr<GenerateEvents> second = submit_generate(*scheduler, ids(60, 2), 1, 20);
+  scheduler->prepare();
+  EXPECT_EQ(scheduler->queued(), 0) << "admitted at once: cached pages count as free";
+  run_until(*scheduler, [&] { return second->finished(); });
+  EXPECT_TRUE(second->final_status().ok()) << second->final_status();
+  EXPECT_EQ(branches(*second, 1), generate_alone(ids(60, 2), 1, 20));
+  EXPECT_GT(scheduler->forest().cache_stats().evicted_pages, 0);
+  expect_only_cached_kv(*scheduler);
+}
+
+// --no-prefix-cache (prefix_cache_pages 0): finished KV is freed at once, a repeated prompt is
+// prefilled whole, and the pool is back to empty after jobs, a RunTree and a session.
+TEST_F(PrefixCacheTest, NoPrefixCacheFreesEverythingAsBefore) {
+  std::unique_ptr<Scheduler> scheduler = make(kPages, /*prefix_cache_pages=*/0);
+  const std::vector<TokenId> prompt = ids(101, 1);
+  const Run cold = generate(*scheduler, prompt, 2, 8);
+  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+  const Run again = generate(*scheduler, prompt, 2, 8);
+  EXPECT_EQ(again.step_rows, cold.step_rows);
+  EXPECT_EQ(again.branches, cold.branches);
+  auto tree = std::make_shared<TreeSearchEvents>();
+  ASSERT_TRUE(
+      scheduler
+          ->submit(std::make_unique<TreeSearchWork>(
+              TreeSearchJob{
+                  .prompt = prompt,
+                  .policy = {.branch_factor = 2, .every_tokens = 3, .max_depth = 2, .keep_best = 1},
+                  .sampling = {.temperature = 0.0f},
+                  .max_tokens = 8},
+              tree, *tokenizer_, kPageTokens))
+          .ok());
+  auto session = std::make_shared<SessionEvents>();
+  ASSERT_TRUE(scheduler->open_session(1, session).ok());
+  scheduler->session_command(1, {.request_id = 1, .op = CreateCommand{.prompt = prompt}});
+  scheduler->session_command(1, {.request_id = 2, .op = CloseCommand{}});
+  run_until(*scheduler, [&] { return tree->finished() && scheduler->sessions() == 0; });
+  EXPECT_EQ(scheduler->kv().used_pages(), 0);
+  EXPECT_EQ(scheduler->forest().tree().num_live_nodes(), 1);
+  EXPECT_EQ(scheduler->forest().cached_pages(), 0);
+  EXPECT_EQ(scheduler->forest().cache_stats().hit_tokens, 0);
+  EXPECT_EQ(scheduler->forest().cache_stats().evicted_pages, 0);
+  const absl::Status invariants = scheduler->forest().check_invariants();
+  EXPECT_TRUE(invariants.ok()) << invariants;
+}
+
+// Random Generate and RunTree jobs, cancellations, and sessions (create, extend, decode,
+// branch, prune, score, verify) on a pool small enough that cached KV is evicted all the time.
+// After every prepare() and step() the forest's invariants hold, and every node a session
+// holds (pins) is still there with its path's tokens and KV pages unchanged (only grown):
+// eviction never frees KV that a live work or a session uses.
+TEST_F(PrefixCacheTest, RandomWorkOnASmallPoolNeverEvictsReferencedKv) {
+  for (uint32_t seed : {11u, 12u, 13u, 14u, 15u}) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 random(seed);
+    const auto pick = [&](int n) { return static_cast<int>(random() % static_cast<unsigned>(n)); };
+    std::unique_ptr<Scheduler> scheduler = make(/*kv_pages=*/48);
+    const Forest& forest = scheduler->forest();
+    // The pinned nodes of each session, with their path when learned and its ancestors.
+    struct Pinned {
+      std::vector<NodeId> path;  // root first, the node last
+      std::vector<TokenId> tokens;
+      std::vector<int32_t> pages;
+    };
+    const auto snapshot = [&](NodeId node) {
+      Pinned pinned{.path = *forest.tree().path(node)};
+      for (NodeId id : pinned.path) {
+        const NodeTokens& own = forest.tree().node(id).tokens;
+        pinned.tokens.insert(pinned.tokens.end(), own.begin(), own.end());
+        const std::span<const int32_t> pages = scheduler->kv().pages(forest.tree().kv_key(id));
+        pinned.pages.insert(pinned.pages.end(), pages.begin(), pages.end());
+      }
+      return pinned;
+    };
+    const auto check = [&](const std::map<NodeId, Pinned>& session_pins, int round) {
+      const absl::Status invariants = forest.check_invariants();
+      ASSERT_TRUE(invariants.ok()) << "round " << round << ": " << invariants;
+      for (const auto& [node, before] : session_pins) {
+        ASSERT_TRUE(forest.tree().contains(node)) << "round " << round << ": pinned " << node;
+        ASSERT_GT(forest.holds(node), 0) << "round " << round << ": pinned " << node;
+        const Pinned now = snapshot(node);
+        ASSERT_GE(now.pages.size(), before.pages.size());
+        ASSERT_TRUE(std::equal(before.pages.begin(), before.pages.end(), now.pages.begin()))
+            << "round " << round << ": node " << node << " lost KV pages of its path";
+        ASSERT_TRUE(std::equal(before.tokens.begin(), before.tokens.end(), now.tokens.begin()))
+            << "round " << round << ": node " << node << " lost tokens of its path";
+      }
+    };
+    constexpr int kSessions = 2;
+    std::vector<std::shared_ptr<SessionEvents>> events(kSessions);
+    std::vector<std::map<NodeId, Pinned>> pins(kSessions);
+    for (int s = 0; s < kSessions; ++s) {
+      events[s] = std::make_shared<SessionEvents>();
+      ASSERT_TRUE(scheduler->open_session(200 + s, events[s]).ok());
+    }
+    // Prompts from a few stems, so that they share prefixes (and cached KV).
+    const auto prompt = [&]() {
+      std::vector<TokenId> out = ids(static_cast<size_t>(8 + pick(40)), 1 + pick(3));
+      const std::vector<TokenId> tail = ids(static_cast<size_t>(1 + pick(12)), 100 + pick(50));
+      out.insert(out.end(), tail.begin(), tail.end());
+      return out;
+    };
+    // Learns the pinned nodes from the sessions' answers, in order (a prune drops the nodes
+    // below the pruned one).
+    size_t learned = 0;  // nodes created
+    const auto learn = [&] {
+      for (int t = 0; t < kSessions; ++t) {
+        std::vector<SessionEvent> batch;
+        events[t]->next(batch, std::chrono::milliseconds(0));
+        for (const SessionEvent& e : batch) {
+          // Refusals are fine (unknown nodes, a full session); a failed step is not.
+          EXPECT_NE(e.error.code(), absl::StatusCode::kInternal) << e.error;
+          if (e.kind == SessionEvent::Kind::kCreated) pins[t][e.node] = snapshot(e.node);
+          if (e.kind == SessionEvent::Kind::kBranched) {
+            for (NodeId child : e.children) pins[t][child] = snapshot(child);
+          }
+          learned += e.kind == SessionEvent::Kind::kCreated ? 1 : 0;
+          if (e.kind == SessionEvent::Kind::kVerified && e.verified.node >= 0) {
+            pins[t][e.verified.node] = snapshot(e.verified.node);
+          }
+          if (e.kind == SessionEvent::Kind::kPruned) {
+            std::erase_if(pins[t], [&](const auto& entry) {
+              const std::vector<NodeId>& path = entry.second.path;
+              return std::find(path.begin(), path.end(), e.node) != path.end();
+            });
+          }
+        }
+      }
+    };
+    std::vector<std::shared_ptr<GenerateEvents>> jobs;
+    std::vector<std::shared_ptr<TreeSearchEvents>> trees;
+    for (int round = 0; round < 200; ++round) {
+      const int s = pick(kSessions);
+      std::map<NodeId, Pinned>& held = pins[s];
+      const auto node = [&]() -> NodeId {
+        if (held.empty()) return 999999;
+        auto it = held.begin();
+        std::advance(it, pick(static_cast<int>(held.size())));
+        return it->first;
+      };
+      SessionCommand command{.request_id = static_cast<uint64_t>(round)};
+      bool to_session = true;
+      switch (pick(11)) {
+        case 0:
+          command.op = CreateCommand{.prompt = prompt()};
+          break;
+        case 1:
+          command.op = ExtendCommand{.node = node(), .tokens = ids(1 + pick(10), pick(400))};
+          break;
+        case 2:
+          command.op = DecodeCommand{
+              .nodes = {node()}, .sampling = {.temperature = 0.0f}, .max_tokens = 1 + pick(6)};
+          break;
+        case 3:
+          command.op = BranchCommand{.node = node(), .k = 1 + pick(2)};
+          break;
+        case 4:
+          command.op = PruneCommand{.node = node()};
+          break;
+        case 5:
+          command.op = ScoreCommand{.node = node(), .continuation = ids(1 + pick(4), pick(400))};
+          break;
+        case 6: {
+          VerifyCommand verify{.node = node(), .sampling = {.temperature = 0.0f}};
+          for (int i = 0, entries = 1 + pick(5); i < entries; ++i) {
+            verify.tokens.push_back(static_cast<TokenId>(3 + pick(500)));
+            verify.parents.push_back(i == 0 ? -1 : pick(i + 1) - 1);
+          }
+          command.op = std::move(verify);
+          break;
+        }
+        case 7:
+          to_session = false;
+          if (pick(4) == 0 && !jobs.empty()) {
+            jobs[static_cast<size_t>(pick(static_cast<int>(jobs.size())))]->cancel();
+          } else {
+            const auto events_of = std::make_shared<GenerateEvents>();
+            GenerateJob job{.prompt = prompt(),
+                            .n = 1 + pick(3),
+                            .max_tokens = 1 + pick(12),
+                            .sampling = {.temperature = 0.0f}};
+            (void)scheduler->submit(std::make_unique<GenerateWork>(std::move(job), events_of,
+                                                                   *tokenizer_, kPageTokens));
+            jobs.push_back(events_of);
+          }
+          break;
+        case 8: {
+          to_session = false;
+          auto tree = std::make_shared<TreeSearchEvents>();
+          (void)scheduler->submit(std::make_unique<TreeSearchWork>(
+              TreeSearchJob{
+                  .prompt = prompt(),
+                  .policy = {.branch_factor = 2, .every_tokens = 2, .max_depth = 2, .keep_best = 1},
+                  .sampling = {.temperature = 0.0f},
+                  .max_tokens = 6},
+              tree, *tokenizer_, kPageTokens));
+          trees.push_back(tree);
+          break;
+        }
+        default:
+          to_session = false;
+          break;
+      }
+      if (to_session) scheduler->session_command(200 + s, std::move(command));
+      for (int i = 1 + pick(3); i > 0; --i) {
+        scheduler->prepare();  // runs branch and prune commands
+        learn();
+        check(pins[0], round);
+        check(pins[1], round);
+        (void)scheduler->step();
+        learn();
+        check(pins[0], round);
+        check(pins[1], round);
+      }
+    }
+    for (const auto& job : jobs) {
+      if (job->finished()) {
+        EXPECT_NE(job->final_status().code(), absl::StatusCode::kInternal);
+      }
+    }
+    EXPECT_GT(learned, 5u) << "the sessions did real work, not only errors";
+    EXPECT_GT(forest.cache_stats().hit_tokens, 0) << "prompts shared cached prefixes";
+    EXPECT_GT(forest.cache_stats().evicted_pages, 0) << "the pool was small enough to evict";
+    for (int s = 0; s < kSessions; ++s) scheduler->close_session(200 + s);
+    for (const auto& job : jobs) job->cancel();
+    for (const auto& tree : trees) tree->cancel();
+    run_until(*scheduler, [&] {
+      return scheduler->sessions() == 0 && !scheduler->has_live() && scheduler->queued() == 0;
+    });
+    expect_only_cached_kv(*scheduler);
+  }
 }
 
 }  // namespace
