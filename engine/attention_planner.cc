@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace deft::engine {
@@ -285,8 +286,21 @@ class PlanBuilder {
   // Validates the queries and numbers them depth-first (node rank, then token index).
   absl::Status order_queries(const SequenceTree& tree, std::span<const QueryToken> queries,
                              int32_t row_base) {
-    // Depth-first ranks of the live nodes (every live node hangs below the root), and each
-    // rank's parent rank.
+    // The nodes some query sees: the queried nodes and their ancestors. Only those are ranked:
+    // the rest of the tree (other trees' finished branches, the prefix cache's unreferenced
+    // nodes, thousands under load) holds no KV this step reads.
+    on_path_.erase(on_path_.begin(), on_path_.end());
+    on_path_.insert(tree.root());
+    for (size_t i = 0; i < queries.size(); ++i) {
+      if (!tree.contains(queries[i].node)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("planner: query ", i, " names node ", queries[i].node,
+                         ", not a live node of tree ", tree.tree_id()));
+      }
+      NodeId id = queries[i].node;
+      while (on_path_.insert(id).second) id = tree.node(id).parent;  // stops at the root at worst
+    }
+    // Depth-first ranks of those nodes (each hangs below the root), and each rank's parent rank.
     // Range erase keeps the table's storage; clear() frees it above 127 slots, so a tree of more
     // live nodes (a 256-token speculative tree) would rehash and allocate every plan.
     rank_.erase(rank_.begin(), rank_.end());
@@ -307,7 +321,7 @@ class PlanBuilder {
       parent_rank_.push_back(parent_rank);
       const NodeChildren& children = node.children;
       for (auto child = children.rbegin(); child != children.rend(); ++child) {
-        stack_.push_back({*child, rank});
+        if (on_path_.contains(*child)) stack_.push_back({*child, rank});
       }
     }
     order_.clear();
@@ -736,6 +750,7 @@ class PlanBuilder {
   // Depth-first rank of each live node of the current tree, by id. A map, not an array sized by
   // the largest id: a speculative session hands out 64 ids a step, so such an array would grow
   // without bound while the live nodes stay a few dozen.
+  absl::flat_hash_set<NodeId> on_path_;  // the queried nodes and their ancestors
   absl::flat_hash_map<NodeId, int32_t> rank_;
   std::vector<NodeId> dfs_nodes_;
   // By rank: the live node and its KV pages (nothing changes the tree while it is planned).

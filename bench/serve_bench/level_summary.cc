@@ -145,8 +145,10 @@ LevelSummary summarize_level(const LevelRun& run, const std::string& mix, const 
     if (step_count > 0) server.mean_step_ms = step_s / step_count * 1e3;
     server.kv_pages_used_max = std::max(value(run.server_max, "deft_kv_pages_used"),
                                         value(run.server_end, "deft_kv_pages_used"));
+    // The pool: pages in use, free and held by the prefix cache (deft_kv_pages_cached).
     server.kv_pages_total = value(run.server_start, "deft_kv_pages_used") +
-                            value(run.server_start, "deft_kv_pages_free");
+                            value(run.server_start, "deft_kv_pages_free") +
+                            value(run.server_start, "deft_kv_pages_cached");
     server.queue_depth_max = value(run.server_max, "deft_queue_depth");
     server.live_jobs_max = value(run.server_max, "deft_live_jobs");
     summary.server = server;
