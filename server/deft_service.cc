@@ -9,6 +9,7 @@
 #include "engine/draft_acceptance.h"
 #include "engine/sampler.h"
 #include "server/metrics.h"
+#include "server/protobuf_log.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::server {
@@ -479,6 +480,16 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const Caller& c
 
 // ---- TreeSession --------------------------------------------------------------------------
 
+namespace {
+
+absl::Status parse_failure() {
+  return absl::InvalidArgumentError(
+      "a SessionRequest failed to parse (a string field that is not valid UTF-8?); the session "
+      "ran the commands before it and closed");
+}
+
+}  // namespace
+
 template <typename Request>
 absl::Status DeftService::verify_command(const Request& request, const std::string& prefix,
                                          engine::VerifyCommand* command) const {
@@ -670,7 +681,13 @@ grpc::Status DeftService::tree_session(
   });
   v1::SessionRequest request;
   bool closed = false;
-  while (!client_gone.load() && stream->Read(&request)) {
+  bool parse_failed = false;  // a message gRPC could not parse, not a half-close
+  while (!client_gone.load()) {
+    (void)take_protobuf_parse_error();
+    if (!stream->Read(&request)) {
+      parse_failed = take_protobuf_parse_error();
+      break;
+    }
     engine::SessionCommand command = session_command(request);
     if (std::holds_alternative<engine::DecodeCommand>(command.op) && command.invalid.ok()) {
       // A decode is where a session spends tokens: the key's rate is checked per command.
@@ -684,7 +701,12 @@ grpc::Status DeftService::tree_session(
     // Disconnect: the running command is cancelled and every node freed at once.
     engine_->close_session(session);
   } else if (!closed) {
-    // Half-close: the commands already sent still run, then the session closes.
+    // Half-close: the commands already sent still run, then the session closes. A message that
+    // failed to parse ends the client's stream the same way (gRPC reads no further), but it is
+    // answered: an `error` (request id 0: its own was not read) and INVALID_ARGUMENT at the end.
+    if (parse_failed) {
+      engine_->session_command(session, {.invalid = parse_failure()});
+    }
     engine_->session_command(session, {.op = engine::CloseCommand{}});
   }
   writer.join();
@@ -696,6 +718,7 @@ grpc::Status DeftService::tree_session(
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
   }
+  if (parse_failed) return to_grpc(parse_failure());
   return to_grpc(events->final_status());
 }
 

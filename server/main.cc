@@ -33,6 +33,7 @@
 #include "server/engine_thread.h"
 #include "server/health_service.h"
 #include "server/metrics.h"
+#include "server/protobuf_log.h"
 #include "server/server_config.h"
 #include "server/tls.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -107,6 +108,7 @@ int main(int argc, char** argv) {
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
   spdlog::set_level(spdlog::level::from_str(config.log_level));
   spdlog::info("deft-server: config {}", deft::server::describe_config(config));
+  deft::server::route_protobuf_logs();
 
   // Signals are taken by sigwait() below; block them before any thread starts (gRPC starts
   // its own when the first credentials are made) so every thread inherits the mask.
