@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Command B: installs what is missing, builds everything, and runs the whole test suite:
 # every unit, GPU (skipped visibly without a GPU) and integration test through ctest, then the
-# CPU suites again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# CPU suites again under AddressSanitizer + UndefinedBehaviorSanitizer, then each libFuzzer
+# harness of tests/fuzz for 30 s (scripts/fuzz.sh).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install_deps.sh"
@@ -24,3 +25,6 @@ DEFT_BUILD_DIR=$root/build-asan "$root/scripts/build.sh" -DDEFT_SANITIZE=ON -DDE
   -DDEFT_BUILD_BENCH=OFF -DDEFT_GPU_ONLY=ON
 (cd "$root/build-asan" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --output-on-failure -j "$(nproc)" --timeout 600 -LE 'gpu|integration')
+
+echo "== libFuzzer harnesses (clang, ASan + UBSan), 30 s each =="
+"$root/scripts/fuzz.sh" 30
