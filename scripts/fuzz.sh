@@ -25,8 +25,7 @@ if ((${#harnesses[@]} == 0)); then
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# gRPC and protobuf keep process-lifetime allocations the leak checker would report at exit
-# (the suppressions file says which); the harnesses' own leaks are still reported.
+# The leak checker's suppressions are the ASan test stage's (tests/lsan_suppressions.txt).
 export LSAN_OPTIONS=suppressions=$root/tests/lsan_suppressions.txt:print_suppressions=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 failed=()
