@@ -28,6 +28,7 @@
 #include "models/default_model.h"
 #include "models/llama_cpu.h"
 #include "models/model_config.h"
+#include "server/auth.h"
 #include "server/deft_service.h"
 #include "server/engine_thread.h"
 #include "server/server_config.h"
@@ -68,6 +69,7 @@ deft::server::ServerConfig small_limits() {
 // The service and everything it runs on, made once per process.
 struct Harness {
   deft::server::ServerConfig config = small_limits();
+  deft::server::Authenticator auth;  // no keys: every caller is let in
   std::unique_ptr<deft::engine::Tokenizer> tokenizer;
   std::unique_ptr<deft::server::EngineThread> engine;
   std::unique_ptr<deft::server::DeftService> service;
@@ -104,7 +106,7 @@ struct Harness {
         deft::server::EngineThread::start(options, std::move(*runner), *tokenizer, nullptr);
     FUZZ_CHECK(started.ok(), started.status().ToString());
     engine = std::move(*started);
-    service = std::make_unique<deft::server::DeftService>(config, nullptr);
+    service = std::make_unique<deft::server::DeftService>(config, auth, nullptr);
     service->attach({.name = "default",
                      .architecture = model->architecture,
                      .vocab_size = model->vocab_size,
