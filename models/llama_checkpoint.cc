@@ -1,5 +1,6 @@
 #include "models/llama_checkpoint.h"
 
+#include <algorithm>
 #include <map>
 #include <string_view>
 
@@ -57,6 +58,18 @@ std::vector<ExpectedTensor> expected_llama_tensors(const ModelConfig& config) {
 
 absl::StatusOr<LlamaWeights> bind_llama_weights(const ModelConfig& config,
                                                 const SafetensorsSet& checkpoint) {
+  // Each layer needs at least its 9 weights. A layer count the checkpoint cannot hold is refused
+  // before the expected list is built (2^31 layers would be billions of entries), unless it is
+  // small enough that listing what is missing says more.
+  constexpr int64_t kTensorsPerLayer = 9;
+  const int64_t layers_held = static_cast<int64_t>(checkpoint.size()) / kTensorsPerLayer;
+  if (config.num_hidden_layers > std::max<int64_t>(layers_held, kMaxReportedProblems)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint '", checkpoint.source(),
+                     "' does not match its config: num_hidden_layers = ", config.num_hidden_layers,
+                     " needs at least ", int64_t{config.num_hidden_layers} * kTensorsPerLayer,
+                     " tensors, the checkpoint holds ", checkpoint.size()));
+  }
   std::vector<std::string> problems;
   size_t total_problems = 0;
   std::map<std::string, TensorView, std::less<>> found;

@@ -365,6 +365,13 @@ absl::StatusOr<ModelConfig> parse_object(const json& config) {
   if (out.head_dim % 2 != 0) {
     return refuse("head_dim", json(out.head_dim), "RoPE needs an even head_dim");
   }
+  // q_size() and the runners' projection shapes are int32 (KV heads never outnumber them).
+  if (const int64_t q_width = int64_t{out.num_attention_heads} * out.head_dim;
+      q_width > std::numeric_limits<int32_t>::max()) {
+    return refuse("head_dim", json(out.head_dim),
+                  str_cat("num_attention_heads (", out.num_attention_heads,
+                          ") x head_dim = ", q_width, " exceeds 2^31 - 1"));
+  }
   if (absl::Status status = read_size(config, "vocab_size", &out.vocab_size, true); !status.ok())
     return status;
   // transformers' defaults when the field is absent.

@@ -12,6 +12,7 @@ packages=(
   python3-grpcio python3-protobuf python3-grpc-tools prometheus-cpp-dev
   libsentencepiece-dev sentencepiece libpcre2-dev
   libssl-dev openssl
+  clang libfuzzer-14-dev
   nginx
 )
 

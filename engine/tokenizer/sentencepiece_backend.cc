@@ -29,18 +29,34 @@ struct Plugin {
   std::string error;
 };
 
+// The dlopen that loads the plugin. The sanitizer runtimes intercept dlopen and refuse
+// RTLD_DEEPBIND, because a deep-bound library may bind malloc and free past their interceptors.
+// A sanitized build's plugin is itself sanitized: with gcc it lists the runtime (libasan) as its
+// first dependency, so its deep-bound lookups still find the runtime's allocator first, and
+// libc's own dlopen, called past the interceptor, loads it. Without RTLD_DEEPBIND the plugin's
+// protobuf 3.14 would bind to the server's libprotobuf and abort in its version check.
+using DlopenFunction = void* (*)(const char*, int);
+DlopenFunction plugin_dlopen() {
+#ifdef DEFT_SANITIZED
+  if (void* libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD); libc != nullptr) {
+    if (auto* libc_dlopen = reinterpret_cast<DlopenFunction>(dlsym(libc, "dlopen"))) {
+      return libc_dlopen;
+    }
+  }
+#endif
+  return &dlopen;
+}
+
 // Loads the plugin once per process: $DEFT_SENTENCEPIECE_PLUGIN, an installed copy
 // (<prefix>/bin/../lib/deft/, as `cmake --install` lays it out), the build tree's copy, one beside
 // the executable, then the loader's search path.
 const Plugin& plugin() {
   static const Plugin loaded = [] {
     Plugin result;
-    // RTLD_DEEPBIND keeps libsentencepiece's bundled protobuf private to it. The sanitizer
-    // runtimes refuse RTLD_DEEPBIND; sanitized builds are CPU-only and hold no libprotobuf.
-    int flags = RTLD_NOW | RTLD_LOCAL;
-#ifndef DEFT_SANITIZED
-    flags |= RTLD_DEEPBIND;
-#endif
+    // RTLD_DEEPBIND keeps libsentencepiece's bundled protobuf private to it (plugin_dlopen()
+    // says how sanitized builds do it too).
+    const int flags = RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND;
+    const DlopenFunction open_plugin = plugin_dlopen();
     std::vector<std::string> candidates;
     if (const char* path = std::getenv("DEFT_SENTENCEPIECE_PLUGIN")) candidates.push_back(path);
     std::error_code error;
@@ -54,7 +70,7 @@ const Plugin& plugin() {
     if (!error) candidates.push_back((self.parent_path() / "libdeft_sentencepiece.so").string());
     candidates.push_back("libdeft_sentencepiece.so");
     for (const std::string& candidate : candidates) {
-      void* handle = dlopen(candidate.c_str(), flags);
+      void* handle = open_plugin(candidate.c_str(), flags);
       if (handle == nullptr) {
         result.error += std::string(result.error.empty() ? "" : "; ") + dlerror();
         continue;

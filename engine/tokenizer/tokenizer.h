@@ -27,7 +27,10 @@ class Tokenizer {
   // Token ids of `text`, with BOS first when `add_bos` (and the tokenizer has one). When
   // `parse_special` is true, special tokens written in the text ("<|eot_id|>", "</s>") become
   // their ids, as Hugging Face does by default; pass false for untrusted user text.
-  // Fails only on text that is not valid UTF-8.
+  // Fails (INVALID_ARGUMENT) on text that is not valid UTF-8, and on a character that has no
+  // token when the tokenizer has neither an unk token nor a byte token for each of its bytes
+  // (the message names the character): a tokenizer.json without byte fallback, unk_token or
+  // a complete byte-level alphabet. The Llama-family files and tokenizer.model never do.
   virtual absl::StatusOr<std::vector<TokenId>> encode(std::string_view text, bool add_bos,
                                                       bool parse_special = true) const = 0;
 

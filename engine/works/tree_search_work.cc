@@ -1,6 +1,7 @@
 #include "engine/works/tree_search_work.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "engine/works/child_sampling.h"
 
@@ -9,6 +10,17 @@ namespace {
 
 int64_t pages_for(int64_t tokens, int32_t page_tokens) {
   return (tokens + page_tokens - 1) / page_tokens;
+}
+
+// The bounds saturate at INT64_MAX: a policy's worst case passes int64 (64 children a level
+// over 16 levels is 2^96 nodes), and a saturated bound is over every limit, so it is refused.
+int64_t saturating_mul(int64_t a, int64_t b) {
+  int64_t product = 0;
+  return __builtin_mul_overflow(a, b, &product) ? std::numeric_limits<int64_t>::max() : product;
+}
+int64_t saturating_add(int64_t a, int64_t b) {
+  int64_t sum = 0;
+  return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<int64_t>::max() : sum;
 }
 
 }  // namespace
@@ -35,10 +47,11 @@ TreeSearchBounds tree_search_bounds(const TreeSearchJob& job, int32_t page_token
     if (depth < policy.max_depth && policy.trigger == BranchPolicyOptions::Trigger::kEveryTokens) {
       segment = std::min<int64_t>(segment, policy.every_tokens);
     }
-    bounds.pages += nodes * pages_for(segment, page_tokens);
-    bounds.tokens += nodes * segment;
+    bounds.pages =
+        saturating_add(bounds.pages, saturating_mul(nodes, pages_for(segment, page_tokens)));
+    bounds.tokens = saturating_add(bounds.tokens, saturating_mul(nodes, segment));
     const int64_t kept = policy.keep_best > 0 ? std::min<int64_t>(nodes, policy.keep_best) : nodes;
-    nodes = kept * policy.branch_factor;
+    nodes = saturating_mul(kept, policy.branch_factor);
   }
   return bounds;
 }

@@ -51,7 +51,8 @@ struct TreeSearchEvent {
 };
 using TreeSearchEvents = EventQueue<TreeSearchEvent>;
 
-// Upper bounds for a job: KV pages held at its peak, and tokens in its tree.
+// Upper bounds for a job: KV pages held at its peak, and tokens in its tree; INT64_MAX when they
+// pass int64 (a wide and deep policy).
 struct TreeSearchBounds {
   int64_t pages = 0;
   int64_t tokens = 0;

@@ -168,7 +168,8 @@ grpc::StatusCode tokenize_or_detokenize(v1::Deft::Stub& stub, Fuzzer& f) {
     return stub.Tokenize(&context, request, &response).error_code();
   }
   v1::DetokenizeRequest request;
-  for (int32_t id : f.prompt().tokens().ids()) request.add_ids(id);
+  const v1::Prompt prompt = f.prompt();  // kept while its ids are read
+  for (int32_t id : prompt.tokens().ids()) request.add_ids(id);
   request.set_skip_special(f.coin(2));
   v1::DetokenizeResponse response;
   return stub.Detokenize(&context, request, &response).error_code();
@@ -222,8 +223,10 @@ void session(v1::Deft::Stub& stub, Fuzzer& f, std::vector<int>& codes) {
         response = s.prune(f.node(nodes));
         break;
       default: {
-        std::vector<int32_t> continuation;
-        for (int32_t id : f.prompt().tokens().ids()) continuation.push_back(id);
+        // prompt() makes a message: keep it while its ids are read.
+        const v1::Prompt prompt = f.prompt();
+        std::vector<int32_t> continuation(prompt.tokens().ids().begin(),
+                                          prompt.tokens().ids().end());
         response = s.score(f.node(nodes), continuation);
         break;
       }

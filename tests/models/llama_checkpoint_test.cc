@@ -169,6 +169,16 @@ TEST(LlamaCheckpointTest, ManyProblemsAreCapped) {
   EXPECT_THAT(message, HasSubstr("more"));
 }
 
+// A layer count no checkpoint could hold is refused at once, not after listing 2^31 layers.
+TEST(LlamaCheckpointTest, ImpossibleLayerCountIsRefusedAtOnce) {
+  ModelConfig config = tiny_config(ModelFamily::kLlama, /*tied=*/false);
+  const std::vector<OwnedTensor> tensors = tensors_for(config, 8);
+  config.num_hidden_layers = 2147483647;
+  const std::string message = bind_error(config, tensors);
+  EXPECT_THAT(message, HasSubstr("num_hidden_layers = 2147483647"));
+  EXPECT_THAT(message, HasSubstr("model.safetensors"));
+}
+
 TEST(LlamaCheckpointTest, ExtraTensorsAreIgnored) {
   const ModelConfig config = tiny_config(ModelFamily::kLlama, /*tied=*/false);
   std::vector<OwnedTensor> tensors = tensors_for(config, 7);

@@ -231,6 +231,18 @@ TEST(ModelConfigTest, RefusesUnsupportedRopeScaling) {
                  {"high_freq_factor"});
 }
 
+// Query width past int32 would overflow q_size() (UBSan found it through the model_config fuzz
+// harness contract; tests/fuzz/regressions/model_config/).
+TEST(ModelConfigTest, RefusesQueryWidthPastInt32) {
+  expect_refused(kLlama31_8B,
+                 [](json& c) {
+                   c["num_attention_heads"] = 65536;
+                   c["num_key_value_heads"] = 65536;
+                   c["head_dim"] = 65536;
+                 },
+                 {"head_dim", "4294967296"});
+}
+
 TEST(ModelConfigTest, RefusesOtherActivationsAndDtypes) {
   expect_refused(kLlama2_7B, [](json& c) { c["hidden_act"] = "gelu"; }, {"hidden_act", "gelu"});
   expect_refused(kLlama2_7B, [](json& c) { c["torch_dtype"] = "float8_e4m3fn"; },

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -152,6 +153,22 @@ TEST_F(TreeSearchTest, DepthZeroIsPlainGreedyDecoding) {
   std::vector<TokenId> alone;
   harness.decode_alone(job.prompt, 13, &logits, &alone);
   EXPECT_EQ(tree.nodes[1].tokens, alone);
+}
+
+// 64 children a level over 16 levels is 2^96 nodes: the bounds saturate (a signed overflow
+// before; UBSan found it in the server's RunTree under ASan + UBSan) and so exceed any limit.
+TEST(TreeSearchBounds, SaturateForWideDeepPolicies) {
+  TreeSearchJob job;
+  job.prompt = {1, 2, 3};
+  job.max_tokens = 64;
+  job.policy = {.branch_factor = 64, .every_tokens = 1, .max_depth = 16};
+  const TreeSearchBounds bounds = tree_search_bounds(job, /*page_tokens=*/16);
+  EXPECT_EQ(bounds.tokens, std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(bounds.pages, std::numeric_limits<int64_t>::max());
+  job.policy = {.branch_factor = 2, .every_tokens = 4, .max_depth = 2, .keep_best = 1};
+  const TreeSearchBounds small = tree_search_bounds(job, 16);
+  // Prompt 3; depth 1: 2 nodes x 4 tokens; depth 2: 1 kept x 2 children x 64 tokens.
+  EXPECT_EQ(small.tokens, 3 + 2 * 4 + 2 * 64);
 }
 
 }  // namespace
