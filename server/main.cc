@@ -9,11 +9,13 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -155,6 +157,17 @@ int main(int argc, char** argv) {
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and the
   // kernel would split new connections between the two (sessions then seem to vanish).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  const int64_t request_bytes = deft::server::max_request_bytes(config);
+  builder.SetMaxReceiveMessageSize(
+      static_cast<int>(std::min<int64_t>(request_bytes, std::numeric_limits<int>::max())));
+  // Keepalive: ping a connection idle for a minute and drop it when 20 s pass without an
+  // answer, so a half-open connection (a client host gone without a FIN) frees its sessions'
+  // KV; accept clients' own pings down to every 10 s, also without calls in flight.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10'000);
+  spdlog::info("gRPC: requests up to {} bytes; keepalive ping after 60 s idle", request_bytes);
   int grpc_port = 0;
   builder.AddListeningPort(config.listen, *credentials, &grpc_port);
   builder.RegisterService(&service);

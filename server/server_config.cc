@@ -277,6 +277,12 @@ absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& a
   return result;
 }
 
+int64_t max_request_bytes(const ServerConfig& config) {
+  const int64_t tokens =
+      int64_t{config.max_tree_tokens} + config.max_prompt_tokens + config.max_verify_entries;
+  return int64_t{config.max_text_bytes} + 16 * tokens + (int64_t{1} << 20);
+}
+
 absl::Status validate_config(const ServerConfig& config) {
   const auto at_least = [](const char* key, int64_t value, int64_t minimum) {
     return value >= minimum ? absl::OkStatus()

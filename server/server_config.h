@@ -69,6 +69,13 @@ absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& a
 // Range checks across fields (positive sizes, a known plan kind, a known log level, ...).
 absl::Status validate_config(const ServerConfig& config);
 
+// The largest request message the gRPC port accepts (ServerBuilder::SetMaxReceiveMessageSize):
+// max_text_bytes, 16 bytes per token the limits allow (a token id, a verify parent and a draft
+// probability take at most 14 on the wire) and 1 MiB for everything else. gRPC refuses a larger
+// message with RESOURCE_EXHAUSTED before parsing it, so one request's memory is bounded by the
+// limits rather than by gRPC's 4 MiB default.
+int64_t max_request_bytes(const ServerConfig& config);
+
 // The --help text: every option with its default.
 std::string usage_text();
 

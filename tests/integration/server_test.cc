@@ -211,6 +211,21 @@ TEST_F(ServerTest, MalformedMessagesAreRefusedByTheFramework) {
   EXPECT_TRUE(server_->serving());
 }
 
+TEST_F(ServerTest, MessagesOverTheSizeLimitAreRefusedBeforeParsing) {
+  // The limit follows the server's limits (server_config.h, max_request_bytes): here about
+  // 1.2 MB. gRPC answers RESOURCE_EXHAUSTED without parsing the message; the server goes on.
+  auto stub = server_->stub();
+  v1::GenerateRequest request;
+  request.mutable_prompt()->set_text(std::string(3 << 20, 'a'));
+  EXPECT_EQ(generate(*stub, request).status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  v1::TokenizeRequest small;
+  small.set_text("still serving");
+  v1::TokenizeResponse response;
+  grpc::ClientContext context;
+  EXPECT_TRUE(stub->Tokenize(&context, small, &response).ok());
+  EXPECT_TRUE(server_->serving());
+}
+
 TEST_F(ServerTest, DetokenizeRejectsIdsOutsideTheVocabulary) {
   auto stub = server_->stub();
   for (const int32_t bad : {512, -1, 1 << 30}) {
