@@ -292,6 +292,8 @@ class PlanBuilder {
     on_path_.erase(on_path_.begin(), on_path_.end());
     on_path_.insert(tree.root());
     for (size_t i = 0; i < queries.size(); ++i) {
+      // A run of rows on one node (a prefill chunk) marks its path once.
+      if (i > 0 && queries[i].node == queries[i - 1].node) continue;
       if (!tree.contains(queries[i].node)) {
         return absl::InvalidArgumentError(
             absl::StrCat("planner: query ", i, " names node ", queries[i].node,

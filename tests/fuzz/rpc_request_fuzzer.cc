@@ -34,10 +34,12 @@
 #include "server/server_config.h"
 #include "spdlog/spdlog.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/testing/client_error_codes.h"
 
 namespace {
 
 namespace v1 = deft::v1;
+using deft::testing::client_error_or_ok;
 
 // A call that takes longer is a hang: an accepted request under these limits needs well under
 // a second even under ASan.
@@ -131,20 +133,6 @@ Harness& harness() {
   return *instance;
 }
 
-bool client_error_or_ok(int code) {
-  switch (static_cast<grpc::StatusCode>(code)) {
-    case grpc::StatusCode::OK:
-    case grpc::StatusCode::INVALID_ARGUMENT:
-    case grpc::StatusCode::OUT_OF_RANGE:
-    case grpc::StatusCode::NOT_FOUND:
-    case grpc::StatusCode::FAILED_PRECONDITION:
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return true;
-    default:
-      return false;
-  }
-}
-
 void check_status(const char* rpc, const grpc::Status& status) {
   FUZZ_CHECK(client_error_or_ok(status.error_code()),
              absl::StrCat(rpc, " answered code ", static_cast<int>(status.error_code()), ": ",
@@ -199,7 +187,8 @@ void tree_session(deft::fuzz::FuzzInput& input, v1::Deft::Stub& stub) {
   v1::SessionResponse response;
   while (stream->Read(&response)) {
     if (response.has_error()) {
-      FUZZ_CHECK(client_error_or_ok(response.error().code()) && response.error().code() != 0,
+      FUZZ_CHECK(client_error_or_ok(static_cast<grpc::StatusCode>(response.error().code())) &&
+                     response.error().code() != 0,
                  absl::StrCat("session error code ", response.error().code(), ": ",
                               response.error().message()));
     }

@@ -22,6 +22,7 @@
 
 #include "tests/integration/server_process.h"
 #include "tests/integration/tree_clients.h"
+#include "tests/testing/client_error_codes.h"
 
 namespace deft::testing {
 namespace {
@@ -31,21 +32,6 @@ namespace v1 = deft::v1;
 constexpr int kVocab = 512;  // the embedded default model
 constexpr int kCalls = 300;
 constexpr int kBadOneIn = 8;
-
-// Codes a well-formed or malformed request may get; anything else is a server bug.
-bool client_error_or_ok(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-    case grpc::StatusCode::INVALID_ARGUMENT:
-    case grpc::StatusCode::OUT_OF_RANGE:
-    case grpc::StatusCode::NOT_FOUND:
-    case grpc::StatusCode::FAILED_PRECONDITION:
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return true;
-    default:
-      return false;
-  }
-}
 
 class Fuzzer {
  public:
