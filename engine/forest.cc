@@ -261,6 +261,13 @@ int64_t Forest::node_pages(NodeId node) const {
   return static_cast<int64_t>(kv_->pages(tree_.kv_key(node)).size());
 }
 
+int64_t Forest::append_pages(NodeId node, int64_t tokens) const {
+  if (tokens <= 0) return 0;
+  const int64_t page = kv_->page_tokens();
+  const auto held = static_cast<int64_t>(tree_.node(node).tokens.size());
+  return (held + tokens + page - 1) / page - node_pages(node);
+}
+
 absl::Status Forest::check_invariants() const {
   const auto broken = [](auto&&... parts) {
     return absl::FailedPreconditionError(absl::StrCat("forest invariant: ", parts...));

@@ -96,6 +96,8 @@ class Forest {
 
   // Pages of one node.
   int64_t node_pages(NodeId node) const;
+  // New pages an append of `tokens` tokens to `node` takes (a node owns whole pages).
+  int64_t append_pages(NodeId node, int64_t tokens) const;
   // Pages of cached nodes: evictable at any time, so free for admission's purposes.
   int64_t cached_pages() const { return cache_.stats().cached_pages; }
   // Pages of referenced nodes (the used pages that are not cached).

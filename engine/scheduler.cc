@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "engine/works/session_work.h"
 #include "spdlog/spdlog.h"
@@ -44,7 +45,7 @@ absl::Status Scheduler::submit(std::unique_ptr<Work> work) {
     work->abort(status, forest_);
     return status;
   }
-  queued_.push_back({.work = std::move(work)});
+  queued_.push_back({.work = std::move(work), .arrival = next_arrival_++});
   return absl::OkStatus();
 }
 
@@ -98,14 +99,19 @@ void Scheduler::close_session(uint64_t id) {
   if (it != sessions_.end()) it->second->begin_close();
 }
 
+int64_t Scheduler::reserved_pages(const Work& work) const {
+  return options_.admission == Admission::kStep ? work.reserve_pages(forest_)
+                                                : work.pending_pages(forest_);
+}
+
 int64_t Scheduler::committed_pages() const {
   int64_t pages = forest_.referenced_pages();  // cached pages are free for admission
-  for (const auto& work : live_) pages += work->pending_pages(forest_);
+  for (const Live& live : live_) pages += reserved_pages(*live.work);
   return pages;
 }
 
 void Scheduler::end_live(size_t index, const absl::Status& status) {
-  if (!live_[index]->finished()) live_[index]->abort(status, forest_);
+  if (!live_[index].work->finished()) live_[index].work->abort(status, forest_);
   live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(index));
 }
 
@@ -120,26 +126,109 @@ void Scheduler::prepare() {
     }
   }
   for (size_t i = live_.size(); i-- > 0;) {
-    if (live_[i]->cancelled()) end_live(i, absl::CancelledError("cancelled by the client"));
+    if (live_[i].work->cancelled()) end_live(i, absl::CancelledError("cancelled by the client"));
   }
   // 2. Sessions: closed ones go once their command has ended; the others start commands.
   pump_sessions();
-  // 3. Admission in arrival order, under the KV pool (scheduler.h: who may pass whom).
-  int64_t committed = committed_pages();
-  bool reserved = false;  // an older job out of patience holds back the jobs behind it
+  // 3. Admission (scheduler.h: in which order, and who may pass whom).
+  admit();
+}
+
+void Scheduler::admit() {
+  preempted_waiting_ = false;
+  if (queued_.empty()) return;
+  const auto start = [&](Queued& queued) {
+    live_.push_back({.work = std::move(queued.work), .arrival = queued.arrival});
+    live_.back().work->start(forest_);
+  };
+  // Session commands first, whatever the pages.
   for (auto it = queued_.begin(); it != queued_.end();) {
-    const bool session = it->work->is_session_command();
-    const int64_t pages = it->work->pending_pages(forest_);
-    if ((session || !reserved) && committed + pages <= options_.kv_pages) {
-      committed += pages;
-      live_.push_back(std::move(it->work));
+    if (it->work->is_session_command()) {
+      start(*it);
       it = queued_.erase(it);
-      live_.back()->start(forest_);
-      continue;
+    } else {
+      ++it;
     }
-    if (!session && ++it->waited >= options_.admission_patience) reserved = true;
-    ++it;
   }
+  if (queued_.empty()) return;
+  // Jobs: priority, then the client's share (its live jobs plus its earlier waiting ones),
+  // then age.
+  absl::flat_hash_map<uint64_t, int64_t> share;
+  for (const Live& live : live_) ++share[live.work->requester.client];
+  struct Key {
+    int priority;
+    int64_t share;
+    uint64_t arrival;
+  };
+  std::vector<Key> keys(queued_.size());
+  std::vector<size_t>& candidates = candidates_;
+  candidates.resize(queued_.size());
+  for (size_t i = 0; i < queued_.size(); ++i) candidates[i] = i;
+  std::sort(candidates.begin(), candidates.end(),
+            [&](size_t a, size_t b) { return queued_[a].arrival < queued_[b].arrival; });
+  for (size_t i : candidates) {
+    const Requester& requester = queued_[i].work->requester;
+    keys[i] = {.priority = static_cast<int>(requester.priority),
+               .share = share[requester.client]++,
+               .arrival = queued_[i].arrival};
+  }
+  std::sort(candidates.begin(), candidates.end(), [&](size_t a, size_t b) {
+    const Key& x = keys[a];
+    const Key& y = keys[b];
+    if (x.priority != y.priority) return x.priority > y.priority;
+    if (x.share != y.share) return x.share < y.share;
+    return x.arrival < y.arrival;
+  });
+  int64_t committed = committed_pages();
+  bool reserved = false;  // a job out of patience holds back the jobs after it
+  for (size_t i : candidates) {
+    Queued& queued = queued_[i];
+    if (!reserved) {
+      const int64_t pages = reserved_pages(*queued.work);
+      if (committed + pages <= options_.kv_pages) {
+        committed += pages;
+        start(queued);
+        continue;
+      }
+    }
+    if (++queued.waited >= options_.admission_patience) reserved = true;
+  }
+  std::erase_if(queued_, [](const Queued& queued) { return queued.work == nullptr; });
+}
+
+bool Scheduler::make_room(int64_t pages, size_t position) {
+  while (kv_.free_pages() + forest_.cached_pages() < pages) {
+    if (options_.admission != Admission::kStep) return false;
+    // The least important preemptible work that has not added rows this step.
+    size_t victim = order_.size();
+    for (size_t k = order_.size(); k-- > position;) {
+      const size_t index = order_[k];
+      if (preempted_[index] == 0 && live_[index].work->preemptible()) {
+        victim = k;
+        break;
+      }
+    }
+    if (victim == order_.size()) return false;
+    const size_t index = order_[victim];
+    live_[index].work->preempt(forest_);
+    preempted_[index] = 1;
+    ++preemptions_;
+    spdlog::debug("engine: preempted a request to free KV ({} pages needed, {} free)", pages,
+                  kv_.free_pages() + forest_.cached_pages());
+    if (victim == position) return false;
+  }
+  return true;
+}
+
+void Scheduler::requeue_preempted() {
+  for (size_t i = live_.size(); i-- > 0;) {
+    if (preempted_[i] == 0) continue;
+    preempted_waiting_ = true;
+    queued_.push_back(
+        {.work = std::move(live_[i].work), .arrival = live_[i].arrival, .preempted = true});
+    live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  preempted_.clear();
 }
 
 bool Scheduler::has_ready_sessions() const {
@@ -175,16 +264,31 @@ std::optional<StepStats> Scheduler::step() {
   StepStats stats;
   step_.clear();
   step_.budget = options_.max_step_tokens;
-  // Rotate who goes first, so a short budget is shared fairly across steps.
-  const size_t count = live_.size();
-  const size_t first = rotation_++ % count;
+  step_.prefill_budget = options_.max_prefill_tokens > 0
+                             ? options_.max_prefill_tokens
+                             : std::max(1, options_.max_step_tokens / 2);
+  // Most important first: priority, then age.
   std::vector<size_t>& order = order_;
-  order.clear();
-  for (size_t k = 0; k < count; ++k) order.push_back((first + k) % count);
+  order.resize(live_.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const auto pa = live_[a].work->requester.priority;
+    const auto pb = live_[b].work->requester.priority;
+    if (pa != pb) return pa > pb;
+    return live_[a].arrival < live_[b].arrival;
+  });
+  preempted_.assign(live_.size(), 0);
   absl::Status status;
-  for (size_t index : order) {
+  for (size_t position = 0; position < order.size(); ++position) {
+    const size_t index = order[position];
+    if (preempted_[index] != 0) continue;
+    Work& work = *live_[index].work;
+    if (const int64_t pages = work.step_pages(forest_, step_);
+        pages > 0 && !make_room(pages, position)) {
+      continue;  // preempted, or no room this step
+    }
     const size_t rows_before = step_.tokens.size();
-    status = live_[index]->add_rows(step_);
+    status = work.add_rows(step_);
     if (!status.ok()) break;
     if (step_.tokens.size() > rows_before) ++stats.works;
   }
@@ -222,13 +326,16 @@ std::optional<StepStats> Scheduler::step() {
     }
     if (status.ok()) {
       for (size_t index : order) {
-        if (absl::Status taken = live_[index]->take_logits(step_); !taken.ok()) {
+        if (preempted_[index] != 0) continue;
+        Work& work = *live_[index].work;
+        if (absl::Status taken = work.take_logits(step_); !taken.ok()) {
           spdlog::error("engine: a request failed: {}", taken.ToString());
-          live_[index]->abort(absl::InternalError(taken.message()), forest_);
+          work.abort(absl::InternalError(taken.message()), forest_);
         }
       }
     }
   }
+  requeue_preempted();
   if (!status.ok()) {
     // An engine bug or a runner failure: the works of this step cannot go on.
     spdlog::error("engine: step failed, ending {} requests: {}", live_.size(), status.ToString());
@@ -240,7 +347,7 @@ std::optional<StepStats> Scheduler::step() {
     forest_.clear_cache();
   }
   for (size_t i = live_.size(); i-- > 0;) {
-    if (live_[i]->finished()) live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(i));
+    if (live_[i].work->finished()) live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(i));
   }
   stats.rows = static_cast<int64_t>(step_.tokens.size());
   stats.logit_rows = static_cast<int64_t>(step_.logit_rows.size());
@@ -261,14 +368,17 @@ std::span<float> Scheduler::logits_for(size_t rows) {
 }
 
 void Scheduler::refuse_queued(const absl::Status& status) {
-  for (Queued& queued : queued_) queued.work->abort(status, forest_);
-  queued_.clear();
+  for (Queued& queued : queued_) {
+    if (!queued.preempted) queued.work->abort(status, forest_);
+  }
+  std::erase_if(queued_, [](const Queued& queued) { return !queued.preempted; });
 }
 
 void Scheduler::abort_all(const absl::Status& status) {
   for (size_t i = live_.size(); i-- > 0;) end_live(i, status);
   for (auto& [id, session] : sessions_) session->begin_close();
-  refuse_queued(status);
+  for (Queued& queued : queued_) queued.work->abort(status, forest_);
+  queued_.clear();
   for (auto& [id, session] : sessions_) session->close(forest_, status);
   sessions_.clear();
 }

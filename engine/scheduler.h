@@ -3,18 +3,28 @@
 //   1. cancellations: works whose client cancelled or went away end now and free their KV;
 //   2. sessions: their queued commands start (branch / prune / close at once, the others as
 //      works);
-//   3. admission, in arrival order: a work is admitted while the referenced KV pages plus the
-//      pending (worst-case) pages of every live work still fit the pool, so a live work never
-//      runs out of KV. Cached KV (the prefix cache, engine/forest.h) counts as free: a step
-//      that needs its pages evicts it (Forest::append), so the cache never holds a work back. A
-//      work that does not fit yet waits without holding back the ones behind it (a one-page job
-//      passes a sixteen-page one), but a job (Generate, RunTree) that has waited
-//      `admission_patience` steps reserves the room: no later job is admitted before it.
-//      Session commands are never held back: their sessions hold KV that only their own later
-//      commands (prune, close) free, so making them wait could wait forever;
-//   4. one step: every live work, in a rotating order (fair under a short budget), adds its
-//      query rows under the step's token budget (prompts are prefilled in chunks), one plan
-//      and one forward pass serve them all, and each work takes its logits.
+//   3. admission. Session commands first, never held back: their sessions hold KV that only
+//      their own later commands (prune, close) free, so making them wait could wait forever.
+//      Then jobs, in priority order and, within a priority, round robin over clients (a
+//      client's k-th waiting job counts as if k of its jobs were live already: a client with
+//      60 queued jobs does not starve one with 1), oldest first. A job is admitted while the
+//      referenced KV pages plus every live work's reserve (Work::reserve_pages) and its own
+//      fit the pool; cached KV (the prefix cache, engine/forest.h) counts as free, since a step
+//      evicts it when it needs the pages. Step admission (the default) reserves a preemptible
+//      job's next steps only, not its worst case; worst-case admission (the old policy, kept to
+//      compare) reserves max_tokens on every branch. A job that does not fit yet waits without
+//      holding back the ones behind it (a one-page job passes a sixteen-page one), but once it
+//      has waited `admission_patience` steps it reserves the room: nothing after it is admitted.
+//   4. one step: every live work, most important first (priority, then age), adds its query
+//      rows under the step's token budget; prompts are prefilled in chunks of at most
+//      `max_prefill_tokens` rows a step, so decode rows always get the rest of the budget and a
+//      long prompt delays running branches by at most one chunk. Before a work adds its rows
+//      the scheduler makes room for the pages they may take (Work::step_pages): it evicts
+//      cached KV, then preempts the least important preemptible work that has not added rows
+//      this step (the lowest priority, the newest; possibly the work itself), which lets go of
+//      its KV and waits in the queue to recompute it (engine/works/generate_work.h). A work
+//      that still lacks room (nothing left to preempt) skips the step. One plan and one forward
+//      pass serve all the rows, and each work takes its logits.
 // Single-threaded: the engine thread owns it (server/engine_thread.h feeds it).
 #pragma once
 
@@ -37,13 +47,22 @@
 
 namespace deft::engine {
 
+// What admission keeps free for a live job (scheduler.h, step 3).
+enum class Admission : uint8_t {
+  kStep,       // its next steps' pages; a step short of KV preempts (the default)
+  kWorstCase,  // max_tokens on every branch; nothing is ever preempted
+};
+
 struct SchedulerOptions {
   int32_t page_tokens = 16;
   int32_t kv_pages = 2048;
   int32_t max_queued_works = 64;  // waiting for admission
   // Steps a job may wait while later, smaller ones are admitted before it holds them back.
   int32_t admission_patience = 64;
+  Admission admission = Admission::kStep;
   int32_t max_step_tokens = 2048;  // query rows per step
+  // Of which prompt and extension chunks may take (0: half of max_step_tokens, at least 1).
+  int32_t max_prefill_tokens = 0;
   // Node ids of the forest start here (after the root, 0; at most kMaxFirstNodeId). Clients
   // see them (TreeSession, Verify): a high start shows at once whether a client handles ids
   // past 2^32, which a real server reaches after days.
@@ -92,7 +111,8 @@ class Scheduler {
   // Step 4; nullopt when no live work had rows to add.
   std::optional<StepStats> step();
 
-  // Ends every queued work with `status` (shutdown: stop admitting).
+  // Ends every queued work with `status` (shutdown: stop admitting), except preempted ones:
+  // they were admitted before, and get the shutdown's grace as live works do.
   void refuse_queued(const absl::Status& status);
   // Ends every live work and session with `status` (shutdown after the grace).
   void abort_all(const absl::Status& status);
@@ -101,7 +121,12 @@ class Scheduler {
   // A session has commands waiting that prepare() can start or answer now (the engine loop
   // must not sleep then: nothing else would wake it).
   bool has_ready_sessions() const;
+  // The last step preempted works, which the next prepare() may admit again (the engine loop
+  // must not sleep then either).
+  bool has_preempted() const { return preempted_waiting_; }
   int32_t queued() const { return static_cast<int32_t>(queued_.size()); }
+  // Works preempted (and queued to recompute) since the start.
+  int64_t preemptions() const { return preemptions_; }
   int32_t live() const { return static_cast<int32_t>(live_.size()); }
   int32_t sessions() const { return static_cast<int32_t>(sessions_.size()); }
   const KvCacheManager& kv() const { return kv_; }
@@ -109,7 +134,15 @@ class Scheduler {
 
  private:
   absl::Status admissible(const Work& work) const;
+  // Pages admission keeps for a work (Admission).
+  int64_t reserved_pages(const Work& work) const;
   int64_t committed_pages() const;
+  void admit();
+  // Step 4's room for the work at order_[position]: true when `pages` more pages are free
+  // or cached, preempting works from the end of order_ (at or after `position`) as needed.
+  bool make_room(int64_t pages, size_t position);
+  // Moves this step's preempted works back to the queue.
+  void requeue_preempted();
   void pump_sessions();
   void end_live(size_t index, const absl::Status& status);
   // The step's logits destination for `rows` rows: the runner's buffer, or logits_.
@@ -127,13 +160,23 @@ class Scheduler {
   std::vector<float> logits_;  // when the runner offers no logits_buffer()
   struct Queued {
     std::unique_ptr<Work> work;
-    int32_t waited = 0;  // admission passes (steps) it has waited
+    uint64_t arrival = 0;    // submission order (kept through preemptions)
+    int32_t waited = 0;      // admission passes (steps) it has waited
+    bool preempted = false;  // admitted before: refuse_queued() spares it
+  };
+  struct Live {
+    std::unique_ptr<Work> work;
+    uint64_t arrival = 0;
   };
   std::deque<Queued> queued_;
-  std::vector<std::unique_ptr<Work>> live_;
-  size_t rotation_ = 0;
-  std::vector<size_t> order_;  // this step's work order (kept to reuse its storage)
+  std::vector<Live> live_;
+  uint64_t next_arrival_ = 0;
+  std::vector<size_t> order_;       // this step's work order (kept to reuse its storage)
+  std::vector<uint8_t> preempted_;  // per live work, this step
+  std::vector<size_t> candidates_;  // admission's order of queued_ (storage kept)
   int64_t step_count_ = 0;
+  int64_t preemptions_ = 0;
+  bool preempted_waiting_ = false;
   std::unordered_map<uint64_t, std::shared_ptr<Session>> sessions_;
 };
 

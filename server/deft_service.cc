@@ -27,6 +27,31 @@ grpc::Status invalid(const std::string& message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message);
 }
 
+// Who a job is for, for admission's order (engine/scheduler.h): the caller's API key or, on a
+// server without keys, the connection; and the request's priority.
+absl::StatusOr<engine::Requester> requester(const grpc::ServerContext& context,
+                                            const Caller& caller, v1::Priority priority) {
+  engine::Requester out;
+  out.client =
+      std::hash<std::string>{}(caller.key_id.empty() ? context.peer() : "key:" + caller.key_id);
+  switch (priority) {
+    case v1::PRIORITY_NORMAL:
+      out.priority = engine::Priority::kNormal;
+      break;
+    case v1::PRIORITY_LOW:
+      out.priority = engine::Priority::kLow;
+      break;
+    case v1::PRIORITY_HIGH:
+      out.priority = engine::Priority::kHigh;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("priority = ", static_cast<int>(priority),
+                       " is not PRIORITY_NORMAL (0), PRIORITY_LOW (1) or PRIORITY_HIGH (2)"));
+  }
+  return out;
+}
+
 const char* code_name(grpc::StatusCode code) {
   switch (code) {
     case grpc::StatusCode::OK:
@@ -299,6 +324,9 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& c
                                 "] (0 means 1; max_branches)"));
   }
   job.n = request.n() == 0 ? 1 : request.n();
+  absl::StatusOr<engine::Requester> who = requester(*context, caller, request.priority());
+  if (!who.ok()) return to_grpc(who.status());
+  job.requester = *who;
   if (absl::Status status = sampling(request.sampling(), "sampling", &job.sampling, &job.limits,
                                      &job.max_tokens);
       !status.ok()) {
@@ -402,6 +430,9 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const Caller& c
   absl::StatusOr<std::vector<engine::TokenId>> prompt = prompt_tokens(request.prompt(), "prompt");
   if (!prompt.ok()) return to_grpc(prompt.status());
   job.prompt = std::move(*prompt);
+  absl::StatusOr<engine::Requester> who = requester(*context, caller, request.priority());
+  if (!who.ok()) return to_grpc(who.status());
+  job.requester = *who;
 
   const v1::BranchPolicy& policy = request.policy();
   engine::BranchPolicyOptions& options = job.policy;

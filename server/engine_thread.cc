@@ -152,6 +152,7 @@ void EngineThread::publish() {
     const engine::PrefixCacheStats& cache = s.forest().cache_stats();
     metrics_->set_engine_state(s.queued(), s.live(), used, s.kv().free_pages());
     metrics_->set_prefix_cache(cache.cached_pages, cache.hit_tokens, cache.evicted_pages);
+    metrics_->set_preemptions(s.preemptions());
     metrics_->refresh_rates();
   }
 }
@@ -172,7 +173,7 @@ void EngineThread::run() {
       // Idle: sleep until a command arrives (the timeout refreshes the rate gauges). A session
       // whose command just ended may have the next one queued: no sleep then.
       if (inbox_.empty() && !scheduler.has_live() && !scheduler.has_ready_sessions() &&
-          !stopping_) {
+          !scheduler.has_preempted() && !stopping_) {
         wake_.wait_for(lock, std::chrono::seconds(1));
       }
       commands.swap(inbox_);

@@ -267,7 +267,10 @@ int main(int argc, char** argv) {
       .page_tokens = config.page_tokens,
       .kv_pages = config.kv_pages,
       .max_queued_works = config.max_queued_jobs,
+      .admission = config.kv_admission == "step" ? deft::engine::Admission::kStep
+                                                 : deft::engine::Admission::kWorstCase,
       .max_step_tokens = config.max_step_tokens,
+      .max_prefill_tokens = config.max_prefill_tokens,
       .first_node_id = config.first_node_id,
       .prefix_cache_pages = config.prefix_cache_pages,
       .sessions = {.max_sessions = config.max_sessions,

@@ -67,6 +67,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                                 "Prompt tokens whose KV was found in the prefix cache");
   prefix_evicted_pages_ = &counter(r, "deft_prefix_cache_evicted_pages_total",
                                    "KV pages evicted from the prefix cache");
+  preemptions_ = &counter(r, "deft_preemptions_total",
+                          "Requests preempted when a step ran short of KV (their KV is "
+                          "recomputed when they are admitted again)");
   forward_share_ = &gauge(r, "deft_step_forward_share",
                           "Share of the last step spent in the model forward pass (attention "
                           "included)");
@@ -149,6 +152,11 @@ void ServerMetrics::set_prefix_cache(int64_t cached_pages, int64_t hit_tokens_to
       static_cast<double>(evicted_pages_total - prefix_evicted_pages_total_));
   prefix_hit_tokens_total_ = hit_tokens_total;
   prefix_evicted_pages_total_ = evicted_pages_total;
+}
+
+void ServerMetrics::set_preemptions(int64_t preemptions_total) {
+  preemptions_->Increment(static_cast<double>(preemptions_total - preemptions_total_));
+  preemptions_total_ = preemptions_total;
 }
 
 void ServerMetrics::record_request(const std::string& rpc, const std::string& code,

@@ -52,6 +52,8 @@ class ServerMetrics {
   // The prefix cache (engine/prefix_cache.h): its pages now, and its counters' totals so far.
   void set_prefix_cache(int64_t cached_pages, int64_t hit_tokens_total,
                         int64_t evicted_pages_total);
+  // Works preempted to free KV so far (engine/scheduler.h); they recompute later.
+  void set_preemptions(int64_t preemptions_total);
   // Refreshes the windowed rate gauges (call now and then, also while idle).
   void refresh_rates();
   // One finished RPC; `code` is the gRPC status code's name ("OK", "INVALID_ARGUMENT", ...);
@@ -85,6 +87,8 @@ class ServerMetrics {
   prometheus::Counter* prefix_evicted_pages_ = nullptr;
   int64_t prefix_hit_tokens_total_ = 0;  // what the counters were last advanced to
   int64_t prefix_evicted_pages_total_ = 0;
+  prometheus::Counter* preemptions_ = nullptr;
+  int64_t preemptions_total_ = 0;
   prometheus::Gauge* forward_share_ = nullptr;
   prometheus::Gauge* attention_share_ = nullptr;
   prometheus::Gauge* plan_share_ = nullptr;

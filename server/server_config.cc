@@ -49,6 +49,12 @@ const std::vector<Field>& fields() {
        "tokens per branch when a request's max_tokens is 0"},
       {"max_step_tokens", &ServerConfig::max_step_tokens,
        "token budget of one engine step (prefill + decode rows)"},
+      {"max_prefill_tokens", &ServerConfig::max_prefill_tokens,
+       "most prompt rows of one engine step, so running branches always get the rest of its "
+       "budget; 0: half of max_step_tokens"},
+      {"kv_admission", &ServerConfig::kv_admission,
+       "step (admit for a job's next steps; when a step runs short of KV the newest job is "
+       "preempted and recomputes later) | worst_case (reserve max_tokens on every branch)"},
       {"max_text_bytes", &ServerConfig::max_text_bytes,
        "most bytes of text in one request (prompt, Tokenize text, stop strings, delimiter)"},
       {"max_stop_sequences", &ServerConfig::max_stop_sequences,
@@ -299,6 +305,7 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_branches", config.max_branches, 1),
            at_least("default_max_tokens", config.default_max_tokens, 1),
            at_least("max_step_tokens", config.max_step_tokens, 1),
+           at_least("max_prefill_tokens", config.max_prefill_tokens, 0),
            at_least("max_text_bytes", config.max_text_bytes, 1),
            at_least("max_stop_sequences", config.max_stop_sequences, 0),
            at_least("chunk_tokens", config.chunk_tokens, 0),
@@ -319,6 +326,10 @@ absl::Status validate_config(const ServerConfig& config) {
                                                    " (ids must never run out)"));
   }
   if (config.listen.empty()) return absl::InvalidArgumentError("config: listen is empty");
+  if (config.kv_admission != "step" && config.kv_admission != "worst_case") {
+    return absl::InvalidArgumentError(absl::StrCat("config: kv_admission \"", config.kv_admission,
+                                                   "\" is not step or worst_case"));
+  }
   if (!(config.shutdown_grace_seconds >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config: shutdown_grace_seconds = ", config.shutdown_grace_seconds, " must be >= 0"));

@@ -26,6 +26,11 @@ struct ServerConfig {
   int32_t max_branches = 64;           // n of Generate
   int32_t default_max_tokens = 64;     // per branch when a request leaves max_tokens at 0
   int32_t max_step_tokens = 2048;      // token budget of one engine step (prefills + decodes)
+  int32_t max_prefill_tokens = 0;      // of which prompt chunks; 0: half of max_step_tokens
+  // What admission keeps free for a live job (engine/scheduler.h): "step" (its next steps;
+  // a step short of KV preempts the newest job, which recomputes later) | "worst_case"
+  // (max_tokens on every branch; nothing is preempted).
+  std::string kv_admission = "step";
   int32_t max_text_bytes = 1 << 20;    // Tokenize text, prompt text, stop strings together
   int32_t max_stop_sequences = 32;     // stop strings, and stop token ids, of one request each
   int32_t max_sessions = 64;           // open TreeSessions

@@ -580,10 +580,12 @@ ReplayResult replay_workload(engine::ModelRunner& runner, const engine::Tokenize
   const int32_t stride = std::max(options.stride, 1);
 
   // No prefix cache: a replay measures one workload's decoding, and its fast-forwarded
-  // iterations append tokens whose KV is never computed, which a cache must never offer.
+  // iterations append tokens whose KV is never computed, which a cache must never offer. One
+  // workload at a time: its prompt may take the whole step budget (no decodes to protect).
   engine::SchedulerOptions scheduler_options{.page_tokens = options.page_tokens,
                                              .kv_pages = options.kv_pages,
                                              .max_step_tokens = options.max_step_tokens,
+                                             .max_prefill_tokens = options.max_step_tokens,
                                              .prefix_cache_pages = 0,
                                              .planner = options.planner};
   engine::Scheduler scheduler(scheduler_options, runner, tokenizer);

@@ -1,6 +1,7 @@
 #include "engine/works/generate_work.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "engine/works/child_sampling.h"
 
@@ -18,7 +19,9 @@ GenerateWork::GenerateWork(GenerateJob job, std::shared_ptr<GenerateEvents> even
     : job_(std::move(job)),
       events_(std::move(events)),
       tokenizer_(tokenizer),
-      page_tokens_(page_tokens) {}
+      page_tokens_(page_tokens) {
+  requester = job_.requester;
+}
 
 int64_t GenerateWork::max_pages(const GenerateJob& job, int32_t page_tokens) {
   return pages_for(static_cast<int64_t>(job.prompt.size()), page_tokens) +
@@ -39,17 +42,111 @@ int64_t GenerateWork::pending_pages(const Forest& forest) const {
     pending += int64_t{job_.n} * pages_for(job_.max_tokens, page_tokens_);
     return pending;
   }
+  // A branch's node holds its path from its depth on: the generated tokens, or after a
+  // preemption whatever of prompt + generated tokens was not found cached.
+  const auto path_tokens = static_cast<int64_t>(job_.prompt.size()) + job_.max_tokens;
   for (const Branch& branch : branches_) {
     if (!branch.live) continue;
-    pending += pages_for(job_.max_tokens, page_tokens_) - forest.node_pages(branch.node);
+    if (branch.node < 0) {
+      pending += pages_for(path_tokens, page_tokens_);
+    } else {
+      pending += pages_for(path_tokens - tree.node(branch.node).depth_begin, page_tokens_) -
+                 forest.node_pages(branch.node);
+    }
   }
   return std::max<int64_t>(pending, 0);
 }
 
+int64_t GenerateWork::reserve_pages(const Forest& forest) const {
+  if (finished_) return 0;
+  if (branches_.empty()) {
+    // The prompt's pages (whole before placement) and the first decode step's.
+    if (prefilled_ < 0)
+      return pages_for(static_cast<int64_t>(job_.prompt.size()), page_tokens_) + job_.n;
+    return pending_pages(forest) - int64_t{job_.n} * pages_for(job_.max_tokens, page_tokens_) +
+           job_.n;
+  }
+  int64_t pages = 0;
+  for (const Branch& branch : branches_) {
+    if (!branch.live) continue;
+    const int64_t context = static_cast<int64_t>(job_.prompt.size() + branch.fed.size());
+    if (branch.node < 0) {
+      pages += pages_for(context, page_tokens_) + 1;  // preempted: its whole path again
+    } else if (branch.refilled < static_cast<int64_t>(branch.refill.size())) {
+      const int64_t left = static_cast<int64_t>(branch.refill.size()) - branch.refilled;
+      pages += pages_for(left, page_tokens_) + 2;
+    } else {
+      pages += 1;
+    }
+  }
+  return pages;
+}
+
+int64_t GenerateWork::step_pages(const Forest& forest, const StepContext& step) const {
+  if (finished_) return 0;
+  const auto growth = [&](NodeId node, int64_t count) { return forest.append_pages(node, count); };
+  const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
+  if (prefilled_ < prompt_size)
+    return growth(prompt_node_, step.chunk_rows(prompt_size - prefilled_));
+  if (refilling()) {
+    int64_t pages = 0;
+    int64_t rows = step.chunk_rows(std::numeric_limits<int64_t>::max());
+    for (const Branch& branch : branches_) {
+      if (!branch.live) continue;
+      const int64_t count =
+          std::min(rows, static_cast<int64_t>(branch.refill.size()) - branch.refilled);
+      if (count > 0) pages += growth(branch.node, count);
+      rows -= std::max<int64_t>(count, 0);
+    }
+    return pages;
+  }
+  if (step.budget < live_branches_) return 0;
+  int64_t pages = 0;
+  for (const Branch& branch : branches_) {
+    if (branch.live) pages += growth(branch.node, 1);
+  }
+  return pages;
+}
+
+bool GenerateWork::refilling() const {
+  for (const Branch& branch : branches_) {
+    if (branch.live && branch.refilled < static_cast<int64_t>(branch.refill.size())) return true;
+  }
+  return false;
+}
+
+void GenerateWork::preempt(Forest& forest) {
+  if (branches_.empty()) {
+    if (prompt_node_ >= 0) forest.release(prompt_node_);
+    prompt_node_ = -1;
+    prefilled_ = -1;
+    return;
+  }
+  for (Branch& branch : branches_) {
+    if (!branch.live || branch.node < 0) continue;
+    forest.release(branch.node);
+    branch.node = -1;
+    branch.refill.clear();
+    branch.refilled = 0;
+  }
+}
+
 void GenerateWork::start(Forest& forest) {
-  const PromptPlacement placement = forest.place_prompt(job_.prompt);
-  prompt_node_ = placement.node;
-  prefilled_ = placement.shared;
+  if (branches_.empty()) {
+    const PromptPlacement placement = forest.place_prompt(job_.prompt);
+    prompt_node_ = placement.node;
+    prefilled_ = placement.shared;
+    return;
+  }
+  // Resuming after a preemption: each live branch is a prompt of its own.
+  for (Branch& branch : branches_) {
+    if (!branch.live) continue;
+    branch.refill = job_.prompt;
+    branch.refill.insert(branch.refill.end(), branch.fed.begin(), branch.fed.end());
+    const PromptPlacement placement = forest.place_prompt(branch.refill);
+    branch.node = placement.node;
+    branch.refilled = placement.shared;
+  }
 }
 
 absl::Status GenerateWork::add_rows(StepContext& step) {
@@ -59,6 +156,23 @@ absl::Status GenerateWork::add_rows(StepContext& step) {
     // Prefill, in chunks when the step budget is short; logits from the last chunk only.
     return step.add_chunk(prompt_node_, job_.prompt, &prefilled_, &in_step_);
   }
+  if (refilling()) {
+    // Recompute after a preemption: no logits (each branch's next token is known already).
+    for (Branch& branch : branches_) {
+      if (!branch.live) continue;
+      bool ended = false;
+      if (absl::Status status = step.add_chunk(branch.node, branch.refill, &branch.refilled, &ended,
+                                               StepContext::Logits::kNone);
+          !status.ok()) {
+        return status;
+      }
+    }
+    if (!refilling()) {
+      for (Branch& branch : branches_) std::vector<TokenId>().swap(branch.refill);
+      for (Branch& branch : branches_) branch.refilled = 0;
+    }
+    return absl::OkStatus();
+  }
   if (step.budget < live_branches_) return absl::OkStatus();  // wait for a roomier step
   SamplingParams params = job_.sampling;
   for (Branch& branch : branches_) {
@@ -67,6 +181,7 @@ absl::Status GenerateWork::add_rows(StepContext& step) {
         !status.ok()) {
       return status;
     }
+    branch.fed.push_back(branch.pending.token);
     // The sampler's step counter is the new token's position: draws replay exactly.
     const TreeNode& node = step.forest.tree().node(branch.node);
     params.seed = branch.seed;
@@ -145,7 +260,7 @@ void GenerateWork::abort(const absl::Status& status, Forest& forest) {
     if (!branch.live) continue;
     branch.live = false;
     events_->push({.branch = static_cast<int32_t>(i), .delta = branch.stream->end(reason)});
-    forest.release(branch.node);
+    if (branch.node >= 0) forest.release(branch.node);  // none while preempted
   }
   live_branches_ = 0;
   finished_ = true;

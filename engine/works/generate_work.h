@@ -2,6 +2,14 @@
 // placed in the forest (sharing any live prefix) and prefilled, in chunks when the step budget
 // is short; its last row branches n ways (sample_children), and every step then decodes the
 // pending token of every live branch. A finished branch frees its node's pages at once.
+//
+// Preemption by recompute: preempt() releases every node to the prefix cache and keeps each
+// live branch's tokens; on re-admission every live branch is placed again as a prompt of its
+// own (prompt + tokens so far: whatever of it is still cached is reused), refilled without
+// logits, and decoding goes on from its pending token. Recompute rather than swapping pages
+// to host memory: the runner has no page copy, a refill of the uncached part costs one chunked
+// prefill (cheap next to the decode steps that made it), and the prefix cache often still
+// holds most of it.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +28,7 @@ struct GenerateJob {
   int32_t max_tokens = 1;       // per branch
   SamplingParams sampling;      // its stop_token_ids end a branch (reason kStop)
   StreamLimits limits;          // stop strings, ignore_eos, top lists
+  Requester requester;          // admission order (engine/scheduler.h)
 };
 
 struct GenerateEvent {
@@ -35,6 +44,10 @@ class GenerateWork final : public Work {
 
   int64_t pending_pages(const Forest& forest) const override;
   int64_t max_step_rows() const override;
+  int64_t reserve_pages(const Forest& forest) const override;
+  int64_t step_pages(const Forest& forest, const StepContext& step) const override;
+  bool preemptible() const override { return !finished_; }
+  void preempt(Forest& forest) override;
   void start(Forest& forest) override;
   absl::Status add_rows(StepContext& step) override;
   absl::Status take_logits(StepContext& step) override;
@@ -52,7 +65,11 @@ class GenerateWork final : public Work {
     uint64_t seed = 0;
     std::unique_ptr<TokenStream> stream;
     bool live = true;
+    std::vector<TokenId> fed;     // tokens after the prompt whose KV the node path holds
+    std::vector<TokenId> refill;  // after a preemption: prompt + fed, to recompute
+    int64_t refilled = 0;         // refill tokens with KV again
   };
+  bool refilling() const;
   absl::Status add_token(int32_t index, const SampledToken& sampled, Forest& forest);
 
   GenerateJob job_;

@@ -48,6 +48,10 @@ class PrefillWork final : public SessionWork {
            forest.node_pages(node_);
   }
   int64_t max_step_rows() const override { return 1; }
+  int64_t step_pages(const Forest& forest, const StepContext& step) const override {
+    return forest.append_pages(node_,
+                               step.chunk_rows(static_cast<int64_t>(tokens_.size()) - next_));
+  }
 
   void start(Forest& forest) override {
     if (create_) {
@@ -134,6 +138,17 @@ class DecodeWork final : public SessionWork {
     return std::max<int64_t>(pending, 0);
   }
   int64_t max_step_rows() const override { return static_cast<int64_t>(nodes_.size()); }
+  // One token on every live node (add_rows below), or nothing when the budget is short.
+  int64_t step_pages(const Forest& forest, const StepContext& step) const override {
+    int64_t live = 0;
+    int64_t pages = 0;
+    for (const Live& node : nodes_) {
+      if (node.done) continue;
+      ++live;
+      pages += forest.append_pages(node.node, 1);
+    }
+    return step.budget < live ? 0 : pages;
+  }
 
   absl::Status add_rows(StepContext& step) override {
     in_step_ = false;
@@ -249,6 +264,13 @@ class ScoreWork final : public SessionWork {
     return pages_for(total, session_->page_tokens()) - forest.node_pages(child_);
   }
   int64_t max_step_rows() const override { return 1; }
+  int64_t step_pages(const Forest& forest, const StepContext& step) const override {
+    const auto total = static_cast<int64_t>(command_.continuation.size());
+    const int64_t count = std::min(total - 1 - next_, step.budget);
+    if (count <= 0) return 0;
+    return child_ < 0 ? pages_for(count, session_->page_tokens())
+                      : forest.append_pages(child_, count);
+  }
 
   absl::Status add_rows(StepContext& step) override {
     rows_ = 0;

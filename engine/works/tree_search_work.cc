@@ -64,6 +64,7 @@ TreeSearchWork::TreeSearchWork(TreeSearchJob job, std::shared_ptr<TreeSearchEven
       page_tokens_(page_tokens),
       controller_(make_branch_controller(job_.policy)),
       bounds_(tree_search_bounds(job_, page_tokens)) {
+  requester = job_.requester;
   nodes_.push_back({.id = 0, .parent = -1, .depth = 0, .tokens = job_.prompt});
   live_.push_back(std::make_unique<Live>());
   live_[0]->state = State::kReadying;
@@ -105,6 +106,22 @@ NodeProgress TreeSearchWork::progress(int32_t id) const {
           .text = node.text,
           .path_logprob = live.path_logprob,
           .path_tokens = live.path_tokens};
+}
+
+int64_t TreeSearchWork::step_pages(const Forest& forest, const StepContext& step) const {
+  if (finished_) return 0;
+  const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
+  if (prefilled_ < prompt_size) {
+    return forest.append_pages(live_[0]->node, step.chunk_rows(prompt_size - prefilled_));
+  }
+  // What add_rows() runs: one token on every decoding or readying node.
+  int64_t pages = 0;
+  for (const auto& live : live_) {
+    if (live != nullptr && (live->state == State::kDecoding || live->state == State::kReadying)) {
+      pages += forest.append_pages(live->node, 1);
+    }
+  }
+  return pages;
 }
 
 void TreeSearchWork::start(Forest& forest) {

@@ -25,6 +25,7 @@ struct TreeSearchJob {
   SamplingParams sampling;
   int32_t max_tokens = 64;      // new tokens per root-to-leaf path
   StreamLimits limits;          // stop strings and EOS end a leaf
+  Requester requester;          // admission order (engine/scheduler.h)
 };
 
 struct TreeSearchNode {
@@ -67,6 +68,7 @@ class TreeSearchWork final : public Work {
 
   int64_t pending_pages(const Forest& forest) const override;
   int64_t max_step_rows() const override;
+  int64_t step_pages(const Forest& forest, const StepContext& step) const override;
   void start(Forest& forest) override;
   absl::Status add_rows(StepContext& step) override;
   absl::Status take_logits(StepContext& step) override;

@@ -22,17 +22,18 @@ absl::Status StepContext::add_run(NodeId node, std::span<const TokenId> run, Log
 }
 
 absl::Status StepContext::add_chunk(NodeId node, std::span<const TokenId> tokens, int64_t* next,
-                                    bool* ended) {
+                                    bool* ended, Logits last_logits) {
   *ended = false;
   const auto total = static_cast<int64_t>(tokens.size());
-  const int64_t count = std::min(total - *next, budget);
+  const int64_t count = chunk_rows(total - *next);
   if (count <= 0) return absl::OkStatus();
   const bool last = *next + count == total;
   if (absl::Status status =
-          add_run(node, tokens.subspan(*next, count), last ? Logits::kLast : Logits::kNone);
+          add_run(node, tokens.subspan(*next, count), last ? last_logits : Logits::kNone);
       !status.ok()) {
     return status;
   }
+  prefill_budget -= count;
   *next += count;
   *ended = last;
   return absl::OkStatus();
@@ -95,6 +96,7 @@ std::span<const float> StepContext::next_logits() {
 
 void StepContext::clear() {
   budget = 0;
+  prefill_budget = 0;
   generated = 0;
   queries.clear();
   tokens.clear();

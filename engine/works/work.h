@@ -1,11 +1,12 @@
 // One unit of engine work that needs forward passes: a Generate job, a RunTree job, or one
 // command of a tree session (create, extend, decode, score, verify). The Scheduler admits
-// works in arrival order under the KV capacity (engine/scheduler.h) and, every step, lets each
-// live work add query rows under the step's token budget, runs one forward pass for all of
-// them, and hands each work the logits of the rows it asked for. All of it runs on the engine
-// thread.
+// works by priority and fair share under the KV capacity (engine/scheduler.h) and, every step,
+// lets each live work add query rows under the step's token budget, runs one forward pass for
+// all of them, and hands each work the logits of the rows it asked for. All of it runs on the
+// engine thread.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -30,7 +31,8 @@ class StepContext {
   Sampler& sampler;
   const Tokenizer& tokenizer;
   const int32_t vocab_size;
-  int64_t budget = 0;     // query rows the step can still take
+  int64_t budget = 0;          // query rows the step can still take
+  int64_t prefill_budget = 0;  // of which prompt / extension chunks (add_chunk) may take
   int64_t generated = 0;  // tokens sampled this step (metrics)
 
   enum class Logits : uint8_t { kNone, kLast, kAll };
@@ -38,12 +40,16 @@ class StepContext {
   // query row per token, asking for the logits of no row, the last row, or every row. Fails
   // (nothing added) when KV is short.
   absl::Status add_run(NodeId node, std::span<const TokenId> tokens, Logits logits = Logits::kLast);
-  // Feeds `tokens` (a prompt, an extension) to `node` in chunks under the budget: appends
-  // tokens [*next, *next + budget) and advances *next; only the chunk that ends `tokens` asks
-  // for logits (its last row's). Sets *ended to whether this call added that chunk; adds
-  // nothing when the budget is spent.
-  absl::Status add_chunk(NodeId node, std::span<const TokenId> tokens, int64_t* next,
-                         bool* ended);
+  // Feeds `tokens` (a prompt, an extension) to `node` in chunks under the budget and the
+  // prefill budget: appends tokens [*next, *next + chunk) and advances *next; only the chunk
+  // that ends `tokens` asks for logits (its last row's, unless `last_logits` is kNone). Sets
+  // *ended to whether this call added that chunk; adds nothing when either budget is spent.
+  absl::Status add_chunk(NodeId node, std::span<const TokenId> tokens, int64_t* next, bool* ended,
+                         Logits last_logits = Logits::kLast);
+  // Rows the next add_chunk() of `remaining` tokens would add.
+  int64_t chunk_rows(int64_t remaining) const {
+    return std::max<int64_t>(0, std::min({remaining, budget, prefill_budget}));
+  }
 
   // Rows of the step, for the planner and the runner.
   std::vector<QueryToken> queries;
@@ -84,9 +90,22 @@ class StepContext {
   size_t wanted_rows_ = 0;
 };
 
+// How urgent a work is: admission takes higher priorities first, and a step short of KV
+// preempts the lowest first (engine/scheduler.h).
+enum class Priority : int8_t { kLow = -1, kNormal = 0, kHigh = 1 };
+
+// Who a work is for: admission shares the pool fairly between clients (an API key, or a
+// connection when the server has no keys), and orders by priority.
+struct Requester {
+  uint64_t client = 0;
+  Priority priority = Priority::kNormal;
+};
+
 class Work {
  public:
   virtual ~Work() = default;
+
+  Requester requester;
 
   // KV pages this work may still allocate at worst, beyond the pages it holds now. The
   // scheduler admits a work only while the referenced pages plus every live work's pending
@@ -97,7 +116,27 @@ class Work {
   // Query rows its largest single step needs (admission checks it fits the step budget).
   virtual int64_t max_step_rows() const = 0;
 
-  // Called once, between steps, when the work is admitted: place prompts in the forest here
+  // Step admission (SchedulerOptions::admission, the default): the pages admission keeps for
+  // this work while it waits or lives. A work that cannot be preempted keeps its worst case
+  // (pending_pages), so it never runs short; a preemptible one only what its next steps need,
+  // and is preempted when a step runs short.
+  virtual int64_t reserve_pages(const Forest& forest) const { return pending_pages(forest); }
+  // An upper bound on the pages add_rows() allocates when called now with `step`'s budgets:
+  // the scheduler makes that room (evicting cached KV, preempting) before the call, or skips
+  // the work this step. Each new page holds a new row, hence the default.
+  virtual int64_t step_pages(const Forest& forest, const StepContext& step) const {
+    return std::min(pending_pages(forest), step.budget);
+  }
+  // Whether preempt() may be called (between steps or before this work's rows of a step).
+  virtual bool preemptible() const { return false; }
+  // Lets go of all its KV (to the prefix cache) and keeps what it needs to resume: the
+  // scheduler queues it again and calls start() when it is re-admitted, after which it
+  // recomputes the KV it had and goes on with no visible difference to its client (the same
+  // tokens: sampling draws depend on the seed and the token's position only).
+  virtual void preempt(Forest& forest) { (void)forest; }
+
+  // Called between steps when the work is admitted (again after each preemption): place
+  // prompts in the forest here
   // (a placement may split nodes, which must not happen while a step's rows are being built).
   virtual void start(Forest& forest) { (void)forest; }
   // Adds this step's rows (none is fine, e.g. when the budget is short).

@@ -408,9 +408,11 @@ TEST_F(SecurityTest, TokensPerMinutePerKeyAreLimited) {
 }
 
 TEST_F(SecurityTest, QueuedJobsPerKeyAreLimited) {
-  // 256 pages: a job of 3900 tokens leaves no room for a second, which waits.
+  // 256 pages: a job of 3900 tokens leaves no room for a second, which waits (worst-case
+  // admission reserves the first job's 3900 tokens).
   std::vector<std::string> args = auth_args();
-  args.insert(args.end(), {"--kv-pages", "256", "--max-queued-jobs-per-key", "1"});
+  args.insert(args.end(), {"--kv-pages", "256", "--max-queued-jobs-per-key", "1", "--kv-admission",
+                           "worst_case"});
   ServerProcess server(args);
   ASSERT_TRUE(server.running());
   auto alice = keyed(server, kKeyA);

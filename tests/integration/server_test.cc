@@ -557,8 +557,10 @@ TEST_F(ServerTest, DeftCliCommands) {
 // ---- Separate servers: admission queue, shutdown, configuration ---------------------------
 
 TEST(ServerAdmission, FullQueueIsResourceExhaustedAndTheQueueDrains) {
-  // 256 pages: a job of 3900 tokens (245 pages at worst) leaves no room for a second one.
-  ServerProcess server({"--kv-pages", "256", "--max-queued-jobs", "1"});
+  // 256 pages: a job of 3900 tokens (245 pages at worst) leaves no room for a second one
+  // under worst-case admission (the queue's limits are the same under step admission).
+  ServerProcess server(
+      {"--kv-pages", "256", "--max-queued-jobs", "1", "--kv-admission", "worst_case"});
   ASSERT_TRUE(server.running());
   auto stub = server.stub();
   grpc::ClientContext big_context;

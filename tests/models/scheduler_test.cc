@@ -263,10 +263,12 @@ TEST_F(SchedulerTest, ASessionsQueuedCommandIsReadyWhenTheRunningOneEnds) {
 // the prune frees): everything finishes, the Generate as it would alone.
 class SmallPoolTest : public SchedulerTest {
  protected:
-  std::unique_ptr<Scheduler> small_pool(int32_t patience = 64) {
+  std::unique_ptr<Scheduler> small_pool(int32_t patience = 64,
+                                        Admission admission = Admission::kStep) {
     SchedulerOptions options{.page_tokens = kPageTokens,
                              .kv_pages = 64,
                              .admission_patience = patience,
+                             .admission = admission,
                              .max_step_tokens = 256};
     return std::make_unique<Scheduler>(options, *runner_, *tokenizer_);
   }
@@ -377,9 +379,10 @@ TEST_F(SmallPoolTest, ASmallJobPassesALargeOneThatDoesNotFitYet) {
 }
 
 // Passing is bounded: once a job has waited `admission_patience` steps, jobs that arrive after
-// it are not admitted before it.
+// it are not admitted before it. (Worst-case admission, so that the large job cannot fit
+// beside the running one; the rule is the same under step admission.)
 TEST_F(SmallPoolTest, AJobOutOfPatienceHoldsBackLaterJobs) {
-  std::unique_ptr<Scheduler> scheduler = small_pool(/*patience=*/3);
+  std::unique_ptr<Scheduler> scheduler = small_pool(/*patience=*/3, Admission::kWorstCase);
   std::shared_ptr<GenerateEvents> running = submit_generate(*scheduler, ids(100, 1), 1, 200);
   scheduler->prepare();
   ASSERT_TRUE(scheduler->has_live());
@@ -410,6 +413,175 @@ TEST_F(SmallPoolTest, AJobOutOfPatienceHoldsBackLaterJobs) {
   EXPECT_LE(large_first, late_first);
   run_until(*scheduler, [&] { return running->finished() && early->finished(); });
   expect_only_cached_kv(*scheduler);
+}
+
+// Step admission in a 64-page pool: 32 jobs whose worst cases add up to 11 times the pool all
+// run, with preemptions (and evictions of the preempted jobs' cached KV) along the way, and
+// each gives exactly the tokens it gives alone: a preempted job recomputes its KV and goes on.
+TEST_F(SmallPoolTest, ThirtyTwoJobsTenTimesThePoolAllFinishAsAlone) {
+  std::unique_ptr<Scheduler> scheduler = small_pool();
+  constexpr int kJobs = 32;
+  int64_t worst_case = 0;
+  std::vector<std::vector<TokenId>> prompts;
+  std::vector<std::shared_ptr<GenerateEvents>> jobs;
+  for (int i = 0; i < kJobs; ++i) {
+    prompts.push_back(ids(10 + static_cast<size_t>(i % 5), static_cast<TokenId>(i * 13)));
+    GenerateJob job{.prompt = prompts.back(), .n = 2, .max_tokens = 80};
+    worst_case += GenerateWork::max_pages(job, kPageTokens);
+    jobs.push_back(submit_generate(*scheduler, prompts.back(), 2, 80));
+  }
+  EXPECT_GE(worst_case, 10 * 64);
+  for (int step = 0; step < 20000; ++step) {
+    scheduler->prepare();
+    (void)scheduler->step();
+    const absl::Status invariants = scheduler->forest().check_invariants();
+    ASSERT_TRUE(invariants.ok()) << "step " << step << ": " << invariants;
+    if (std::all_of(jobs.begin(), jobs.end(), [](const auto& job) { return job->finished(); })) {
+      break;
+    }
+  }
+  for (const auto& job : jobs) ASSERT_TRUE(job->finished());
+  expect_only_cached_kv(*scheduler);
+  EXPECT_GT(scheduler->preemptions(), 0);
+  EXPECT_GT(scheduler->forest().cache_stats().evicted_pages, 0);
+  for (int i = 0; i < kJobs; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(branches(*jobs[i], 2), generate_alone(prompts[i], 2, 80));
+  }
+}
+
+// Worst-case admission runs the same jobs one pool's worth at a time, never preempting.
+TEST_F(SmallPoolTest, WorstCaseAdmissionNeverPreempts) {
+  std::unique_ptr<Scheduler> scheduler = small_pool(64, Admission::kWorstCase);
+  std::vector<std::shared_ptr<GenerateEvents>> jobs;
+  for (int i = 0; i < 8; ++i) jobs.push_back(submit_generate(*scheduler, ids(12, i * 5), 2, 80));
+  run_until(*scheduler, [&] {
+    return std::all_of(jobs.begin(), jobs.end(), [](const auto& job) { return job->finished(); });
+  });
+  EXPECT_EQ(scheduler->preemptions(), 0);
+  for (const auto& job : jobs) EXPECT_TRUE(job->final_status().ok()) << job->final_status();
+  expect_only_cached_kv(*scheduler);
+}
+
+// A seeded, sampled job that is preempted gives the same tokens as alone too: draws depend on
+// the seed and the token's position only.
+TEST_F(SmallPoolTest, APreemptedSampledJobGivesTheSameTokens) {
+  const auto sampled = [&](Scheduler& scheduler, const std::vector<TokenId>& prompt) {
+    auto events = std::make_shared<GenerateEvents>();
+    GenerateJob job{.prompt = prompt,
+                    .n = 3,
+                    .max_tokens = 60,
+                    .sampling = {.temperature = 0.9f, .top_p = 0.95f, .seed = 77}};
+    EXPECT_TRUE(scheduler
+                    .submit(std::make_unique<GenerateWork>(std::move(job), events, *tokenizer_,
+                                                           kPageTokens))
+                    .ok());
+    return events;
+  };
+  const std::vector<TokenId> prompt = ids(30, 9);
+  std::unique_ptr<Scheduler> alone = make_scheduler(256);
+  std::shared_ptr<GenerateEvents> reference = sampled(*alone, prompt);
+  run_until(*alone, [&] { return reference->finished(); });
+
+  std::unique_ptr<Scheduler> scheduler = small_pool();
+  std::vector<std::shared_ptr<GenerateEvents>> crowd;
+  for (int i = 0; i < 6; ++i) crowd.push_back(submit_generate(*scheduler, ids(20, i), 2, 70));
+  std::shared_ptr<GenerateEvents> job = sampled(*scheduler, prompt);
+  run_until(*scheduler, [&] { return job->finished(); });
+  EXPECT_GT(scheduler->preemptions(), 0);
+  EXPECT_EQ(branches(*job, 3), branches(*reference, 3));
+  run_until(*scheduler, [&] {
+    return std::all_of(crowd.begin(), crowd.end(), [](const auto& e) { return e->finished(); });
+  });
+  expect_only_cached_kv(*scheduler);
+}
+
+// Fair share: a client with 40 waiting jobs does not starve one that sends a single job after
+// them; and a high-priority job goes before normal ones that came first.
+TEST_F(SmallPoolTest, AdmissionSharesBetweenClientsAndHonoursPriority) {
+  // A budget that prefills every admitted prompt in one step: first tokens show admission.
+  SchedulerOptions options{.page_tokens = kPageTokens,
+                           .kv_pages = 64,
+                           .max_step_tokens = 1024,
+                           .max_prefill_tokens = 1024};
+  auto scheduler = std::make_unique<Scheduler>(options, *runner_, *tokenizer_);
+  const auto submit = [&](uint64_t client, Priority priority, TokenId seed) {
+    auto events = std::make_shared<GenerateEvents>();
+    GenerateJob job{.prompt = ids(40, seed),
+                    .n = 1,
+                    .max_tokens = 20,
+                    .requester = {.client = client, .priority = priority}};
+    EXPECT_TRUE(scheduler
+                    ->submit(std::make_unique<GenerateWork>(std::move(job), events, *tokenizer_,
+                                                            kPageTokens))
+                    .ok());
+    return events;
+  };
+  std::vector<std::shared_ptr<GenerateEvents>> busy;
+  for (int i = 0; i < 40; ++i)
+    busy.push_back(submit(1, Priority::kNormal, static_cast<TokenId>(i)));
+  std::shared_ptr<GenerateEvents> single = submit(2, Priority::kNormal, 100);
+  std::shared_ptr<GenerateEvents> urgent = submit(3, Priority::kHigh, 200);
+  std::shared_ptr<GenerateEvents> idle = submit(4, Priority::kLow, 300);
+  // The step at which each job's first token arrives.
+  std::vector<std::shared_ptr<GenerateEvents>> all = busy;
+  all.insert(all.end(), {single, urgent, idle});
+  std::vector<int> first(all.size(), -1);
+  std::vector<GenerateEvent> batch;
+  for (int step = 0; step < 20000; ++step) {
+    scheduler->prepare();
+    (void)scheduler->step();
+    for (size_t i = 0; i < all.size(); ++i) {
+      batch.clear();
+      all[i]->next(batch, std::chrono::milliseconds(0));
+      if (first[i] < 0 && !batch.empty()) first[i] = step;
+    }
+    if (std::all_of(all.begin(), all.end(), [](const auto& e) { return e->finished(); })) break;
+  }
+  ASSERT_TRUE(std::all_of(first.begin(), first.end(), [](int step) { return step >= 0; }));
+  std::vector<int> busy_first(first.begin(), first.begin() + 40);
+  std::sort(busy_first.begin(), busy_first.end());
+  const int single_first = first[40], urgent_first = first[41], idle_first = first[42];
+  EXPECT_LE(urgent_first, busy_first.front()) << "high priority goes first";
+  EXPECT_LE(single_first, busy_first.front()) << "admitted with the busy client's first job";
+  EXPECT_GE(idle_first, busy_first.back()) << "low priority waits for everything else";
+  expect_only_cached_kv(*scheduler);
+}
+
+// A long prompt arriving while branches decode takes at most max_prefill_tokens rows a step:
+// the running branches get a token every step.
+TEST_F(SchedulerTest, ALongPromptDoesNotStallRunningBranches) {
+  SchedulerOptions options{.page_tokens = kPageTokens,
+                           .kv_pages = kPages,
+                           .max_step_tokens = 256,
+                           .max_prefill_tokens = 64};
+  Scheduler scheduler(options, *runner_, *tokenizer_);
+  std::shared_ptr<GenerateEvents> running =
+      submit_generate(scheduler, encode("Once upon a time"), 4, 40);
+  std::vector<GenerateEvent> batch;
+  run_until(scheduler, [&] {
+    running->next(batch, std::chrono::milliseconds(0));
+    return !batch.empty();
+  });
+  std::vector<TokenId> long_prompt;
+  for (int i = 0; i < 600; ++i) long_prompt.push_back(3 + (i * 11) % 500);
+  std::shared_ptr<GenerateEvents> arriving = submit_generate(scheduler, long_prompt, 1, 4);
+  int steps = 0;
+  while (!arriving->finished() && steps < 100) {
+    scheduler.prepare();
+    const std::optional<StepStats> stats = scheduler.step();
+    ASSERT_TRUE(stats.has_value());
+    batch.clear();
+    running->next(batch, std::chrono::milliseconds(0));
+    int tokens = 0;
+    for (const GenerateEvent& event : batch) tokens += static_cast<int>(event.delta.ids.size());
+    if (running->finished()) break;
+    EXPECT_EQ(tokens, 4) << "step " << steps << ": every running branch decodes";
+    EXPECT_LE(stats->rows, 64 + 4);
+    ++steps;
+  }
+  EXPECT_GE(steps, 600 / 64);
+  run_until(scheduler, [&] { return running->finished() && arriving->finished(); });
 }
 
 TEST_F(SchedulerTest, VerifyAcceptsTheModelsOwnGreedyPath) {
