@@ -2,7 +2,9 @@
 // --fewshot-prompt-tokens prompt, the paper's few-shot workload, one prompt node and n branches;
 // stream: one sample of a --stream-prompt-tokens prompt). EOS is ignored, so each branch must
 // stream exactly the tokens asked for and end with FINISH_REASON_LENGTH.
+#include <algorithm>
 #include <map>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "bench/serve_bench/job.h"
@@ -10,7 +12,7 @@
 namespace deft::bench::serve {
 
 void run_generate_job(v1::Deft::Stub& stub, const JobEnv& env, int32_t prompt_tokens, int32_t n,
-                      int32_t tokens, std::mt19937_64& rng, JobRecord* record) {
+                      int32_t tokens, std::mt19937_64& rng, JobRecord* record, int32_t stop_min) {
   const ServeOptions& options = *env.options;
   v1::GenerateRequest request;
   const std::vector<int32_t> prompt = random_prompt(env.model, prompt_tokens, rng);
@@ -22,6 +24,12 @@ void run_generate_job(v1::Deft::Stub& stub, const JobEnv& env, int32_t prompt_to
   sampling.set_max_tokens(tokens);
   sampling.set_ignore_eos(true);
   record->expected_tokens = int64_t{n} * tokens;
+  // A client-side stop: read `stop_after` tokens, then cancel (n = 1).
+  int32_t stop_after = 0;
+  if (stop_min > 0 && n == 1) {
+    stop_after = std::uniform_int_distribution<int32_t>(std::min(stop_min, tokens), tokens)(rng);
+    record->expected_tokens = stop_after;
+  }
 
   grpc::ClientContext context;
   set_job_deadline(env, &context);
@@ -41,6 +49,13 @@ void run_generate_job(v1::Deft::Stub& stub, const JobEnv& env, int32_t prompt_to
     if (response.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       branch.finish = response.finish_reason();
     }
+    if (stop_after > 0 && branch.tokens >= stop_after) break;
+  }
+  if (stop_after > 0 && branches[0].tokens >= stop_after) {
+    context.TryCancel();  // the client's own stop: the server frees the job's KV
+    (void)reader->Finish();
+    record->expected_tokens = branches[0].tokens;  // a message may carry several tokens
+    return;
   }
   if (const grpc::Status status = reader->Finish(); !status.ok()) {
     record->fail(status);

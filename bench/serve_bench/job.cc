@@ -40,7 +40,7 @@ JobRecord run_job(JobKind kind, v1::Deft::Stub& stub, const JobEnv& env, uint64_
       break;
     case JobKind::kStream:
       run_generate_job(stub, env, env.options->stream_prompt_tokens, 1, env.options->stream_tokens,
-                       rng, &record);
+                       rng, &record, env.options->stream_stop_min);
       break;
     case JobKind::kRepeat: {
       // The prompt's ids from the run's seed alone: the same prompt for every job (and plan).

@@ -98,8 +98,10 @@ JobRecord run_job(JobKind kind, v1::Deft::Stub& stub, const JobEnv& env, uint64_
 
 // The kinds (one file each). fewshot and stream are both Generate jobs, of `n` samples of
 // `tokens` tokens from a random `prompt_tokens`-token prompt.
+// stop_min > 0 (n = 1 only): read U[stop_min, tokens] tokens, then cancel the call.
 void run_generate_job(v1::Deft::Stub& stub, const JobEnv& env, int32_t prompt_tokens, int32_t n,
-                      int32_t tokens, std::mt19937_64& rng, JobRecord* record);
+                      int32_t tokens, std::mt19937_64& rng, JobRecord* record,
+                      int32_t stop_min = 0);
 void run_runtree_job(v1::Deft::Stub& stub, const JobEnv& env, uint64_t job_index,
                      std::mt19937_64& rng, JobRecord* record);
 void run_session_job(v1::Deft::Stub& stub, const JobEnv& env, uint64_t job_index,

@@ -67,15 +67,17 @@ absl::StatusOr<v1::ModelInfoResponse> model_info(const std::string& address) {
 
 // The server of `plan`: started, or the one at --address (whatever plan it runs).
 absl::StatusOr<std::unique_ptr<ServerProcess>> server_for(const ServeOptions& options,
-                                                          const std::string& plan) {
+                                                          const std::string& plan,
+                                                          const std::string& admission) {
   if (!options.address.empty()) {
     return ServerProcess::attach(options.address, options.metrics_address,
                                  options.server_start_timeout_s);
   }
-  std::fprintf(stderr, "serve_bench: starting %s --plan %s\n", options.server_binary.c_str(),
-               plan.c_str());
-  return ServerProcess::start(options.server_binary, options.server_args, plan,
-                              options.server_start_timeout_s);
+  std::vector<std::string> args = options.server_args;
+  if (!admission.empty()) args.insert(args.end(), {"--kv-admission", admission});
+  std::fprintf(stderr, "serve_bench: starting %s --plan %s%s%s\n", options.server_binary.c_str(),
+               plan.c_str(), admission.empty() ? "" : " --kv-admission ", admission.c_str());
+  return ServerProcess::start(options.server_binary, args, plan, options.server_start_timeout_s);
 }
 
 // Job indices: distinct for every (mix, level) and the warm-up, equal across plans, so every
@@ -142,10 +144,10 @@ void record_level(LevelSummary summary, const JobMix& mix, const std::string& la
 
 // One plan: its server, the warm-up, then every mix at every level. False when the server
 // does not come up or the warm-up fails.
-bool run_plan(const ServeOptions& options, const std::string& plan, const WorkloadShapes& shapes,
-              const std::set<JobKind>& kinds, const std::vector<LoadLevel>& levels, int argc,
-              char** argv, RunState& state) {
-  absl::StatusOr<std::unique_ptr<ServerProcess>> server = server_for(options, plan);
+bool run_plan(const ServeOptions& options, const std::string& plan, const std::string& admission,
+              const WorkloadShapes& shapes, const std::set<JobKind>& kinds,
+              const std::vector<LoadLevel>& levels, int argc, char** argv, RunState& state) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server = server_for(options, plan, admission);
   if (!server.ok()) {
     std::fprintf(stderr, "serve_bench: %s\n", std::string(server.status().message()).c_str());
     return false;
@@ -155,7 +157,9 @@ bool run_plan(const ServeOptions& options, const std::string& plan, const Worklo
     std::fprintf(stderr, "serve_bench: %s\n", std::string(info.status().message()).c_str());
     return false;
   }
-  const std::string plan_name = info->attention();
+  const std::string plan_name = admission.empty()
+                                    ? info->attention()
+                                    : absl::StrCat(info->attention(), "+admission=", admission);
   std::fprintf(stderr,
                "serve_bench: %s serving %s (%s backend, plan %s, vocab %d, KV %lld tokens in "
                "pages of %d)\n",
@@ -164,7 +168,7 @@ bool run_plan(const ServeOptions& options, const std::string& plan, const Worklo
                static_cast<long long>(info->kv_capacity_tokens()), info->page_tokens());
   if (!state.result) {
     const auto [name, tag] = hardware(*info);
-    state.result.emplace("server_load", name, tag, argc, argv);
+    state.result.emplace(options.benchmark, name, tag, argc, argv);
   }
 
   JobEnv env;
@@ -226,8 +230,12 @@ int run(int argc, char** argv) {
   for (const double rate : options.rates) levels.push_back({.rate = rate});
 
   RunState state;
+  const std::vector<std::string> admissions =
+      options.admissions.empty() ? std::vector<std::string>{""} : options.admissions;
   for (const std::string& plan : options.plans) {
-    if (!run_plan(options, plan, *shapes, kinds, levels, argc, argv, state)) return 1;
+    for (const std::string& admission : admissions) {
+      if (!run_plan(options, plan, admission, *shapes, kinds, levels, argc, argv, state)) return 1;
+    }
   }
   print_table(state.summaries);
   std::printf("wrote %s\n", state.result->write(options.out_dir).c_str());

@@ -29,6 +29,8 @@ The server
   --server-args "ARGS"      passed to it, split at whitespace (e.g. "--model DIR --kv-pages N")
   --plans P1,P2             start the server once per attention plan (--plan); default
                             deft_flatten,sequence
+  --admissions A1,A2        and once per KV admission policy (--kv-admission: step,
+                            worst_case); a row's method is then PLAN+admission=A
   --address HOST:PORT       drive this running server instead (starts none; the plan is
                             whatever it runs)
   --metrics-address H:P     its Prometheus endpoint (with --address; without it, no server
@@ -62,6 +64,8 @@ Job shapes
             the server's prefix cache (compare with fewshot's at the same level)
   stream    Generate: one sample of a short prompt (random token ids), EOS ignored
   --stream-prompt-tokens N (default 512)   --stream-tokens N (default 256)
+  --stream-stop-min N       stream jobs stop reading (cancel) after U[N, stream-tokens]
+                            tokens, like a client's own stop condition (default 0: read all)
   --temperature T           of Generate, RunTree and session decodes (default 0.8)
   runtree   RunTree shaped like a reasoning trace record: branch_factor = its widest fan-out,
             every_tokens = its median thought, max_depth = its depth, keep_best 1
@@ -90,6 +94,7 @@ Output
   too). A level where a job answered wrongly writes no row. DEFT_COMMIT=SHA names the commit
   when the binary runs away from its checkout.
   --out DIR                 where the JSON goes (default: this checkout's bench/results)
+  --benchmark NAME          the result's benchmark name and file name (default server_load)
   --strict                  exit 1 when a job failed or a kind of a mix finished no job (a job
                             fails when its RPC fails or a stream's token count is not the one
                             asked for)
@@ -196,6 +201,9 @@ absl::StatusOr<ServeOptions> parse_serve_options(int argc, char** argv, bool* he
       {"--fewshot-tokens", number(&options.fewshot_tokens, 1)},
       {"--stream-prompt-tokens", number(&options.stream_prompt_tokens, 1)},
       {"--stream-tokens", number(&options.stream_tokens, 1)},
+      {"--stream-stop-min", number(&options.stream_stop_min, 0)},
+      {"--admissions", list(&options.admissions)},
+      {"--benchmark", text(&options.benchmark)},
       {"--temperature", number(&options.temperature, 0)},
       {"--workloads", text(&options.workloads_dir)},
       {"--tot-traces", list(&options.tot_traces)},

@@ -39,6 +39,11 @@ struct ServeOptions {
   int32_t fewshot_tokens = 200;
   int32_t stream_prompt_tokens = 512;
   int32_t stream_tokens = 256;
+  // stream: when > 0, each job stops reading after a length drawn uniformly from
+  // [stream_stop_min, stream_tokens] and cancels the call, as a client whose own stop
+  // condition hits (the server frees the KV at once, as for EOS): max_tokens stays a bound
+  // that most jobs never reach, which is what KV admission policies differ on.
+  int32_t stream_stop_min = 0;
   float temperature = 0.8f;   // Generate, RunTree and session decodes
   std::string workloads_dir;  // ../shared/workloads
   std::vector<std::string> tot_traces = {"keywordToT", "set128ToT"};
@@ -50,7 +55,12 @@ struct ServeOptions {
   enum class SpecAccept : uint8_t { kRecorded, kModel };
   SpecAccept spec_accept = SpecAccept::kRecorded;
 
+  // KV admission policies (deft-server --kv-admission), each a server start per plan, in the
+  // same run; empty: the server's default.
+  std::vector<std::string> admissions;
+
   // Output.
+  std::string benchmark = "server_load";  // the result file's benchmark name
   std::string out_dir;  // empty: the checkout's bench/results
   bool strict = false;  // exit 1 when a job failed or a kind of a mix finished no job
   double metrics_interval_s = 0.2;
