@@ -11,9 +11,10 @@
 // is the host's wall time (all ranks finished) and rank 0's GPU time (StepTiming::kTotal events:
 // rank 0 waits on every collective, so it spans the step). The first kWarmupSteps are excluded.
 // Floor per step = per-GPU bytes / 3.0e12 B/s + the step's collectives as measured alone
-// (2 all-reduces per layer and one for the embedding of the step's rows x hidden fp32, and
-// the logits' all-gather of rows x vocab / ranks fp32; each timed here over the same GPUs in
-// CUDA graphs of 50 back to back, so without launch gaps), where per-GPU bytes = the rank's
+// (2 all-reduces per layer and one for the embedding of the step's rows x hidden fp32, each the
+// faster of NCCL's and kernels/peer_all_reduce.h's, and the logits' all-gather of rows x
+// vocab / ranks fp32; each timed here over the same GPUs in CUDA graphs of 50 back to back, so
+// without launch gaps), where per-GPU bytes = the rank's
 // weights less its embedding rows (a step gathers a few) + the tree's KV bytes on the rank.
 //
 //   tp_step_bench [--workloads DIR] [--out DIR] [--layers-70b N] [--fewshot-steps N]
@@ -45,6 +46,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
 #include "kernels/device_scope.h"
+#include "kernels/peer_all_reduce.h"
 #include "models/llama_cuda.h"
 #include "models/model_config.h"
 #include "models/tensor_parallel.h"
@@ -101,10 +103,26 @@ models::ModelConfig llama3_70b_config(int32_t layers) {
 // place) of `count`, or all-gather of `count` per rank. Each rank on its own thread captures 50
 // back to back into a CUDA graph (as the runner's graph steps hold them), replays it 3 times
 // untimed and 10 times between events.
-double collective_us(const std::vector<int>& devices, size_t count, bool all_gather) {
+enum class Collective { kNcclAllReduce, kNcclAllGather, kPeerAllReduce };
+
+double collective_us(const std::vector<int>& devices, size_t count, Collective kind) {
+  const bool all_gather = kind == Collective::kNcclAllGather;
   const int32_t ranks = static_cast<int32_t>(devices.size());
   std::vector<ncclComm_t> comms(devices.size());
   BENCH_NCCL(ncclCommInitAll(comms.data(), ranks, devices.data()));
+  // The peer kernel's buffers (peer access is on: the TP runner enabled it).
+  std::vector<kernels::DeviceBuffer> peer_buffers(devices.size());
+  kernels::PeerAllReduceTable table;
+  table.ranks = ranks;
+  table.capacity = static_cast<int64_t>(count);
+  if (kind == Collective::kPeerAllReduce) {
+    for (int32_t r = 0; r < ranks; ++r) {
+      const kernels::DeviceScope on_device(devices[r]);
+      peer_buffers[r].reset(kernels::peer_all_reduce_buffer_bytes(table.capacity));
+      DEFT_CUDA_CHECK(cudaMemset(peer_buffers[r].data(), 0, peer_buffers[r].bytes()));
+      table.buffers[r] = peer_buffers[r].data();
+    }
+  }
   constexpr int kPerGraph = 50, kReplays = 10;
   std::vector<double> us(devices.size());
   models::TensorParallelRunner::run_parallel(ranks, [&](int32_t r) {
@@ -115,7 +133,10 @@ double collective_us(const std::vector<int>& devices, size_t count, bool all_gat
         receive(count * sizeof(float) * (all_gather ? ranks : 1));
     DEFT_CUDA_CHECK(cudaMemsetAsync(send.data(), 0, send.bytes(), stream));
     const auto launch = [&] {
-      if (all_gather) {
+      if (kind == Collective::kPeerAllReduce) {
+        kernels::launch_peer_all_reduce(table, r, send.as<float>(), static_cast<int64_t>(count),
+                                        stream);
+      } else if (all_gather) {
         BENCH_NCCL(
             ncclAllGather(send.data(), receive.data(), count, ncclFloat32, comms[r], stream));
       } else {
@@ -149,6 +170,10 @@ double collective_us(const std::vector<int>& devices, size_t count, bool all_gat
     cudaStreamDestroy(stream);
   });
   for (ncclComm_t comm : comms) ncclCommDestroy(comm);
+  for (int32_t r = 0; r < ranks; ++r) {
+    const kernels::DeviceScope on_device(devices[r]);
+    peer_buffers[r] = kernels::DeviceBuffer();
+  }
   return *std::max_element(us.begin(), us.end());
 }
 
@@ -393,11 +418,18 @@ int main(int argc, char** argv) {
       const std::vector<StepRecord> steps = cs.spec ? bench.specdec(*trace, 6000, spec_steps)
                                                     : bench.fewshot(4000, 20, fewshot_steps);
       // The collectives of a step of these rows, measured alone.
-      double collectives_us = 0, all_reduce_us = 0, all_gather_us = 0;
+      // The floor's all-reduce: the faster of NCCL's and the peer kernel's (what the runner
+      // uses for these rows), each timed alone.
+      double collectives_us = 0, all_reduce_us = 0, nccl_all_reduce_us = 0, peer_all_reduce_us = 0,
+             all_gather_us = 0;
       if (model.ranks > 1) {
         const std::vector<int> used(devices.begin(), devices.begin() + model.ranks);
-        all_reduce_us = collective_us(used, size_t(cs.rows) * c.hidden_size, false);
-        all_gather_us = collective_us(used, size_t(cs.rows) * vocab.rows, true);
+        const size_t residual = size_t(cs.rows) * c.hidden_size;
+        nccl_all_reduce_us = collective_us(used, residual, Collective::kNcclAllReduce);
+        peer_all_reduce_us = collective_us(used, residual, Collective::kPeerAllReduce);
+        all_reduce_us = std::min(nccl_all_reduce_us, peer_all_reduce_us);
+        all_gather_us =
+            collective_us(used, size_t(cs.rows) * vocab.rows, Collective::kNcclAllGather);
         collectives_us = (2.0 * c.num_hidden_layers + 1) * all_reduce_us + all_gather_us;
       }
       std::vector<double> wall, gpu_us, floor_fixed, floor_measured;
@@ -421,6 +453,8 @@ int main(int argc, char** argv) {
       row.extra["weight_bytes_per_gpu"] = weight_read_bytes;
       row.extra["collectives_us"] = collectives_us;
       row.extra["all_reduce_us"] = all_reduce_us;
+      row.extra["nccl_all_reduce_us"] = nccl_all_reduce_us;
+      row.extra["peer_all_reduce_us"] = peer_all_reduce_us;
       row.extra["all_gather_us"] = all_gather_us;
       row.extra["rows"] = cs.rows;
       row.extra["measured_read_bytes_per_s"] = read_bytes_per_s;
@@ -434,10 +468,11 @@ int main(int argc, char** argv) {
       }
       std::printf(
           "%-18s %-16s step %8.1f us (GPU %8.1f us), floor %8.1f us (collectives %6.1f us: "
-          "all-reduce %.1f us, all-gather %.1f us) -> %.2fx; at the measured bandwidth %.2fx%s\n",
+          "all-reduce %.1f us (NCCL %.1f, peer %.1f), all-gather %.1f us) -> %.2fx; at the "
+          "measured bandwidth %.2fx%s\n",
           cs.name.c_str(), row.method.c_str(), row.median_us, median(gpu_us), row.floor_us,
-          collectives_us, all_reduce_us, all_gather_us, row.median_us / row.floor_us,
-          row.median_us / median(floor_measured),
+          collectives_us, all_reduce_us, nccl_all_reduce_us, peer_all_reduce_us, all_gather_us,
+          row.median_us / row.floor_us, row.median_us / median(floor_measured),
           row.extra.contains("speedup_vs_tp1")
               ? (", " + std::to_string(row.extra["speedup_vs_tp1"].get<double>()) +
                  "x faster than TP 1")

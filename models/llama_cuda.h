@@ -33,6 +33,9 @@
 #include "models/tensor_parallel.h"
 
 struct ncclComm;  // NCCL's communicator (ncclComm_t); nccl.h stays out of this header
+namespace deft::kernels {
+struct PeerAllReduceTable;  // kernels/peer_all_reduce.h
+}
 
 namespace deft::models {
 
@@ -82,6 +85,11 @@ struct LlamaCudaOptions {
   // fewest slots any of them has room for.
   TensorParallelRank tp;
   ncclComm* nccl_comm = nullptr;
+  // Decode-sized steps (<= 256 rows) sum the residual with kernels/peer_all_reduce.h (one kernel
+  // reading the peers' memory over NVLink) instead of NCCL, where every pair of GPUs has peer
+  // access; larger steps, and false, use NCCL. load_tensor_parallel() sets `peer_table`.
+  bool peer_all_reduce = true;
+  const kernels::PeerAllReduceTable* peer_table = nullptr;
 };
 
 struct CudaGraphStats {

@@ -146,6 +146,7 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create(
   s.device = options.device;
   s.tp = tp;
   s.comm = options.nccl_comm;
+  if (options.peer_all_reduce && options.peer_table != nullptr) s.peer_table = *options.peer_table;
   s.vocab_part = vocab_shard(config.vocab_size, tp);
   s.dtype = model_dtype(config);
   // This rank's part of each tensor (models/tensor_parallel.h), read from the checkpoint's
@@ -224,6 +225,7 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create_random(
   s.device = options.device;
   s.tp = options.tp;
   s.comm = options.nccl_comm;
+  if (options.peer_all_reduce && options.peer_table != nullptr) s.peer_table = *options.peer_table;
   s.vocab_part = vocab_shard(config.vocab_size, options.tp);
   s.dtype = model_dtype(config);
   const ModelConfig& shard = runner->config_;
@@ -382,15 +384,19 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   info_.max_position = c.max_position_embeddings;
   info_.num_kv_slots = slots;
   spdlog::info(
-      "llama_cuda: loaded {} ({}, {} layers, hidden {}, vocab {}, {}, rank {} of {} on device {}) "
+      "llama_cuda: loaded {} ({}, {} layers, hidden {}, vocab {}, {}, rank {} of {} on device "
+      "{}{}) "
       "on a GPU with {:.0f} MiB: "
       "{:.1f} MiB weights, {:.1f} MiB activations for {} rows, {:.1f} MiB KV for {} slots "
       "({:.1f} KiB per token), attention: {}, decode GEMMs on the skinny GEMM: {}, weight "
       "prefetch before decode GEMMs: {:.1f} MiB",
       info_.name, info_.family, info_.num_layers, c.hidden_size, info_.vocab_size,
-      kernels::dtype_name(s.dtype), s.tp.rank, s.tp.ranks, s.device, total_bytes / kMiB,
-      s.weight_bytes / kMiB, s.activation_bytes / kMiB, s.max_rows, s.kv_bytes / kMiB, slots,
-      slot_bytes / 1024.0,
+      kernels::dtype_name(s.dtype), s.tp.rank, s.tp.ranks, s.device,
+      s.tp.ranks == 1          ? ""
+      : s.peer_table.ranks > 1 ? ", residual all-reduce: peer kernel up to 256 rows, NCCL above"
+                               : ", residual all-reduce: NCCL",
+      total_bytes / kMiB, s.weight_bytes / kMiB, s.activation_bytes / kMiB, s.max_rows,
+      s.kv_bytes / kMiB, slots, slot_bytes / 1024.0,
       s.deft_kernels ? "DeFT kernels" : "generic kernel (head_dim not built for DeFT)",
       s.skinny_gemm == SkinnyGemmUse::kLmHeadAndWide
           ? absl::StrCat("LM head, and gate/up above ", kSkinnyWideAboveRows, " rows")

@@ -18,6 +18,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
+#include "kernels/peer_all_reduce.h"
 #include "kernels/prefill_attention.h"
 #include "kernels/sampling.h"
 #include "kernels/skinny_gemm.h"
@@ -63,6 +64,8 @@ struct LlamaCudaRunner::State {
   TensorParallelRank tp;
   ncclComm_t comm = nullptr;
   VocabShard vocab_part;
+  // The peer all-reduce's buffers (ranks 0: NCCL only; LlamaCudaOptions::peer_all_reduce).
+  kernels::PeerAllReduceTable peer_table;
   kernels::DType dtype = kernels::DType::kBf16;
   cudaStream_t stream = nullptr;
   std::unique_ptr<GemmTuner> gemms;  // every weight GEMM (made once the workspace exists)
@@ -189,8 +192,13 @@ struct LlamaCudaRunner::State {
   // stream (captured into a step's graph like any launch); nothing at one rank.
   void all_reduce_residual(float* x, int32_t rows, int32_t hidden) const {
     if (tp.ranks == 1) return;
-    DEFT_NCCL_CHECK(ncclAllReduce(x, x, static_cast<size_t>(rows) * hidden, ncclFloat32, ncclSum,
-                                  comm, stream));
+    const int64_t count = int64_t{rows} * hidden;
+    if (peer_table.ranks > 1 && count <= peer_table.capacity) {
+      kernels::launch_peer_all_reduce(peer_table, tp.rank, x, count, stream);
+      return;
+    }
+    DEFT_NCCL_CHECK(
+        ncclAllReduce(x, x, static_cast<size_t>(count), ncclFloat32, ncclSum, comm, stream));
   }
   // The O and down GEMMs add their product to the residual on rank 0 and replace it on the
   // others, so the all-reduce after them sums residual + every rank's partial.

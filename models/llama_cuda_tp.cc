@@ -15,9 +15,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/device_buffer.h"
+#include "kernels/device_scope.h"
+#include "kernels/peer_all_reduce.h"
 #include "models/llama_checkpoint.h"
 #include "models/llama_cuda.h"
 #include "models/llama_cuda_state.h"
+#include "models/step_graphs.h"
 #include "models/tensor_parallel.h"
 #include "models/tensor_parallel_runner.h"
 #include "spdlog/spdlog.h"
@@ -25,15 +29,62 @@
 namespace deft::models {
 namespace {
 
-// The communicators of one process's ranks, destroyed after the runners that use them.
+// What the ranks of one process share, released after the runners that use them: the NCCL
+// communicators, and the peer all-reduce's buffers (one on each rank's GPU) and their table.
 struct NcclComms {
   std::vector<ncclComm_t> comms;
+  std::vector<int> devices;
+  std::vector<kernels::DeviceBuffer> peer_buffers;  // [rank], on devices[rank]
+  kernels::PeerAllReduceTable peer_table;           // ranks 0: none
   ~NcclComms() {
+    for (size_t r = 0; r < peer_buffers.size(); ++r) {
+      const kernels::DeviceScope on_device(devices[r]);
+      peer_buffers[r] = kernels::DeviceBuffer();
+    }
     for (ncclComm_t comm : comms) {
       if (comm != nullptr) ncclCommDestroy(comm);
     }
   }
 };
+
+// The peer all-reduce (kernels/peer_all_reduce.h) over `devices` when every pair has peer access:
+// access enabled both ways, a zeroed buffer on each GPU for `capacity` floats. False: NCCL only.
+bool set_up_peer_all_reduce(NcclComms& shared, std::span<const int> devices, int64_t capacity) {
+  if (devices.size() > static_cast<size_t>(kernels::kPeerAllReduceMaxRanks)) return false;
+  for (int a : devices) {
+    for (int b : devices) {
+      int can = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || can == 0)) {
+        cudaGetLastError();
+        spdlog::info("tensor parallel: no peer access from device {} to {}; NCCL all-reduces", a,
+                     b);
+        return false;
+      }
+    }
+  }
+  for (int a : devices) {
+    const kernels::DeviceScope on_device(a);
+    for (int b : devices) {
+      if (a == b) continue;
+      const cudaError_t enabled = cudaDeviceEnablePeerAccess(b, 0);
+      if (enabled == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else {
+        DEFT_CUDA_CHECK(enabled);
+      }
+    }
+  }
+  shared.peer_table.ranks = static_cast<int32_t>(devices.size());
+  shared.peer_table.capacity = capacity;
+  for (size_t r = 0; r < devices.size(); ++r) {
+    const kernels::DeviceScope on_device(devices[r]);
+    shared.peer_buffers.emplace_back(kernels::peer_all_reduce_buffer_bytes(capacity));
+    DEFT_CUDA_CHECK(
+        cudaMemset(shared.peer_buffers.back().data(), 0, shared.peer_buffers.back().bytes()));
+    shared.peer_table.buffers[r] = shared.peer_buffers.back().data();
+  }
+  return true;
+}
 
 absl::StatusOr<std::shared_ptr<NcclComms>> make_comms(std::span<const int> devices) {
   int count = 0;
@@ -56,6 +107,7 @@ absl::StatusOr<std::shared_ptr<NcclComms>> make_comms(std::span<const int> devic
     }
   }
   auto comms = std::make_shared<NcclComms>();
+  comms->devices.assign(devices.begin(), devices.end());
   comms->comms.resize(devices.size(), nullptr);
   const std::vector<int> list(devices.begin(), devices.end());
   const ncclResult_t result =
@@ -78,6 +130,10 @@ absl::StatusOr<std::unique_ptr<engine::ModelRunner>> make_ranks(
   if (absl::Status status = check_tensor_parallel(config, ranks); !status.ok()) return status;
   absl::StatusOr<std::shared_ptr<NcclComms>> comms = make_comms(devices);
   if (!comms.ok()) return comms.status();
+  // Residual all-reduces of graph-sized steps: kMaxGraphRows rows of hidden floats.
+  const bool peer =
+      options.peer_all_reduce &&
+      set_up_peer_all_reduce(**comms, devices, int64_t{kMaxGraphRows} * config.hidden_size);
   std::vector<absl::StatusOr<std::unique_ptr<LlamaCudaRunner>>> made;
   for (size_t r = 0; r < devices.size(); ++r) made.emplace_back(absl::UnknownError("not made"));
   TensorParallelRunner::run_parallel(ranks, [&](int32_t r) {
@@ -85,6 +141,7 @@ absl::StatusOr<std::unique_ptr<engine::ModelRunner>> make_ranks(
     rank_options.device = devices[static_cast<size_t>(r)];
     rank_options.tp = {.rank = r, .ranks = ranks};
     rank_options.nccl_comm = (*comms)->comms[static_cast<size_t>(r)];
+    rank_options.peer_table = peer ? &(*comms)->peer_table : nullptr;
     made[static_cast<size_t>(r)] = make_rank(rank_options);
   });
   std::vector<std::unique_ptr<engine::ModelRunner>> runners;

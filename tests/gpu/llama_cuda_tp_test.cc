@@ -406,6 +406,65 @@ TEST(LlamaCudaTensorParallel, TreeDecodingEqualsEachBranchAlone) {
       worst);
 }
 
+// The residual all-reduce on the peer kernel (kernels/peer_all_reduce.h, the default) and on NCCL
+// give the same logits bit for bit at two ranks (one float addition either way); GEMMs on cuBLAS's
+// default algorithms on both, so timing-based tuning picks nothing different.
+TEST(LlamaCudaTensorParallel, PeerAllReduceEqualsNccl) {
+  DEFT_SKIP_WITHOUT_TWO_GPUS();
+  const testing::TinyLlama model = testing::make_tiny_deft_llama(128, 31);
+  engine::KvCacheManager kv({.page_tokens = 16, .num_pages = 256});
+  LlamaCudaOptions peer_options = options(kv.num_slots());
+  peer_options.tune_gemms = false;
+  LlamaCudaOptions nccl_options = peer_options;
+  nccl_options.peer_all_reduce = false;
+  absl::StatusOr<std::unique_ptr<engine::ModelRunner>> peer =
+      LlamaCudaRunner::create_tensor_parallel(model.config, model.checkpoint, peer_options,
+                                              kTwoGpus, "peer");
+  absl::StatusOr<std::unique_ptr<engine::ModelRunner>> nccl =
+      LlamaCudaRunner::create_tensor_parallel(model.config, model.checkpoint, nccl_options,
+                                              kTwoGpus, "nccl");
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  engine::AttentionPlanner planner({.kind = engine::PlanKind::kDeftFlatten});
+  engine::AttentionPlan plan;
+  SequenceTree tree(1, &kv);
+  std::vector<TokenId> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>(3 + 7 * i % 290);
+  std::vector<TreeStep> parts = {RunnerHarness::append(tree, tree.root(), prompt)};
+  const std::vector<NodeId> leaves = *tree.branch(tree.root(), 4);
+  int compared = 0;
+  for (int s = 0; s < 12; ++s) {
+    std::vector<engine::TreeQueries> trees;
+    std::vector<TokenId> tokens;
+    for (const TreeStep& part : parts) {
+      trees.push_back({part.tree, part.queries});
+      tokens.insert(tokens.end(), part.tokens.begin(), part.tokens.end());
+    }
+    ASSERT_TRUE(planner.plan(trees, plan).ok());
+    std::vector<int32_t> rows(tokens.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+    const size_t vocab = static_cast<size_t>((*peer)->vocab_size());
+    std::vector<float> a(rows.size() * vocab), b(rows.size() * vocab);
+    const engine::StepBatch batch{.plan = &plan, .tokens = tokens, .logit_rows = rows};
+    ASSERT_TRUE((*peer)->forward(batch, a).ok());
+    ASSERT_TRUE((*nccl)->forward(batch, b).ok());
+    EXPECT_TRUE(a == b) << "step " << s;
+    ++compared;
+    parts.clear();
+    for (size_t l = 0; l < leaves.size(); ++l) {
+      const TokenId next =
+          static_cast<TokenId>((argmax(std::vector<float>(a.begin() + (rows.size() - 1) * vocab,
+                                                          a.begin() + rows.size() * vocab)) +
+                                l) %
+                               vocab);
+      parts.push_back(RunnerHarness::append(tree, leaves[l], {&next, 1}));
+    }
+  }
+  EXPECT_GT(rank0(**peer).cuda_graph_stats().graph_steps, 0);
+  std::printf("[tensor parallel] peer all-reduce vs NCCL: %d steps, logits bit-identical\n",
+              compared);
+}
+
 // forward_sampled (rank 0 samples on its GPU after the all-gather) against TP 1: greedy decode of
 // the default model, token for token while TP 1's margin allows, logprobs close.
 TEST(LlamaCudaTensorParallel, SampledGreedyDecodeMatchesOneRank) {
