@@ -118,7 +118,7 @@ double collective_us(const std::vector<int>& devices, size_t count, Collective k
   if (kind == Collective::kPeerAllReduce) {
     for (int32_t r = 0; r < ranks; ++r) {
       const kernels::DeviceScope on_device(devices[r]);
-      peer_buffers[r].reset(kernels::peer_all_reduce_buffer_bytes(table.capacity));
+      peer_buffers[r].reset(kernels::peer_all_reduce_buffer_bytes(ranks, table.capacity));
       DEFT_CUDA_CHECK(cudaMemset(peer_buffers[r].data(), 0, peer_buffers[r].bytes()));
       table.buffers[r] = peer_buffers[r].data();
     }

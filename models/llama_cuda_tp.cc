@@ -78,7 +78,8 @@ bool set_up_peer_all_reduce(NcclComms& shared, std::span<const int> devices, int
   shared.peer_table.capacity = capacity;
   for (size_t r = 0; r < devices.size(); ++r) {
     const kernels::DeviceScope on_device(devices[r]);
-    shared.peer_buffers.emplace_back(kernels::peer_all_reduce_buffer_bytes(capacity));
+    shared.peer_buffers.emplace_back(
+        kernels::peer_all_reduce_buffer_bytes(static_cast<int32_t>(devices.size()), capacity));
     DEFT_CUDA_CHECK(
         cudaMemset(shared.peer_buffers.back().data(), 0, shared.peer_buffers.back().bytes()));
     shared.peer_table.buffers[r] = shared.peer_buffers.back().data();

@@ -46,7 +46,7 @@ TEST(PeerAllReduce, SumsInRankOrderEagerAndReplayed) {
   PeerAllReduceTable table{.ranks = kRanks, .capacity = kCapacity};
   for (int r = 0; r < kRanks; ++r) {
     const DeviceScope on_device(r);
-    buffers[r].reset(peer_all_reduce_buffer_bytes(kCapacity));
+    buffers[r].reset(peer_all_reduce_buffer_bytes(kRanks, kCapacity));
     DEFT_CUDA_CHECK(cudaMemset(buffers[r].data(), 0, buffers[r].bytes()));
     data[r].reset(kCapacity * sizeof(float));
     table.buffers[r] = buffers[r].data();
@@ -76,6 +76,7 @@ TEST(PeerAllReduce, SumsInRankOrderEagerAndReplayed) {
         DEFT_CUDA_CHECK(cudaMemcpy(source.data(), inputs[r].data(), count * sizeof(float),
                                    cudaMemcpyHostToDevice));
         const auto upload = [&] {
+          if (count == 0) return;
           DEFT_CUDA_CHECK(cudaMemcpyAsync(x, source.data(), count * sizeof(float),
                                           cudaMemcpyDeviceToDevice, stream));
         };
