@@ -10,6 +10,8 @@
 // One step = planning + forward_sampled() (greedy on rank 0's GPU) + reading the tokens; its time
 // is the host's wall time (all ranks finished) and rank 0's GPU time (StepTiming::kTotal events:
 // rank 0 waits on every collective, so it spans the step). The first kWarmupSteps are excluded.
+// A second, shorter run of each case with StepTiming::kPhases gives rank 0's split (attention,
+// GEMMs, other kernels, copies and collectives, sampling; eager launches, so a little slower).
 // Floor per step = per-GPU bytes / 3.0e12 B/s + the step's collectives as measured alone
 // (2 all-reduces per layer and one for the embedding of the step's rows x hidden fp32, each the
 // faster of NCCL's and kernels/peer_all_reduce.h's, and the logits' all-gather of rows x
@@ -179,6 +181,7 @@ double collective_us(const std::vector<int>& devices, size_t count, Collective k
 
 struct StepRecord {
   double wall_us = 0, gpu_us = 0;
+  models::StepTimes phases;  // rank 0's, in a StepTiming::kPhases run
   int64_t tree_tokens = 0;
   int32_t rows = 0;
 };
@@ -227,6 +230,7 @@ class Bench {
     for (int32_t r = 0; r < rows; ++r) argmax[r] = sampled_[r].token;
     rec.wall_us = us_since(t0);
     rec.gpu_us = rank0_.last_step_times().total_ms * 1e3;
+    rec.phases = rank0_.last_step_times();
     rec.tree_tokens = tree.total_tokens();
     rec.rows = rows;
     return rec;
@@ -432,6 +436,17 @@ int main(int argc, char** argv) {
             collective_us(used, size_t(cs.rows) * vocab.rows, Collective::kNcclAllGather);
         collectives_us = (2.0 * c.num_hidden_layers + 1) * all_reduce_us + all_gather_us;
       }
+      // Where rank 0's time goes: a second run of the case with an event after every launch
+      // (eager launches on rank 0; the collectives count as copies).
+      rank0->set_step_timing(models::StepTiming::kPhases);
+      const std::vector<StepRecord> phased =
+          cs.spec ? bench.specdec(*trace, 6000, 10) : bench.fewshot(4000, 20, 10);
+      rank0->set_step_timing(models::StepTiming::kTotal);
+      const auto phase_us = [&](double models::StepTimes::*field) {
+        std::vector<double> values;
+        for (const StepRecord& s : phased) values.push_back(s.phases.*field * 1e3);
+        return median(values);
+      };
       std::vector<double> wall, gpu_us, floor_fixed, floor_measured;
       for (const StepRecord& s : steps) {
         const double bytes = weight_read_bytes + kv_token_bytes * double(s.tree_tokens);
@@ -457,6 +472,12 @@ int main(int argc, char** argv) {
       row.extra["peer_all_reduce_us"] = peer_all_reduce_us;
       row.extra["all_gather_us"] = all_gather_us;
       row.extra["rows"] = cs.rows;
+      row.extra["phases_us"] = {{"attention", phase_us(&models::StepTimes::attention_ms)},
+                                {"gemm", phase_us(&models::StepTimes::gemm_ms)},
+                                {"other", phase_us(&models::StepTimes::other_ms)},
+                                {"copies_and_collectives", phase_us(&models::StepTimes::copy_ms)},
+                                {"sampling", phase_us(&models::StepTimes::sampling_ms)},
+                                {"total_eager", phase_us(&models::StepTimes::total_ms)}};
       row.extra["measured_read_bytes_per_s"] = read_bytes_per_s;
       row.extra["floor_measured_bw_us"] = median(floor_measured);
       row.extra["ratio_to_measured_floor"] = row.median_us / median(floor_measured);
@@ -478,6 +499,8 @@ int main(int argc, char** argv) {
                  "x faster than TP 1")
                     .c_str()
               : "");
+      std::printf("%-18s %-16s rank 0 eager with events: %s\n", cs.name.c_str(), row.method.c_str(),
+                  row.extra["phases_us"].dump().c_str());
       result.add(std::move(row));
     }
     runner.reset();

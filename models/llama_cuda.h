@@ -143,6 +143,9 @@ class LlamaCudaRunner final : public engine::ModelRunner {
   static absl::StatusOr<std::unique_ptr<engine::ModelRunner>> load_tensor_parallel(
       const std::filesystem::path& model_dir, const LlamaCudaOptions& options,
       std::span<const int> devices);
+  // False when the build has no NCCL: the *_tensor_parallel functions then fail with
+  // FAILED_PRECONDITION saying so.
+  static bool tensor_parallel_available();
   // The same from a parsed config and an open checkpoint (tests build these in memory).
   static absl::StatusOr<std::unique_ptr<engine::ModelRunner>> create_tensor_parallel(
       const ModelConfig& config, const SafetensorsSet& checkpoint, const LlamaCudaOptions& options,

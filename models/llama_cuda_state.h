@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#include <nccl.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -24,6 +23,7 @@
 #include "kernels/skinny_gemm.h"
 #include "models/gemm_tuner.h"
 #include "models/llama_cuda.h"
+#include "models/nccl_or_stub.h"
 #include "models/step_graphs.h"
 #include "models/step_staging.h"
 #include "models/step_timer.h"

@@ -2,8 +2,6 @@
 // communicators for the devices, one rank runner per GPU, each made on its own thread (its
 // shard of the weights read from the checkpoint's mapping straight onto its GPU, its GEMMs
 // tuned, its KV pool agreed with the others), and the TensorParallelRunner that drives them.
-#include <nccl.h>
-
 #include <algorithm>
 #include <functional>
 #include <memory>
@@ -21,6 +19,7 @@
 #include "models/llama_checkpoint.h"
 #include "models/llama_cuda.h"
 #include "models/llama_cuda_state.h"
+#include "models/nccl_or_stub.h"
 #include "models/step_graphs.h"
 #include "models/tensor_parallel.h"
 #include "models/tensor_parallel_runner.h"
@@ -107,6 +106,10 @@ absl::StatusOr<std::shared_ptr<NcclComms>> make_comms(std::span<const int> devic
                                                      " outside the ", count, " GPUs visible"));
     }
   }
+#if !defined(DEFT_HAVE_NCCL)
+  return absl::FailedPreconditionError(
+      "tensor parallel: this build has no NCCL (install libnccl-dev and rebuild)");
+#endif
   auto comms = std::make_shared<NcclComms>();
   comms->devices.assign(devices.begin(), devices.end());
   comms->comms.resize(devices.size(), nullptr);
@@ -156,6 +159,14 @@ absl::StatusOr<std::unique_ptr<engine::ModelRunner>> make_ranks(
 }
 
 }  // namespace
+
+bool LlamaCudaRunner::tensor_parallel_available() {
+#if defined(DEFT_HAVE_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
 
 absl::StatusOr<std::unique_ptr<engine::ModelRunner>> LlamaCudaRunner::load_tensor_parallel(
     const std::filesystem::path& model_dir, const LlamaCudaOptions& options,

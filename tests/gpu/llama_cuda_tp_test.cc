@@ -54,7 +54,8 @@ int visible_gpus() {
   return count;
 }
 
-#define DEFT_SKIP_WITHOUT_TWO_GPUS() \
+#define DEFT_SKIP_WITHOUT_TWO_GPUS()                                                       \
+  if (!LlamaCudaRunner::tensor_parallel_available()) GTEST_SKIP() << "built without NCCL"; \
   if (visible_gpus() < 2) GTEST_SKIP() << "tensor parallel tests need 2 CUDA devices"
 
 std::string source_path(const std::string& relative) {
