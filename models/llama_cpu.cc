@@ -1,15 +1,16 @@
 #include "models/llama_cpu.h"
 
-#include <chrono>
-
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/check.h"
 #include "kernels/deft_attention_cpu.h"
 #include "models/llama_checkpoint.h"
+#include "models/tensor_parallel_runner.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::models {
@@ -125,45 +126,76 @@ absl::StatusOr<std::unique_ptr<LlamaCpuRunner>> LlamaCpuRunner::load(
 
 absl::StatusOr<std::unique_ptr<LlamaCpuRunner>> LlamaCpuRunner::create(
     const ModelConfig& config, const SafetensorsSet& checkpoint, int64_t num_kv_slots,
-    std::string name) {
+    std::string name, TensorParallelRank tp, HostCollectives* collectives) {
   if (num_kv_slots <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("llama_cpu: num_kv_slots must be positive, got ", num_kv_slots));
   }
+  if (absl::Status status = check_tensor_parallel(config, tp.ranks); !status.ok()) return status;
+  DEFT_CHECK(tp.ranks == 1 || (collectives != nullptr && collectives->ranks() == tp.ranks),
+             "llama_cpu: rank %d of %d without collectives of that many ranks", tp.rank, tp.ranks);
   absl::StatusOr<LlamaWeights> weights = bind_llama_weights(config, checkpoint);
   if (!weights.ok()) return weights.status();
 
   std::unique_ptr<LlamaCpuRunner> runner(new LlamaCpuRunner());
-  runner->config_ = config;
+  runner->config_ = shard_config(config, tp.ranks);
+  runner->tp_ = tp;
+  runner->collectives_ = collectives;
+  runner->vocab_ = vocab_shard(config.vocab_size, tp);
   runner->inv_freq_ = rope_inverse_frequencies(config);
-  absl::Status status = to_floats(weights->embed_tokens, runner->embed_tokens_);
+  // This rank's part of each tensor (models/tensor_parallel.h), as floats.
+  const ShardRange q_rows = even_shard(config.q_size(), tp);
+  const ShardRange kv_rows = even_shard(config.kv_size(), tp);
+  const ShardRange mlp_rows = even_shard(config.intermediate_size, tp);
+  const VocabShard& vocab = runner->vocab_;
+  absl::Status status = absl::OkStatus();
+  const auto take = [&](const TensorView& tensor, ShardAxis axis, int64_t begin, int64_t count,
+                        int64_t padded, std::vector<float>& out) {
+    if (status.ok())
+      status = to_floats(TensorShard(tensor, axis, begin, count, padded).view(), out);
+  };
+  const auto take_even = [&](const TensorView& tensor, ShardAxis axis, ShardRange range,
+                             std::vector<float>& out) {
+    take(tensor, axis, range.begin, range.count, range.count, out);
+  };
+  const auto take_optional = [&](const std::optional<TensorView>& tensor, ShardRange range,
+                                 std::vector<float>& out) {
+    if (tensor) {
+      take_even(*tensor, ShardAxis::kRows, range, out);
+    } else {
+      out.clear();
+    }
+  };
+  take(weights->embed_tokens, ShardAxis::kRows, vocab.begin, vocab.count, vocab.rows,
+       runner->embed_tokens_);
   if (status.ok()) status = to_floats(weights->norm, runner->norm_);
-  if (status.ok() && !config.tie_word_embeddings) {
-    status = to_floats(weights->lm_head, runner->lm_head_);
+  if (!config.tie_word_embeddings) {
+    take(weights->lm_head, ShardAxis::kRows, vocab.begin, vocab.count, vocab.rows,
+         runner->lm_head_);
   }
   runner->layers_.resize(weights->layers.size());
   for (size_t i = 0; i < weights->layers.size() && status.ok(); ++i) {
     const LlamaLayerWeights& from = weights->layers[i];
     Layer& to = runner->layers_[i];
-    for (auto [tensor, out] : {std::pair{&from.input_layernorm, &to.input_layernorm},
-                               std::pair{&from.post_attention_layernorm, &to.post_attention_layernorm},
-                               std::pair{&from.q_proj, &to.q_proj},
-                               std::pair{&from.k_proj, &to.k_proj},
-                               std::pair{&from.v_proj, &to.v_proj},
-                               std::pair{&from.o_proj, &to.o_proj},
-                               std::pair{&from.gate_proj, &to.gate_proj},
-                               std::pair{&from.up_proj, &to.up_proj},
-                               std::pair{&from.down_proj, &to.down_proj}}) {
-      if (status.ok()) status = to_floats(*tensor, *out);
-    }
-    for (auto [tensor, out] : {std::pair{&from.q_bias, &to.q_bias}, std::pair{&from.k_bias, &to.k_bias},
-                               std::pair{&from.v_bias, &to.v_bias}, std::pair{&from.o_bias, &to.o_bias}}) {
-      if (status.ok()) status = to_floats(*tensor, *out);
-    }
+    if (status.ok()) status = to_floats(from.input_layernorm, to.input_layernorm);
+    if (status.ok()) status = to_floats(from.post_attention_layernorm, to.post_attention_layernorm);
+    take_even(from.q_proj, ShardAxis::kRows, q_rows, to.q_proj);
+    take_even(from.k_proj, ShardAxis::kRows, kv_rows, to.k_proj);
+    take_even(from.v_proj, ShardAxis::kRows, kv_rows, to.v_proj);
+    take_even(from.o_proj, ShardAxis::kColumns, q_rows, to.o_proj);
+    take_even(from.gate_proj, ShardAxis::kRows, mlp_rows, to.gate_proj);
+    take_even(from.up_proj, ShardAxis::kRows, mlp_rows, to.up_proj);
+    take_even(from.down_proj, ShardAxis::kColumns, mlp_rows, to.down_proj);
+    take_optional(from.q_bias, q_rows, to.q_bias);
+    take_optional(from.k_bias, kv_rows, to.k_bias);
+    take_optional(from.v_bias, kv_rows, to.v_bias);
+    // The O bias is added once, to the reduced residual: whole on every rank.
+    if (status.ok()) status = to_floats(from.o_bias, to.o_bias);
   }
   if (!status.ok()) return status;
+  const ModelConfig& shard = runner->config_;
 
-  const size_t cache_floats = static_cast<size_t>(num_kv_slots) * config.kv_size();
+  const size_t cache_floats = static_cast<size_t>(num_kv_slots) * shard.kv_size();
   runner->k_cache_.assign(config.num_hidden_layers, std::vector<float>(cache_floats, 0.0f));
   runner->v_cache_.assign(config.num_hidden_layers, std::vector<float>(cache_floats, 0.0f));
 
@@ -174,11 +206,12 @@ absl::StatusOr<std::unique_ptr<LlamaCpuRunner>> LlamaCpuRunner::create(
   info.num_layers = config.num_hidden_layers;
   info.max_position = config.max_position_embeddings;
   info.num_kv_slots = num_kv_slots;
-  spdlog::info("llama_cpu: loaded {} ({}, {} layers, hidden {}, vocab {}): {:.1f} MiB weights, "
-               "{:.1f} MiB KV for {} slots",
-               info.name, info.family, info.num_layers, config.hidden_size, info.vocab_size,
-               runner->weight_bytes() / 1048576.0, runner->kv_cache_bytes() / 1048576.0,
-               num_kv_slots);
+  spdlog::info(
+      "llama_cpu: loaded {} ({}, {} layers, hidden {}, vocab {}, rank {} of {}): "
+      "{:.1f} MiB weights, {:.1f} MiB KV for {} slots",
+      info.name, info.family, info.num_layers, config.hidden_size, info.vocab_size, tp.rank,
+      tp.ranks, runner->weight_bytes() / 1048576.0, runner->kv_cache_bytes() / 1048576.0,
+      num_kv_slots);
   return runner;
 }
 
@@ -238,10 +271,12 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
                                                      " query rows"));
     }
   }
-  if (logits.size() != batch.logit_rows.size() * static_cast<size_t>(vocab)) {
+  // Ranks after the first write no logits (rank 0 assembles them).
+  const size_t logits_expected = tp_.rank == 0 ? batch.logit_rows.size() * size_t(vocab) : 0;
+  if (logits.size() != logits_expected) {
     return absl::InvalidArgumentError(
         absl::StrCat("llama_cpu: logits hold ", logits.size(), " floats, expected ",
-                     batch.logit_rows.size(), " rows x ", vocab));
+                     logits_expected / std::max(vocab, 1), " rows x ", vocab));
   }
   if (rows == 0) return absl::OkStatus();
 
@@ -265,11 +300,30 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
   gate_.resize(n * intermediate);
   up_.resize(n * intermediate);
 
+  // Embedding rows of the tokens this rank holds, zeros for the others; their sum is the lookup.
   for (int32_t r = 0; r < rows; ++r) {
-    std::memcpy(hidden_.data() + static_cast<size_t>(r) * hidden,
-                embed_tokens_.data() + static_cast<size_t>(batch.tokens[r]) * hidden,
-                sizeof(float) * hidden);
+    float* row = hidden_.data() + static_cast<size_t>(r) * hidden;
+    const int32_t local = batch.tokens[r] - vocab_.begin;
+    if (local >= 0 && local < vocab_.count) {
+      std::memcpy(row, embed_tokens_.data() + static_cast<size_t>(local) * hidden,
+                  sizeof(float) * hidden);
+    } else {
+      std::fill(row, row + hidden, 0.0f);
+    }
   }
+  // The residual plus this rank's partial: rank 0 adds it, the others hand in the partial alone,
+  // and the all-reduce sums them (models/tensor_parallel.h).
+  const auto reduce_into_residual = [&](const std::vector<float>& partial, bool add) {
+    if (add) {
+      for (size_t i = 0; i < n * hidden; ++i) hidden_[i] += partial[i];
+    } else {
+      std::copy(partial.begin(), partial.begin() + static_cast<ptrdiff_t>(n * hidden),
+                hidden_.begin());
+    }
+    if (tp_.ranks > 1) collectives_->all_reduce_sum(tp_.rank, {hidden_.data(), n * hidden});
+  };
+  if (tp_.ranks > 1) collectives_->all_reduce_sum(tp_.rank, {hidden_.data(), n * hidden});
+  const std::vector<float> no_bias;
   const kernels::AttentionPlanView view = plan.view();
   kernels::AttentionDims dims;
   dims.num_q_heads = heads;
@@ -299,8 +353,13 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
     kernels::deft_attention_cpu(view, dims, q_.data(), k_cache, v_cache, attn_.data());
     attention_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                        attention_start).count();
-    linear(attn_.data(), rows, q_size, layer.o_proj, layer.o_bias, hidden, proj_.data());
-    for (size_t i = 0; i < n * hidden; ++i) hidden_[i] += proj_[i];
+    // One rank: the bias inside the product, as before; several: added once, after the sum.
+    linear(attn_.data(), rows, q_size, layer.o_proj, tp_.ranks == 1 ? layer.o_bias : no_bias,
+           hidden, proj_.data());
+    reduce_into_residual(proj_, tp_.rank == 0);
+    if (tp_.ranks > 1 && !layer.o_bias.empty()) {
+      for (size_t i = 0; i < n * hidden; ++i) hidden_[i] += layer.o_bias[i % hidden];
+    }
 
     // MLP block: down(silu(gate(x)) * up(x)).
     rms_norm(hidden_.data(), rows, hidden, layer.post_attention_layernorm, eps, normed_.data());
@@ -311,7 +370,7 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
       gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
     }
     linear(gate_.data(), rows, intermediate, layer.down_proj, {}, hidden, proj_.data());
-    for (size_t i = 0; i < n * hidden; ++i) hidden_[i] += proj_[i];
+    reduce_into_residual(proj_, tp_.rank == 0);
   }
   attention_seconds_ = attention_seconds;
 
@@ -323,9 +382,54 @@ absl::Status LlamaCpuRunner::forward(const engine::StepBatch& batch, std::span<f
     rms_norm(hidden_.data() + static_cast<size_t>(batch.logit_rows[i]) * hidden, 1, hidden, norm_,
              eps, logit_hidden_.data() + static_cast<size_t>(i) * hidden);
   }
-  linear(logit_hidden_.data(), logit_rows, hidden,
-         config_.tie_word_embeddings ? embed_tokens_ : lm_head_, {}, vocab, logits.data());
+  const std::vector<float>& head = config_.tie_word_embeddings ? embed_tokens_ : lm_head_;
+  if (tp_.ranks == 1) {
+    linear(logit_hidden_.data(), logit_rows, hidden, head, {}, vocab, logits.data());
+    return absl::OkStatus();
+  }
+  // Each rank's vocabulary rows, gathered: [ranks][logit_rows][vocab_.rows]; rank 0 lays them
+  // out as [logit_rows][vocab] (the last shard's padding dropped).
+  const size_t shard_floats = static_cast<size_t>(logit_rows) * vocab_.rows;
+  shard_logits_.resize(shard_floats);
+  gathered_logits_.resize(shard_floats * tp_.ranks);
+  linear(logit_hidden_.data(), logit_rows, hidden, head, {}, vocab_.rows, shard_logits_.data());
+  collectives_->all_gather(tp_.rank, shard_logits_, gathered_logits_);
+  if (tp_.rank != 0) return absl::OkStatus();
+  for (int32_t r = 0; r < tp_.ranks; ++r) {
+    const VocabShard part = vocab_shard(vocab, {.rank = r, .ranks = tp_.ranks});
+    for (int32_t i = 0; i < logit_rows; ++i) {
+      const float* from =
+          gathered_logits_.data() + r * shard_floats + static_cast<size_t>(i) * vocab_.rows;
+      std::copy(from, from + part.count,
+                logits.data() + static_cast<size_t>(i) * vocab + part.begin);
+    }
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<engine::ModelRunner>> LlamaCpuRunner::load_tensor_parallel(
+    const std::filesystem::path& model_dir, int64_t num_kv_slots, int32_t ranks) {
+  absl::StatusOr<ModelConfig> config = load_model_config(model_dir);
+  if (!config.ok()) return config.status();
+  // The checkpoint's mapping must outlive the ranks only while they load (weights are copied).
+  absl::StatusOr<SafetensorsSet> checkpoint = SafetensorsSet::open(model_dir);
+  if (!checkpoint.ok()) return checkpoint.status();
+  return create_tensor_parallel(*config, *checkpoint, num_kv_slots, ranks, model_dir.string());
+}
+
+absl::StatusOr<std::unique_ptr<engine::ModelRunner>> LlamaCpuRunner::create_tensor_parallel(
+    const ModelConfig& config, const SafetensorsSet& checkpoint, int64_t num_kv_slots,
+    int32_t ranks, std::string name) {
+  if (absl::Status status = check_tensor_parallel(config, ranks); !status.ok()) return status;
+  auto collectives = std::make_shared<HostCollectives>(ranks);
+  std::vector<std::unique_ptr<engine::ModelRunner>> shards;
+  for (int32_t r = 0; r < ranks; ++r) {
+    absl::StatusOr<std::unique_ptr<LlamaCpuRunner>> shard = create(
+        config, checkpoint, num_kv_slots, name, {.rank = r, .ranks = ranks}, collectives.get());
+    if (!shard.ok()) return shard.status();
+    shards.push_back(std::move(*shard));
+  }
+  return std::make_unique<TensorParallelRunner>(std::move(shards), std::move(collectives));
 }
 
 }  // namespace deft::models

@@ -49,7 +49,10 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
   const kernels::DevicePlan& device_plan = *launch.plan;
 
   float* x = residual.as<float>();
+  // Tensor parallel: the tokens arrive as rows of this rank's shard (others at its zero row), so
+  // the sum over ranks is the embedding.
   kernels::launch_embedding(rows, hidden, dtype, d_tokens, embed.data(), x, stream);
+  all_reduce_residual(x, rows, hidden);
   const kernels::QkvRopeDims qkv_dims{.num_tokens = rows,
                                       .num_q_heads = c.num_attention_heads,
                                       .num_kv_heads = c.num_key_value_heads,
@@ -111,8 +114,10 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                              attn.data(), stream);
     }
     timer.mark(StepPhase::kAttention);
-    gemm(attn.data(), layer.o_proj.data(), rows, q_size, hidden, x, true, true);
+    gemm(attn.data(), layer.o_proj.data(), rows, q_size, hidden, x, true, accumulates_residual());
     timer.mark(StepPhase::kGemm);
+    all_reduce_residual(x, rows, hidden);
+    timer.mark(StepPhase::kCopy);
     // The O projection's bias (Llama with attention_bias) is folded into the residual here.
     kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, layer.o_bias.as<float>(),
                              layer.post_norm.as<float>(), normed.data(), stream,
@@ -133,8 +138,11 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                prefetch(layer.down, hidden, intermediate));
       timer.mark(StepPhase::kOther);
     }
-    gemm(act.data(), layer.down.data(), rows, intermediate, hidden, x, true, true);
+    gemm(act.data(), layer.down.data(), rows, intermediate, hidden, x, true,
+         accumulates_residual());
     timer.mark(StepPhase::kGemm);
+    all_reduce_residual(x, rows, hidden);
+    timer.mark(StepPhase::kCopy);
   }
   if (logit_rows == 0) return;
 
@@ -145,13 +153,38 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
   timer.mark(StepPhase::kOther);
   const void* head = c.tie_word_embeddings ? embed.data() : lm_head.data();
   const size_t row_bytes = kernels::dtype_bytes(dtype) * hidden;
-  DEFT_CHECK(!launch.logits_out.empty() || launch.sample || logit_rows <= kLogitRowsPerChunk,
+  DEFT_CHECK(!launch.logits_out.empty() || launch.sample || logit_rows <= kLogitRowsPerChunk ||
+                 tp.rank > 0,
              "llama_cuda: %d logit rows need a destination per chunk", logit_rows);
   for (int32_t begin = 0; begin < logit_rows; begin += kLogitRowsPerChunk) {
     const int32_t count = std::min(kLogitRowsPerChunk, logit_rows - begin);
-    gemm(static_cast<const char*>(normed.data()) + row_bytes * begin, head, count, hidden, vocab,
-         logits.data(), true, false, /*lm_head=*/true);
-    timer.mark(StepPhase::kGemm);
+    const void* head_x = static_cast<const char*>(normed.data()) + row_bytes * begin;
+    if (tp.ranks == 1) {
+      gemm(head_x, head, count, hidden, vocab, logits.data(), true, false, /*lm_head=*/true);
+      timer.mark(StepPhase::kGemm);
+    } else {
+      // This rank's vocabulary rows, all-gathered; rank 0 lays them out [count][vocab] (the last
+      // shard's padding dropped) and carries on alone: sampling and copies are rank 0's.
+      gemm(head_x, head, count, hidden, vocab_part.rows, logits_shard.data(), true, false,
+           /*lm_head=*/true);
+      timer.mark(StepPhase::kGemm);
+      const size_t shard_floats = static_cast<size_t>(count) * vocab_part.rows;
+      DEFT_NCCL_CHECK(ncclAllGather(logits_shard.data(), logits_gathered.data(), shard_floats,
+                                    ncclFloat32, comm, stream));
+      if (tp.rank > 0) {
+        timer.mark(StepPhase::kCopy);
+        continue;
+      }
+      for (int32_t r = 0; r < tp.ranks; ++r) {
+        const VocabShard part = vocab_shard(vocab, {.rank = r, .ranks = tp.ranks});
+        if (part.count == 0) continue;
+        DEFT_CUDA_CHECK(cudaMemcpy2DAsync(
+            logits.as<float>() + part.begin, sizeof(float) * vocab,
+            logits_gathered.as<float>() + r * shard_floats, sizeof(float) * vocab_part.rows,
+            sizeof(float) * part.count, count, cudaMemcpyDeviceToDevice, stream));
+      }
+      timer.mark(StepPhase::kCopy);
+    }
     if (launch.sample) {
       kernels::launch_sample_rows({.num_rows = count, .vocab_size = vocab, .row_stride = vocab},
                                   logits.as<float>(), launch.inputs.sampling_params + begin,
@@ -211,7 +244,7 @@ int64_t first_slot_outside(std::span<const int32_t> slots, int32_t limit) {
 // written slots and read KV slots in the pool, logit rows among the query rows, prefill runs
 // inside the plan, and (forward()) `logits_size` fits the logit rows.
 absl::Status check_step(const engine::StepBatch& batch, size_t logits_size, bool sample,
-                        int32_t vocab, int32_t max_rows, int64_t num_kv_slots) {
+                        bool writes_logits, int32_t vocab, int32_t max_rows, int64_t num_kv_slots) {
   if (batch.plan == nullptr) return absl::InvalidArgumentError("llama_cuda: step without a plan");
   const engine::AttentionPlan& plan = *batch.plan;
   const int32_t rows = plan.num_queries;
@@ -256,10 +289,12 @@ absl::Status check_step(const engine::StepBatch& batch, size_t logits_size, bool
     }
   }
   // (forward_sampled() checked its `logits` against the rows that want theirs.)
-  if (!sample && logits_size != static_cast<size_t>(logit_rows) * vocab) {
-    return absl::InvalidArgumentError(absl::StrCat("llama_cuda: logits hold ", logits_size,
-                                                   " floats, expected ", logit_rows, " rows x ",
-                                                   vocab));
+  // (A tensor-parallel rank after the first writes none: rank 0 assembles the logits.)
+  const size_t logits_expected = writes_logits ? static_cast<size_t>(logit_rows) * vocab : 0;
+  if (!sample && logits_size != logits_expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("llama_cuda: logits hold ", logits_size, " floats, expected ",
+                     writes_logits ? logit_rows : 0, " rows x ", vocab));
   }
   // The kernels trust the plan; a slot outside the pool would read out of bounds.
   if (const int64_t at = first_slot_outside(plan.kv_slots, num_kv_slots); at >= 0) {
@@ -380,7 +415,8 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   const int32_t vocab = config_.vocab_size;
   State& s = *state_;
   if (absl::Status status =
-          check_step(batch, logits.size(), sample, vocab, s.max_rows, info_.num_kv_slots);
+          check_step(batch, logits.size(), sample, /*writes_logits=*/s.tp.rank == 0, vocab,
+                     s.max_rows, info_.num_kv_slots);
       !status.ok()) {
     return status;
   }
@@ -426,6 +462,10 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   // The step's inputs, uploaded with the plan in one copy.
   const std::span<const unsigned char> inputs =
       s.inputs.stage_rows(batch, launch_rows, launch_logit_rows, s.sink_slot, sample);
+  if (s.tp.ranks > 1) {
+    s.inputs.map_tokens_to_shard(launch_rows, s.vocab_part.begin, s.vocab_part.count,
+                                 /*outside=*/s.vocab_part.rows);
+  }
   State::StepLaunch launch{.rows = launch_rows,
                            .logit_rows = launch_logit_rows,
                            .plan = &s.plan,
@@ -461,7 +501,7 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
     s.graphs.run(*graph, s.stream, s.timer, [&] { s.launch_step(config_, launch); });
   }
 
-  if (logit_rows > 0) {
+  if (logit_rows > 0 && s.tp.rank == 0) {
     if (!sample && launch.logits_out.empty()) {
       DEFT_CUDA_CHECK(cudaMemcpyAsync(logits.data(), s.logits.data(),
                                       sizeof(float) * static_cast<size_t>(logit_rows) * vocab,

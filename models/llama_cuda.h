@@ -30,6 +30,12 @@
 #include "engine/model_runner.h"
 #include "models/model_config.h"
 #include "models/safetensors.h"
+#include "models/tensor_parallel.h"
+
+struct ncclComm;  // NCCL's communicator (ncclComm_t); nccl.h stays out of this header
+namespace deft::kernels {
+struct PeerAllReduceTable;  // kernels/peer_all_reduce.h
+}
 
 namespace deft::models {
 
@@ -71,6 +77,19 @@ struct LlamaCudaOptions {
   // within ~20 µs a step of each other, 8-16 MiB lose in the small kernels what the GEMMs gain,
   // 32 MiB is slower (bench/results/e2e_step-h100-notes.md).
   int64_t weight_prefetch_bytes = int64_t{4} << 20;
+  // Tensor parallelism (models/tensor_parallel.h): this runner is rank `tp.rank` of `tp.ranks` on
+  // `device`, holding that rank's shard of the weights and KV heads, and meets the other ranks
+  // through `nccl_comm` (that rank's communicator) inside every step. Set by
+  // load_tensor_parallel() / create_random_tensor_parallel(), which make the communicators and
+  // drive all ranks; a rank alone is not a model. With num_kv_slots = 0 the ranks agree on the
+  // fewest slots any of them has room for.
+  TensorParallelRank tp;
+  ncclComm* nccl_comm = nullptr;
+  // Decode-sized steps (<= 256 rows) sum the residual with kernels/peer_all_reduce.h (one kernel
+  // reading the peers' memory over NVLink) instead of NCCL, where every pair of GPUs has peer
+  // access; larger steps, and false, use NCCL. load_tensor_parallel() sets `peer_table`.
+  bool peer_all_reduce = true;
+  const kernels::PeerAllReduceTable* peer_table = nullptr;
 };
 
 struct CudaGraphStats {
@@ -116,10 +135,33 @@ class LlamaCudaRunner final : public engine::ModelRunner {
       const ModelConfig& config, const LlamaCudaOptions& options, uint64_t seed = 0,
       std::string name = "random");
 
+  // Tensor parallelism over `devices` (one rank per GPU, rank r on devices[r]; options.device
+  // and options.tp are ignored): NCCL communicators over those GPUs, each rank's shard of the
+  // weights loaded straight from the checkpoint onto its GPU (ranks load in parallel), and one
+  // runner that drives the ranks' steps (models/tensor_parallel_runner.h). INVALID_ARGUMENT when
+  // the model's heads or MLP do not split over devices.size() ranks, or a device is repeated.
+  static absl::StatusOr<std::unique_ptr<engine::ModelRunner>> load_tensor_parallel(
+      const std::filesystem::path& model_dir, const LlamaCudaOptions& options,
+      std::span<const int> devices);
+  // False when the build has no NCCL: the *_tensor_parallel functions then fail with
+  // FAILED_PRECONDITION saying so.
+  static bool tensor_parallel_available();
+  // The same from a parsed config and an open checkpoint (tests build these in memory).
+  static absl::StatusOr<std::unique_ptr<engine::ModelRunner>> create_tensor_parallel(
+      const ModelConfig& config, const SafetensorsSet& checkpoint, const LlamaCudaOptions& options,
+      std::span<const int> devices, std::string name = "");
+  // The same with seeded random weights (benchmarks); rank r's shard is what create_random
+  // would draw for a model of the shard's shape with seed + r, not a slice of TP 1's weights.
+  static absl::StatusOr<std::unique_ptr<engine::ModelRunner>> create_random_tensor_parallel(
+      const ModelConfig& config, const LlamaCudaOptions& options, std::span<const int> devices,
+      uint64_t seed = 0);
+
   ~LlamaCudaRunner() override;
 
   const engine::ModelInfo& info() const override { return info_; }
+  // This rank's shape (shard_config: heads, KV heads and MLP divided by the ranks).
   const ModelConfig& config() const { return config_; }
+  // Rank 0 writes the logits (or samples); a rank after it takes an empty `logits`.
   absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override;
   // Samples on the GPU (kernels/sampling.h) right after the LM head: tokens, logprobs and
   // asked-for top logprobs come back, and only the logits of the rows without params.

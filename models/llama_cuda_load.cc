@@ -130,39 +130,74 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create(
     const ModelConfig& config, const SafetensorsSet& checkpoint, const LlamaCudaOptions& options,
     std::string name) {
   if (absl::Status status = check_options(options); !status.ok()) return status;
+  if (absl::Status status = check_tensor_parallel(config, options.tp.ranks); !status.ok()) {
+    return status;
+  }
   const kernels::DeviceScope on_device(options.device);
   absl::StatusOr<LlamaWeights> weights = bind_llama_weights(config, checkpoint);
   if (!weights.ok()) return weights.status();
 
   std::unique_ptr<LlamaCudaRunner> runner(new LlamaCudaRunner());
-  runner->config_ = config;
+  const TensorParallelRank tp = options.tp;
+  runner->config_ = shard_config(config, tp.ranks);
   runner->info_.name = std::move(name);
   runner->state_ = std::make_unique<State>();
   State& s = *runner->state_;
   s.device = options.device;
+  s.tp = tp;
+  s.comm = options.nccl_comm;
+  if (options.peer_all_reduce && options.peer_table != nullptr) s.peer_table = *options.peer_table;
+  s.vocab_part = vocab_shard(config.vocab_size, tp);
   s.dtype = model_dtype(config);
-  s.embed = upload_16bit({&weights->embed_tokens}, s.dtype);
+  // This rank's part of each tensor (models/tensor_parallel.h), read from the checkpoint's
+  // mapping and uploaded to this rank's GPU; at one rank every part is the whole tensor.
+  const ShardRange q_rows = even_shard(config.q_size(), tp);
+  const ShardRange kv_rows = even_shard(config.kv_size(), tp);
+  const ShardRange mlp_rows = even_shard(config.intermediate_size, tp);
+  const auto part = [&](const TensorView& tensor, ShardAxis axis, ShardRange range) {
+    return std::make_unique<TensorShard>(tensor, axis, range.begin, range.count, range.count);
+  };
+  // Embedding and LM head rows; several ranks: padded to vocab_part.rows, plus the embedding's
+  // zero row for the tokens other ranks hold.
+  const VocabShard& v = s.vocab_part;
+  const int64_t embed_rows = tp.ranks == 1 ? v.rows : v.rows + 1;
+  s.embed = upload_16bit(
+      {&TensorShard(weights->embed_tokens, ShardAxis::kRows, v.begin, v.count, embed_rows).view()},
+      s.dtype);
   s.norm = upload_fp32(weights->norm);
-  if (!config.tie_word_embeddings) s.lm_head = upload_16bit({&weights->lm_head}, s.dtype);
+  if (!config.tie_word_embeddings) {
+    s.lm_head = upload_16bit(
+        {&TensorShard(weights->lm_head, ShardAxis::kRows, v.begin, v.count, v.rows).view()},
+        s.dtype);
+  }
   s.layers.resize(weights->layers.size());
   for (size_t l = 0; l < weights->layers.size(); ++l) {
     const LlamaLayerWeights& from = weights->layers[l];
     State::Layer& to = s.layers[l];
     to.input_norm = upload_fp32(from.input_layernorm);
     to.post_norm = upload_fp32(from.post_attention_layernorm);
-    to.qkv = upload_16bit({&from.q_proj, &from.k_proj, &from.v_proj}, s.dtype);
+    to.qkv = upload_16bit({&part(from.q_proj, ShardAxis::kRows, q_rows)->view(),
+                           &part(from.k_proj, ShardAxis::kRows, kv_rows)->view(),
+                           &part(from.v_proj, ShardAxis::kRows, kv_rows)->view()},
+                          s.dtype);
     if (from.q_bias) {
       std::vector<float> bias;
-      for (const TensorView* part : {&*from.q_bias, &*from.k_bias, &*from.v_bias}) {
-        const std::vector<float> values = tensor_to_floats(*part);
+      for (auto [tensor, range] :
+           {std::pair{&*from.q_bias, q_rows}, std::pair{&*from.k_bias, kv_rows},
+            std::pair{&*from.v_bias, kv_rows}}) {
+        const std::vector<float> values =
+            tensor_to_floats(part(*tensor, ShardAxis::kRows, range)->view());
         bias.insert(bias.end(), values.begin(), values.end());
       }
       to.qkv_bias = upload_floats(bias);
     }
-    to.o_proj = upload_16bit({&from.o_proj}, s.dtype);
+    to.o_proj = upload_16bit({&part(from.o_proj, ShardAxis::kColumns, q_rows)->view()}, s.dtype);
+    // The O bias is added once, to the reduced residual (in the RMSNorm after the all-reduce).
     if (from.o_bias) to.o_bias = upload_fp32(*from.o_bias);
-    to.gate_up = upload_16bit({&from.gate_proj, &from.up_proj}, s.dtype);
-    to.down = upload_16bit({&from.down_proj}, s.dtype);
+    to.gate_up = upload_16bit({&part(from.gate_proj, ShardAxis::kRows, mlp_rows)->view(),
+                               &part(from.up_proj, ShardAxis::kRows, mlp_rows)->view()},
+                              s.dtype);
+    to.down = upload_16bit({&part(from.down_proj, ShardAxis::kColumns, mlp_rows)->view()}, s.dtype);
   }
   if (absl::Status status = runner->finish_setup(options); !status.ok()) return status;
   return runner;
@@ -177,15 +212,24 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create_random(
       config.vocab_size <= 0) {
     return absl::InvalidArgumentError("llama_cuda: random weights need a complete config");
   }
+  if (absl::Status status = check_tensor_parallel(config, options.tp.ranks); !status.ok()) {
+    return status;
+  }
   std::unique_ptr<LlamaCudaRunner> runner(new LlamaCudaRunner());
-  runner->config_ = config;
+  runner->config_ = shard_config(config, options.tp.ranks);
   runner->config_.attention_bias = false;
   runner->config_.o_proj_bias = false;
   runner->info_.name = std::move(name);
   runner->state_ = std::make_unique<State>();
   State& s = *runner->state_;
   s.device = options.device;
+  s.tp = options.tp;
+  s.comm = options.nccl_comm;
+  if (options.peer_all_reduce && options.peer_table != nullptr) s.peer_table = *options.peer_table;
+  s.vocab_part = vocab_shard(config.vocab_size, options.tp);
   s.dtype = model_dtype(config);
+  const ModelConfig& shard = runner->config_;
+  seed += static_cast<uint64_t>(options.tp.rank) * 7919u;
   uint64_t tensor_index = 0;
   // A matrix [rows][cols] with std 1/sqrt(cols) (uniform: half-width sqrt(3/cols)).
   const auto matrix = [&](int64_t rows, int64_t cols, float std_dev) {
@@ -198,17 +242,19 @@ absl::StatusOr<std::unique_ptr<LlamaCudaRunner>> LlamaCudaRunner::create_random(
   const int64_t hidden = config.hidden_size;
   const float fan_hidden = 1.0f / std::sqrt(static_cast<float>(hidden));
   const std::vector<float> ones(static_cast<size_t>(hidden), 1.0f);
-  s.embed = matrix(config.vocab_size, hidden, 1.0f);
+  // Several ranks: the embedding's extra row (tokens of other ranks) is random too; the sum over
+  // ranks is then not a lookup, which random-weight benchmarks do not mind.
+  s.embed = matrix(s.vocab_part.rows + (s.tp.ranks > 1 ? 1 : 0), hidden, 1.0f);
   s.norm = upload_floats(ones);
-  if (!config.tie_word_embeddings) s.lm_head = matrix(config.vocab_size, hidden, fan_hidden);
+  if (!config.tie_word_embeddings) s.lm_head = matrix(s.vocab_part.rows, hidden, fan_hidden);
   s.layers.resize(static_cast<size_t>(config.num_hidden_layers));
   for (State::Layer& layer : s.layers) {
     layer.input_norm = upload_floats(ones);
     layer.post_norm = upload_floats(ones);
-    layer.qkv = matrix(config.q_size() + 2 * config.kv_size(), hidden, fan_hidden);
-    layer.o_proj = matrix(hidden, config.q_size(), 1.0f / std::sqrt(float(config.q_size())));
-    layer.gate_up = matrix(2 * int64_t{config.intermediate_size}, hidden, fan_hidden);
-    layer.down = matrix(hidden, config.intermediate_size,
+    layer.qkv = matrix(shard.q_size() + 2 * shard.kv_size(), hidden, fan_hidden);
+    layer.o_proj = matrix(hidden, shard.q_size(), 1.0f / std::sqrt(float(config.q_size())));
+    layer.gate_up = matrix(2 * int64_t{shard.intermediate_size}, hidden, fan_hidden);
+    layer.down = matrix(hidden, shard.intermediate_size,
                         1.0f / std::sqrt(static_cast<float>(config.intermediate_size)));
   }
   DEFT_CUDA_CHECK(cudaStreamSynchronize(s.stream));
@@ -255,6 +301,12 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   s.gate_up.reset(rows * 2 * c.intermediate_size * e);
   s.act.reset(rows * c.intermediate_size * e);
   s.logits.reset(static_cast<size_t>(kLogitRowsPerChunk) * c.vocab_size * sizeof(float));
+  if (s.tp.ranks > 1) {
+    const size_t shard_bytes =
+        static_cast<size_t>(kLogitRowsPerChunk) * s.vocab_part.rows * sizeof(float);
+    s.logits_shard.reset(shard_bytes);
+    s.logits_gathered.reset(shard_bytes * s.tp.ranks);
+  }
   s.inputs.reserve(s.max_rows);
   s.sampled.reset(rows * sizeof(kernels::SampledRow));
   s.sampled_host.reset(rows * sizeof(kernels::SampledRow));
@@ -279,7 +331,8 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   }
   s.activation_bytes = s.residual.bytes() + s.normed.bytes() + s.qkv.bytes() + s.q.bytes() +
                        s.attn.bytes() + s.gate_up.bytes() + s.act.bytes() + s.logits.bytes() +
-                       s.sampled.bytes() + s.sampled_top.bytes() + s.cublas_workspace.bytes() +
+                       s.logits_shard.bytes() + s.logits_gathered.bytes() + s.sampled.bytes() +
+                       s.sampled_top.bytes() + s.cublas_workspace.bytes() +
                        (s.deft_kernels ? 2 * rows * (c.q_size() + c.num_attention_heads) * 4 : 0);
 
   // The KV pool from what is left.
@@ -293,6 +346,16 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
                                  static_cast<double>(slot_bytes)) -
             1;
     slots -= slots % options.page_tokens;
+    if (s.tp.ranks > 1) {
+      // Every rank must hold the same slots: the fewest any rank has room for.
+      DeviceBuffer agreed(sizeof(int64_t));
+      DEFT_CUDA_CHECK(cudaMemcpy(agreed.data(), &slots, sizeof(slots), cudaMemcpyHostToDevice));
+      DEFT_NCCL_CHECK(
+          ncclAllReduce(agreed.data(), agreed.data(), 1, ncclInt64, ncclMin, s.comm, s.stream));
+      DEFT_CUDA_CHECK(
+          cudaMemcpyAsync(&slots, agreed.data(), sizeof(slots), cudaMemcpyDeviceToHost, s.stream));
+      DEFT_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+    }
     if (slots <= 0) {
       return absl::ResourceExhaustedError(
           absl::StrCat("llama_cuda: ", free_bytes / kMiB,
@@ -321,13 +384,19 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
   info_.max_position = c.max_position_embeddings;
   info_.num_kv_slots = slots;
   spdlog::info(
-      "llama_cuda: loaded {} ({}, {} layers, hidden {}, vocab {}, {}) on a GPU with {:.0f} MiB: "
+      "llama_cuda: loaded {} ({}, {} layers, hidden {}, vocab {}, {}, rank {} of {} on device "
+      "{}{}) "
+      "on a GPU with {:.0f} MiB: "
       "{:.1f} MiB weights, {:.1f} MiB activations for {} rows, {:.1f} MiB KV for {} slots "
       "({:.1f} KiB per token), attention: {}, decode GEMMs on the skinny GEMM: {}, weight "
       "prefetch before decode GEMMs: {:.1f} MiB",
       info_.name, info_.family, info_.num_layers, c.hidden_size, info_.vocab_size,
-      kernels::dtype_name(s.dtype), total_bytes / kMiB, s.weight_bytes / kMiB,
-      s.activation_bytes / kMiB, s.max_rows, s.kv_bytes / kMiB, slots, slot_bytes / 1024.0,
+      kernels::dtype_name(s.dtype), s.tp.rank, s.tp.ranks, s.device,
+      s.tp.ranks == 1          ? ""
+      : s.peer_table.ranks > 1 ? ", residual all-reduce: peer kernel up to 256 rows, NCCL above"
+                               : ", residual all-reduce: NCCL",
+      total_bytes / kMiB, s.weight_bytes / kMiB, s.activation_bytes / kMiB, s.max_rows,
+      s.kv_bytes / kMiB, slots, slot_bytes / 1024.0,
       s.deft_kernels ? "DeFT kernels" : "generic kernel (head_dim not built for DeFT)",
       s.skinny_gemm == SkinnyGemmUse::kLmHeadAndWide
           ? absl::StrCat("LM head, and gate/up above ", kSkinnyWideAboveRows, " rows")
@@ -378,17 +447,18 @@ void LlamaCudaRunner::State::tune_gemms(const ModelConfig& c) {
                        .y_fp32 = y_fp32,
                        .accumulate = accumulate};
     };
-    std::vector<Job> jobs = {
-        {"qkv", shape(hidden, qkv_width, false, false), &qkv_w, normed.data(), qkv.data(),
-         num_layers},
-        {"o", shape(q_size, hidden, true, true), &o_w, attn.data(), residual.data(), num_layers},
-        {"gate_up", shape(hidden, 2 * intermediate, false, false), &gate_up_w, normed.data(),
-         gate_up.data(), num_layers},
-        {"down", shape(intermediate, hidden, true, true), &down_w, act.data(), residual.data(),
-         num_layers}};
+    std::vector<Job> jobs = {{"qkv", shape(hidden, qkv_width, false, false), &qkv_w, normed.data(),
+                              qkv.data(), num_layers},
+                             {"o", shape(q_size, hidden, true, accumulates_residual()), &o_w,
+                              attn.data(), residual.data(), num_layers},
+                             {"gate_up", shape(hidden, 2 * intermediate, false, false), &gate_up_w,
+                              normed.data(), gate_up.data(), num_layers},
+                             {"down", shape(intermediate, hidden, true, accumulates_residual()),
+                              &down_w, act.data(), residual.data(), num_layers}};
     if (rows <= kLogitRowsPerChunk) {
-      jobs.push_back({"lm_head", shape(hidden, c.vocab_size, true, false), &head_w, normed.data(),
-                      logits.data(), 1.0});
+      jobs.push_back(
+          {"lm_head", shape(hidden, tp.ranks == 1 ? c.vocab_size : vocab_part.rows, true, false),
+           &head_w, normed.data(), tp.ranks == 1 ? logits.data() : logits_shard.data(), 1.0});
     }
     std::string line;
     double default_step_us = 0, tuned_step_us = 0, bucket_ms = 0;

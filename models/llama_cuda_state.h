@@ -13,17 +13,29 @@
 #include <span>
 #include <vector>
 
+#include "kernels/check.h"
 #include "kernels/cuda_check.h"
 #include "kernels/deft_attention.h"
 #include "kernels/device_buffer.h"
+#include "kernels/peer_all_reduce.h"
 #include "kernels/prefill_attention.h"
 #include "kernels/sampling.h"
 #include "kernels/skinny_gemm.h"
 #include "models/gemm_tuner.h"
 #include "models/llama_cuda.h"
+#include "models/nccl_or_stub.h"
 #include "models/step_graphs.h"
 #include "models/step_staging.h"
 #include "models/step_timer.h"
+#include "models/tensor_parallel.h"
+
+// An NCCL call that must succeed: aborts naming the call, file and line otherwise.
+#define DEFT_NCCL_CHECK(call)                                                                    \
+  do {                                                                                           \
+    const ncclResult_t deft_nccl_result = (call);                                                \
+    DEFT_CHECK(deft_nccl_result == ncclSuccess, "NCCL error %d (%s) in %s",                      \
+               static_cast<int>(deft_nccl_result), ncclGetErrorString(deft_nccl_result), #call); \
+  } while (0)
 
 namespace deft::models {
 
@@ -47,13 +59,21 @@ struct LlamaCudaRunner::State {
   };
 
   int device = 0;  // LlamaCudaOptions::device: made current by every entry point (DeviceScope)
+  // Tensor parallelism (models/tensor_parallel.h): this rank, its communicator (null at one
+  // rank) and its vocabulary rows (embedding and LM head).
+  TensorParallelRank tp;
+  ncclComm_t comm = nullptr;
+  VocabShard vocab_part;
+  // The peer all-reduce's buffers (ranks 0: NCCL only; LlamaCudaOptions::peer_all_reduce).
+  kernels::PeerAllReduceTable peer_table;
   kernels::DType dtype = kernels::DType::kBf16;
   cudaStream_t stream = nullptr;
   std::unique_ptr<GemmTuner> gemms;  // every weight GEMM (made once the workspace exists)
 
-  DeviceBuffer embed;     // [vocab][hidden]
+  DeviceBuffer embed;     // [vocab_part.rows + 1][hidden]: this rank's rows, then a zero row (the
+                          // row of every token another rank holds, models/step_staging.h)
   DeviceBuffer norm;      // fp32 [hidden]
-  DeviceBuffer lm_head;   // [vocab][hidden]; empty when tied to embed
+  DeviceBuffer lm_head;   // [vocab_part.rows][hidden]; empty when tied to embed
   DeviceBuffer inv_freq;  // fp32 [head_dim / 2]
   std::vector<Layer> layers;
 
@@ -65,7 +85,10 @@ struct LlamaCudaRunner::State {
   DeviceBuffer attn;      // [rows][q]
   DeviceBuffer gate_up;   // [rows][2 intermediate]
   DeviceBuffer act;       // [rows][intermediate]
-  DeviceBuffer logits;    // fp32 [kLogitRowsPerChunk][vocab]
+  DeviceBuffer logits;    // fp32 [kLogitRowsPerChunk][vocab] (rank 0)
+  // Tensor parallel: the LM head's rows of this rank [kLogitRowsPerChunk][vocab_part.rows] and
+  // every rank's, all-gathered [ranks][chunk rows][vocab_part.rows] (fp32); empty at one rank.
+  DeviceBuffer logits_shard, logits_gathered;
   // A step's inputs, uploaded with its plan (models/step_staging.h).
   StepInputs inputs;
   // forward_sampled: per logit row params in, SampledRow (+ top lists) out; the weights
@@ -165,6 +188,22 @@ struct LlamaCudaRunner::State {
                  .accumulate = accumulate},
                 x, w, y);
   }
+  // Tensor parallel: the residual `x` [rows][hidden] (fp32) summed over the ranks in place, on the
+  // stream (captured into a step's graph like any launch); nothing at one rank.
+  void all_reduce_residual(float* x, int32_t rows, int32_t hidden) const {
+    if (tp.ranks == 1) return;
+    const int64_t count = int64_t{rows} * hidden;
+    if (peer_table.ranks > 1 && count <= peer_table.capacity) {
+      kernels::launch_peer_all_reduce(peer_table, tp.rank, x, count, stream);
+      return;
+    }
+    DEFT_NCCL_CHECK(
+        ncclAllReduce(x, x, static_cast<size_t>(count), ncclFloat32, ncclSum, comm, stream));
+  }
+  // The O and down GEMMs add their product to the residual on rank 0 and replace it on the
+  // others, so the all-reduce after them sums residual + every rank's partial.
+  bool accumulates_residual() const { return tp.rank == 0; }
+
   // Measures the decode GEMMs of every graph row bucket (see GemmTuner) on the layers'
   // weights, with the activation buffers as scratch (call before any step; llama_cuda_load.cc).
   void tune_gemms(const ModelConfig& c);

@@ -79,4 +79,13 @@ std::span<const unsigned char> StepInputs::stage_rows(const engine::StepBatch& b
   return {host_.data(), bytes};
 }
 
+void StepInputs::map_tokens_to_shard(int32_t launch_rows, int32_t begin, int32_t count,
+                                     int32_t outside) {
+  int32_t* tokens = reinterpret_cast<int32_t*>(host_.data());
+  for (int32_t r = 0; r < launch_rows; ++r) {
+    const int32_t local = tokens[r] - begin;
+    tokens[r] = local >= 0 && local < count ? local : outside;
+  }
+}
+
 }  // namespace deft::models

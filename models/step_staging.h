@@ -58,6 +58,10 @@ class StepInputs {
   std::span<const unsigned char> stage_rows(const engine::StepBatch& batch, int32_t launch_rows,
                                             int32_t launch_logit_rows, int32_t sink_slot,
                                             bool sample);
+  // Tensor parallelism (models/tensor_parallel.h): after stage_rows(), the staged tokens become
+  // rows of a rank's embedding shard: token t in [begin, begin + count) becomes t - begin, any
+  // other `outside` (the shard's zero row).
+  void map_tokens_to_shard(int32_t launch_rows, int32_t begin, int32_t count, int32_t outside);
 
  private:
   std::vector<unsigned char> host_;

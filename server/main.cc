@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "models/default_model.h"
 #include "models/dtype.h"
@@ -208,16 +209,27 @@ int main(int argc, char** argv) {
   std::unique_ptr<deft::engine::ModelRunner> runner;
   std::string backend = "cpu";
   size_t weight_bytes = 0;
+  // Validated by validate_config: one device per rank.
+  const std::vector<int> tp_devices = *deft::server::tensor_parallel_devices(config);
+  const int32_t tp = config.tensor_parallel;
 #ifdef DEFT_HAVE_CUDA
   if (config.backend != "cpu") {
-    absl::StatusOr<std::unique_ptr<deft::models::LlamaCudaRunner>> cuda =
-        deft::models::LlamaCudaRunner::load(
-            dir, {.num_kv_slots = kv_slots,
-                  .page_tokens = config.page_tokens,
-                  .max_batch_rows = config.max_step_tokens,
-                  .device = config.device});
+    const deft::models::LlamaCudaOptions cuda_options{.num_kv_slots = kv_slots,
+                                                      .page_tokens = config.page_tokens,
+                                                      .max_batch_rows = config.max_step_tokens,
+                                                      .device = config.device};
+    absl::StatusOr<std::unique_ptr<deft::engine::ModelRunner>> cuda;
+    if (tp > 1) {
+      cuda = deft::models::LlamaCudaRunner::load_tensor_parallel(dir, cuda_options, tp_devices);
+    } else if (absl::StatusOr<std::unique_ptr<deft::models::LlamaCudaRunner>> one =
+                   deft::models::LlamaCudaRunner::load(dir, cuda_options);
+               one.ok()) {
+      weight_bytes = (*one)->weight_bytes();
+      cuda = std::move(*one);
+    } else {
+      cuda = one.status();
+    }
     if (cuda.ok()) {
-      weight_bytes = (*cuda)->weight_bytes();
       runner = std::move(*cuda);
       backend = "cuda";
     } else if (config.backend == "cuda" ||
@@ -236,18 +248,30 @@ int main(int argc, char** argv) {
     if (config.device != 0) {
       spdlog::warn("device {} is not used: the model runs on the CPU backend", config.device);
     }
-    absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> cpu =
-        deft::models::LlamaCpuRunner::load(dir, kv_slots);
-    if (!cpu.ok()) return fail_loading(1, absl::StrCat("model: ", cpu.status().message()));
-    weight_bytes = (*cpu)->weight_bytes();
-    runner = std::move(*cpu);
+    if (tp > 1) {
+      // The CPU twin of tensor parallelism: the same shards, ranks on threads.
+      absl::StatusOr<std::unique_ptr<deft::engine::ModelRunner>> cpu =
+          deft::models::LlamaCpuRunner::load_tensor_parallel(dir, kv_slots, tp);
+      if (!cpu.ok()) return fail_loading(1, absl::StrCat("model: ", cpu.status().message()));
+      runner = std::move(*cpu);
+    } else {
+      absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> cpu =
+          deft::models::LlamaCpuRunner::load(dir, kv_slots);
+      if (!cpu.ok()) return fail_loading(1, absl::StrCat("model: ", cpu.status().message()));
+      weight_bytes = (*cpu)->weight_bytes();
+      runner = std::move(*cpu);
+    }
   }
   spdlog::info(
       "model: {} ({}, {} layers, vocab {}, {} KV slots, {:.1f} MB weights) on the {} "
       "backend, loaded in {:.2f} s",
       dir.string(), model_config->architecture, model_config->num_hidden_layers,
       model_config->vocab_size, kv_slots, weight_bytes / 1e6,
-      backend == "cuda" ? absl::StrCat("cuda (device ", config.device, ")") : backend,
+      backend == "cuda" && tp > 1
+          ? absl::StrCat("cuda (tensor parallel over devices ", absl::StrJoin(tp_devices, ","), ")")
+      : backend == "cuda" ? absl::StrCat("cuda (device ", config.device, ")")
+      : tp > 1            ? absl::StrCat("cpu (tensor parallel twin, ", tp, " ranks)")
+                          : backend,
       seconds_since(load_start));
 
   deft::server::ModelFacts facts{

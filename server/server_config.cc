@@ -1,13 +1,16 @@
 #include "server/server_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
 #include <variant>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "engine/attention_planner.h"
 #include "engine/forest.h"
 #include "nlohmann/json.hpp"
@@ -72,6 +75,12 @@ const std::vector<Field>& fields() {
       {"device", &ServerConfig::device,
        "CUDA device of the cuda backend, as CUDA numbers them (after CUDA_VISIBLE_DEVICES); "
        "not used by the CPU backend"},
+      {"tensor_parallel", &ServerConfig::tensor_parallel,
+       "ranks of tensor parallelism, one per GPU (NCCL; the model's KV heads must divide by it); "
+       "1: one GPU"},
+      {"devices", &ServerConfig::devices,
+       "CUDA devices of the tensor-parallel ranks, comma-separated (\"0,1\"); empty: "
+       "0..tensor_parallel-1"},
       {"plan", &ServerConfig::plan,
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
       {"chunk_tokens", &ServerConfig::chunk_tokens,
@@ -289,6 +298,33 @@ int64_t max_request_bytes(const ServerConfig& config) {
   return int64_t{config.max_text_bytes} + 16 * tokens + (int64_t{1} << 20);
 }
 
+absl::StatusOr<std::vector<int>> tensor_parallel_devices(const ServerConfig& config) {
+  std::vector<int> devices;
+  if (config.devices.empty()) {
+    for (int d = 0; d < config.tensor_parallel; ++d) devices.push_back(d);
+    return devices;
+  }
+  for (absl::string_view part : absl::StrSplit(config.devices, ',')) {
+    int device = -1;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &device) || device < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("config: devices = \"", config.devices,
+                                                     "\": \"", part,
+                                                     "\" is not a CUDA device number"));
+    }
+    if (std::find(devices.begin(), devices.end(), device) != devices.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("config: devices = \"", config.devices,
+                                                     "\" names device ", device, " twice"));
+    }
+    devices.push_back(device);
+  }
+  if (static_cast<int32_t>(devices.size()) != config.tensor_parallel) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: devices = \"", config.devices, "\" names ", devices.size(),
+        " devices but tensor_parallel = ", config.tensor_parallel, " (one device per rank)"));
+  }
+  return devices;
+}
+
 absl::Status validate_config(const ServerConfig& config) {
   const auto at_least = [](const char* key, int64_t value, int64_t minimum) {
     return value >= minimum ? absl::OkStatus()
@@ -341,6 +377,13 @@ absl::Status validate_config(const ServerConfig& config) {
   if (config.device < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("config: device = ", config.device, " must be >= 0"));
+  }
+  if (config.tensor_parallel < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: tensor_parallel = ", config.tensor_parallel, " must be >= 1"));
+  }
+  if (absl::StatusOr<std::vector<int>> devices = tensor_parallel_devices(config); !devices.ok()) {
+    return devices.status();
   }
   if (config.backend != "auto" && config.backend != "cpu" && config.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(

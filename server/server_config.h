@@ -39,6 +39,10 @@ struct ServerConfig {
   int64_t first_node_id = 1;           // node ids start here (<= 2^62; high: test 64-bit clients)
   std::string backend = "auto";        // auto (CUDA when built with it and a GPU is seen) | cpu | cuda
   int32_t device = 0;                  // CUDA device of the cuda backend
+  // Tensor parallelism (models/tensor_parallel.h): ranks, one per GPU, and their CUDA devices
+  // ("0,1"; empty: 0..tensor_parallel-1). The CPU backend runs the same sharding on threads.
+  int32_t tensor_parallel = 1;
+  std::string devices;
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
   int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
   int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off
@@ -80,6 +84,11 @@ absl::Status validate_config(const ServerConfig& config);
 // message with RESOURCE_EXHAUSTED before parsing it, so one request's memory is bounded by the
 // limits rather than by gRPC's 4 MiB default.
 int64_t max_request_bytes(const ServerConfig& config);
+
+// The CUDA devices of the tensor-parallel ranks: `devices` parsed, or 0..tensor_parallel-1.
+// INVALID_ARGUMENT for a malformed list, a negative or repeated device, or a count other than
+// tensor_parallel.
+absl::StatusOr<std::vector<int>> tensor_parallel_devices(const ServerConfig& config);
 
 // The --help text: every option with its default.
 std::string usage_text();

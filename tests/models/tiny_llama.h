@@ -141,6 +141,20 @@ class RunnerHarness {
     runner_ = std::move(*runner);
   }
 
+  // The CPU twin of tensor parallelism (LlamaCpuRunner::create_tensor_parallel) over `ranks`.
+  struct TensorParallel {
+    int32_t ranks = 1;
+  };
+  RunnerHarness(const TinyLlama& model, TensorParallel tp, int32_t num_pages = 256,
+                int32_t page_tokens = 8)
+      : kv_({.page_tokens = page_tokens, .num_pages = num_pages}) {
+    absl::StatusOr<std::unique_ptr<engine::ModelRunner>> runner =
+        LlamaCpuRunner::create_tensor_parallel(model.config, model.checkpoint, kv_.num_slots(),
+                                               tp.ranks, "tiny");
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    if (runner.ok()) runner_ = std::move(*runner);
+  }
+
   // The same harness on a checkpoint directory (e.g. the embedded default model).
   RunnerHarness(const std::string& model_dir, int32_t num_pages, int32_t page_tokens)
       : kv_({.page_tokens = page_tokens, .num_pages = num_pages}) {
@@ -151,7 +165,7 @@ class RunnerHarness {
   }
 
   engine::KvCacheManager& kv() { return kv_; }
-  LlamaCpuRunner& runner() { return *runner_; }
+  engine::ModelRunner& runner() { return *runner_; }
   int32_t vocab() const { return runner_->vocab_size(); }
 
   std::unique_ptr<engine::SequenceTree> new_tree() {
@@ -216,7 +230,7 @@ class RunnerHarness {
   engine::KvCacheManager kv_;
   engine::AttentionPlanner planner_;
   engine::AttentionPlan plan_;
-  std::unique_ptr<LlamaCpuRunner> runner_;
+  std::unique_ptr<engine::ModelRunner> runner_;
   uint32_t next_tree_id_ = 1;
 };
 
