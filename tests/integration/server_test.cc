@@ -590,6 +590,42 @@ TEST(ServerAdmission, FullQueueIsResourceExhaustedAndTheQueueDrains) {
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
 }
 
+// Step admission on a 32-page pool: eight concurrent jobs whose worst cases add up to 7 times
+// the pool all finish, some preempted on the way (deft_preemptions_total), each with the
+// tokens it gives alone, and the pool ends with no referenced KV.
+TEST(ServerAdmission, PreemptedJobsFinishWithTheTokensTheyGiveAlone) {
+  ServerProcess server({"--kv-pages", "32", "--page-tokens", "16"});
+  ASSERT_TRUE(server.running());
+  constexpr int kJobs = 8;
+  const auto request = [](int job) {
+    return token_request({1, 3 + job, 4 + job, 5}, 2, 220);  // 1 + 2 x 14 pages at worst
+  };
+  std::vector<GenerateResult> crowd(kJobs);
+  std::vector<std::thread> clients;
+  for (int job = 0; job < kJobs; ++job) {
+    clients.emplace_back([&, job] {
+      auto stub = server.stub();
+      crowd[job] = generate(*stub, request(job));
+    });
+  }
+  for (std::thread& client : clients) client.join();
+  const std::map<std::string, double> metrics = server.metrics();
+  EXPECT_GT(metrics.at("deft_preemptions_total"), 0);
+  auto stub = server.stub();
+  for (int job = 0; job < kJobs; ++job) {
+    SCOPED_TRACE(job);
+    ASSERT_TRUE(crowd[job].status.ok()) << crowd[job].status.error_message();
+    const GenerateResult alone = generate(*stub, request(job));
+    ASSERT_TRUE(alone.status.ok()) << alone.status.error_message();
+    ASSERT_EQ(crowd[job].branches.size(), 2u);
+    for (const auto& [index, branch] : alone.branches) {
+      EXPECT_EQ(crowd[job].branches.at(index).ids, branch.ids) << "branch " << index;
+    }
+  }
+  EXPECT_EQ(server.wait_metric("deft_kv_pages_used", 0), 0);
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+}
+
 TEST(ServerShutdown, SigtermCancelsLiveJobsAfterTheGraceAndExitsZero) {
   ServerProcess server({"--shutdown-grace-seconds", "0.5"});
   ASSERT_TRUE(server.running());
