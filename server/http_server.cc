@@ -6,9 +6,10 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
@@ -18,6 +19,12 @@ namespace {
 
 // 8 MiB, glibc's default for the main thread: room for cuBLAS's static TLS and deep handlers.
 constexpr size_t kWorkerStackBytes = size_t{8} << 20;
+
+// "Queued" as TaskQueue::enqueue says it: nothing (void) or true.
+template <typename Result>
+Result queued() {
+  if constexpr (!std::is_void_v<Result>) return true;
+}
 
 // The connections' threads (httplib::TaskQueue): `count` pthreads with an explicit stack size,
 // made once; accepted connections wait in a queue for a free one.
@@ -41,12 +48,18 @@ class BigStackThreadPool final : public httplib::TaskQueue {
   }
   ~BigStackThreadPool() override { shutdown(); }
 
-  void enqueue(std::function<void()> job) override {
+  // void in 0.11 (Debian 12), bool ("queued, else drop the connection") from 0.15 (newer
+  // distributions): the override takes whichever the installed header declares.
+  using EnqueueResult =
+      decltype(std::declval<httplib::TaskQueue&>().enqueue(std::function<void()>()));
+
+  EnqueueResult enqueue(std::function<void()> job) override {
     {
       std::lock_guard lock(mutex_);
       jobs_.push_back(std::move(job));
     }
     wake_.notify_one();
+    return queued<EnqueueResult>();
   }
 
   // Runs the queued connections to their end, then joins.
