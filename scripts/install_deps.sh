@@ -12,9 +12,15 @@ packages=(
   python3-grpcio python3-protobuf python3-grpc-tools prometheus-cpp-dev
   libsentencepiece-dev sentencepiece libpcre2-dev
   libssl-dev openssl
+  libcpp-httplib-dev curl python3-venv
   clang libfuzzer-14-dev
   nginx
 )
+# Node and npm run the official `openai` npm client against the HTTP API (and fetch the tokenizer
+# references); a machine with its own Node (e.g. NodeSource's, which bundles npm) keeps it.
+if ! command -v npm >/dev/null; then
+  packages+=(nodejs npm)
+fi
 
 missing=()
 for package in "${packages[@]}"; do

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Command A: installs what is missing, builds deft-server, deft-cli and the Python client's stubs
 # (no tests, no benchmarks), and starts the server on the embedded default model (CPU backend
-# when there is no GPU), listening on 127.0.0.1:50051 with Prometheus metrics on 127.0.0.1:9464.
+# when there is no GPU), listening on 127.0.0.1:50051 (gRPC) and 127.0.0.1:8000 (the
+# OpenAI-compatible HTTP API), with Prometheus metrics on 127.0.0.1:9464.
 # Extra arguments go to the server.
 # The first start on a fresh 2-core machine builds for several minutes; later starts are quick.
 set -euo pipefail
@@ -12,9 +13,10 @@ if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then
 usage: scripts/run.sh [deft-server flags]
 
 Installs missing Debian packages, builds deft-server and deft-cli into build/, and starts the
-server on the embedded default model (configs/default.json): gRPC on 127.0.0.1:50051,
-Prometheus metrics on 127.0.0.1:9464/metrics. Ctrl-C stops it. Flags after scripts/run.sh go to
-the server, e.g. scripts/run.sh --model /path/to/hf-model --listen 0.0.0.0:50051
+server on the embedded default model (configs/default.json): gRPC on 127.0.0.1:50051, the
+OpenAI-compatible HTTP API on 127.0.0.1:8000/v1, Prometheus metrics on 127.0.0.1:9464/metrics.
+Ctrl-C stops it. Flags after scripts/run.sh go to the server, e.g.
+scripts/run.sh --model /path/to/hf-model --listen 0.0.0.0:50051
 
 deft-server flags (configs/server-flags.txt; option --kv-pages is field "kv_pages" of a JSON config):
 

@@ -143,17 +143,25 @@ absl::StatusOr<size_t> Authenticator::reload() {
 absl::StatusOr<Caller> Authenticator::authenticate(const grpc::ServerContext& context) const {
   if (path_.empty()) return Caller{};
   const auto& metadata = context.client_metadata();
+  const auto found = metadata.find("authorization");
+  if (found == metadata.end()) return authenticate(std::nullopt, context.peer());
+  return authenticate(absl::string_view(found->second.data(), found->second.size()),
+                      context.peer());
+}
+
+absl::StatusOr<Caller> Authenticator::authenticate(std::optional<absl::string_view> authorization,
+                                                   const std::string& peer) const {
+  if (path_.empty()) return Caller{};
   const auto refuse = [&](const std::string& reason, const std::string& message) {
-    log_refusal(context.peer(), reason);
+    log_refusal(peer, reason);
     return absl::UnauthenticatedError(message);
   };
-  const auto found = metadata.find("authorization");
-  if (found == metadata.end()) {
+  if (!authorization) {
     return refuse("no authorization metadata",
                   "this server requires an API key: send the metadata 'authorization: Bearer "
                   "KEY'");
   }
-  const absl::string_view value(found->second.data(), found->second.size());
+  const absl::string_view value = *authorization;
   constexpr absl::string_view kScheme = "Bearer ";
   if (!absl::StartsWithIgnoreCase(value, kScheme)) {
     return refuse("authorization is not a Bearer token",

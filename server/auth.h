@@ -80,6 +80,10 @@ class Authenticator {
   // `authorization: Bearer KEY` metadata or an unknown key. A refusal is logged at most once
   // per peer address a minute, with the peer and the reason, never the key.
   absl::StatusOr<Caller> authenticate(const grpc::ServerContext& context) const;
+  // The same for any transport (the HTTP API): `authorization` is the header's value (nullopt
+  // when absent), `peer` the client's address as gRPC writes it ("ipv4:10.1.2.3:5678").
+  absl::StatusOr<Caller> authenticate(std::optional<absl::string_view> authorization,
+                                      const std::string& peer) const;
 
  private:
   std::string path_;

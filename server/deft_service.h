@@ -65,6 +65,10 @@ class DeftService final : public deft::v1::Deft::Service {
   grpc::Status ModelInfo(grpc::ServerContext* context, const deft::v1::ModelInfoRequest* request,
                          deft::v1::ModelInfoResponse* response) override;
 
+  // The per-key limits, shared with the other front ends (server/openai_api.h), so that a key's
+  // streams and tokens count once whichever port they use.
+  KeyLimits& key_limits() { return key_limits_; }
+
  private:
   grpc::Status generate(grpc::ServerContext* context, const Caller& caller,
                         const deft::v1::GenerateRequest& request,

@@ -32,10 +32,12 @@
 #endif
 #include "models/model_config.h"
 #include "server/auth.h"
+#include "server/chat_template.h"
 #include "server/deft_service.h"
 #include "server/engine_thread.h"
 #include "server/health_service.h"
 #include "server/metrics.h"
+#include "server/openai_api.h"
 #include "server/protobuf_log.h"
 #include "server/server_config.h"
 #include "server/tls.h"
@@ -56,11 +58,12 @@ std::filesystem::path model_dir(const ServerConfig& config) {
 }
 
 // Writes the bound ports for a supervisor or a test, atomically (write, then rename).
-bool write_port_file(const std::string& path, int grpc_port, int metrics_port) {
+bool write_port_file(const std::string& path, int grpc_port, int metrics_port, int http_port) {
   const std::string temporary = path + ".tmp";
   {
     std::ofstream file(temporary);
     file << "grpc=" << grpc_port << "\nmetrics=" << metrics_port << "\n";
+    if (http_port > 0) file << "http=" << http_port << "\n";
     if (!file) return false;
   }
   std::error_code error;
@@ -178,7 +181,21 @@ int main(int argc, char** argv) {
     return fail(1, absl::StrCat("gRPC: cannot listen on ", config.listen,
                                 " (in use, or not an address of this machine)"));
   }
-  const auto stop_grpc = [&server, &health] {
+  // The OpenAI-compatible HTTP API (off when http_listen is empty): 503 until the model loads.
+  deft::server::OpenAiApi openai(config, *auth, service.key_limits(), &metrics);
+  int http_port = 0;
+  if (!config.http_listen.empty()) {
+    absl::StatusOr<int> bound = openai.listen();
+    if (!bound.ok()) {
+      server->Shutdown();
+      return fail(1, std::string(bound.status().message()));
+    }
+    http_port = *bound;
+    spdlog::info("HTTP API: http://{}/v1 (port {}{}); 503 while the model loads",
+                 config.http_listen, http_port, auth->enabled() ? ", API keys required" : "");
+  }
+  const auto stop_grpc = [&server, &health, &openai] {
+    openai.stop();
     health.shutdown();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     server->Wait();
@@ -187,7 +204,8 @@ int main(int argc, char** argv) {
     stop_grpc();
     return fail(code, message);
   };
-  if (!config.port_file.empty() && !write_port_file(config.port_file, grpc_port, metrics_port)) {
+  if (!config.port_file.empty() &&
+      !write_port_file(config.port_file, grpc_port, metrics_port, http_port)) {
     spdlog::error("cannot write the port file {}", config.port_file);
   }
   spdlog::info("gRPC: listening on {} (port {}, {}{}); NOT_SERVING while the model loads",
@@ -315,8 +333,18 @@ int main(int argc, char** argv) {
   if (!engine.ok()) return fail_loading(1, std::string(engine.status().message()));
 
   // ---- Serving ----
+  absl::StatusOr<deft::server::ChatTemplate> chat_template =
+      deft::server::choose_chat_template(config.chat_template, **tokenizer);
+  if (!chat_template.ok()) return fail_loading(2, std::string(chat_template.status().message()));
+  // The id HTTP requests name in "model": the model folder's name ("default" when embedded).
+  std::filesystem::path model_path = dir.lexically_normal();
+  if (model_path.filename().empty()) model_path = model_path.parent_path();
+  openai.attach(model_path.filename().string(), facts, **tokenizer, **engine, *chat_template);
+  spdlog::info("HTTP API: model id \"{}\", chat template {}", model_path.filename().string(),
+               deft::server::chat_template_name(*chat_template));
   service.attach(std::move(facts), **tokenizer, **engine);
   health.set_serving(true);
+  openai.set_serving(true);
   spdlog::info("serving: deft.v1.Deft, grpc.health.v1.Health and reflection on {} (port {})",
                config.listen, grpc_port);
 
@@ -330,6 +358,7 @@ int main(int argc, char** argv) {
       "second signal cancels them)",
       signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
   health.set_serving(false);
+  openai.set_serving(false);
   // A second signal cuts the grace short. The watcher is woken by a signal of our own once
   // the shutdown is over, so it never outlives the engine.
   std::atomic<bool> shut_down{false};

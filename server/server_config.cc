@@ -36,6 +36,14 @@ const std::vector<Field>& fields() {
       {"listen", &ServerConfig::listen, "gRPC address host:port (port 0: any free port)"},
       {"metrics_listen", &ServerConfig::metrics_listen,
        "Prometheus /metrics address host:port (port 0: any free port); empty: no metrics"},
+      {"http_listen", &ServerConfig::http_listen,
+       "OpenAI-compatible HTTP API address host:port (/v1/completions, /v1/chat/completions, "
+       "/v1/models, /health; port 0: any free port); empty: off"},
+      {"chat_template", &ServerConfig::chat_template,
+       "chat template of /v1/chat/completions: auto (llama3 when the tokenizer has its header "
+       "tokens, else llama2) | llama3 | llama2"},
+      {"http_threads", &ServerConfig::http_threads,
+       "HTTP API connections served at once (each holds a thread while open; more wait)"},
       {"kv_pages", &ServerConfig::kv_pages, "KV cache pool size in pages"},
       {"page_tokens", &ServerConfig::page_tokens, "tokens per KV page"},
       {"prefix_cache_pages", &ServerConfig::prefix_cache_pages,
@@ -92,7 +100,7 @@ const std::vector<Field>& fields() {
        "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
       {"port_file", &ServerConfig::port_file,
-       "write 'grpc=PORT' and 'metrics=PORT' lines here once listening (for tests)"},
+       "write 'grpc=PORT', 'metrics=PORT' and 'http=PORT' lines here once listening (for tests)"},
       {"tls_cert", &ServerConfig::tls_cert,
        "PEM certificate (chain) of the gRPC port: TLS with tls_key; empty: plaintext"},
       {"tls_key", &ServerConfig::tls_key, "PEM private key of tls_cert"},
@@ -350,6 +358,7 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_session_nodes", config.max_session_nodes, 1),
            at_least("max_verify_entries", config.max_verify_entries, 1),
            at_least("first_node_id", config.first_node_id, 1),
+           at_least("http_threads", config.http_threads, 1),
            at_least("max_concurrent_per_key", config.max_concurrent_per_key, 0),
            at_least("max_queued_jobs_per_key", config.max_queued_jobs_per_key, 0),
            at_least("max_tokens_per_minute_per_key", config.max_tokens_per_minute_per_key, 0),
@@ -365,6 +374,11 @@ absl::Status validate_config(const ServerConfig& config) {
   if (config.kv_admission != "step" && config.kv_admission != "worst_case") {
     return absl::InvalidArgumentError(absl::StrCat("config: kv_admission \"", config.kv_admission,
                                                    "\" is not step or worst_case"));
+  }
+  if (config.chat_template != "auto" && config.chat_template != "llama3" &&
+      config.chat_template != "llama2") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: chat_template = \"", config.chat_template, "\" must be auto, llama3 or llama2"));
   }
   if (!(config.shutdown_grace_seconds >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -15,6 +15,12 @@ struct ServerConfig {
   std::string model;  // Hugging Face model dir; empty: the embedded default
   std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: off
+  // OpenAI-compatible HTTP API (server/openai_api.h); empty: off. configs/default.json turns
+  // it on at 127.0.0.1:8000; the built-in default is off so that servers started without a
+  // config (tests, several on one host) never contend for a fixed port.
+  std::string http_listen;
+  std::string chat_template = "auto";             // auto | llama3 | llama2 (server/chat_template.h)
+  int32_t http_threads = 32;                      // HTTP API connections served at once
   int32_t kv_pages = 2048;                        // KV pool size in pages
   int32_t page_tokens = 16;                       // tokens per KV page (DESIGN.md §4)
   // Pages finished requests' KV may keep as a prefix cache (engine/prefix_cache.h); -1: the

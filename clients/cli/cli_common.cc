@@ -11,7 +11,7 @@ namespace deft::cli {
 
 const char kUsage[] =
     "usage: deft-cli [--server HOST:PORT] [TLS] [--api-key KEY] COMMAND [ARGS]\n"
-    "  --server HOST:PORT   deft-server address (default 127.0.0.1:50051)\n"
+    "  --server HOST:PORT   deft-server address (default: $DEFT_SERVER, else 127.0.0.1:50051)\n"
     "  --tls                TLS, trusting the system's CA certificates\n"
     "  --tls-ca FILE        TLS, trusting the PEM CA certificates in FILE\n"
     "  --tls-cert FILE --tls-key FILE\n"
@@ -29,6 +29,7 @@ const char kUsage[] =
     "       --step-end-token ID] [--max-depth D] [--score cumulative|mean] [--keep-best W]\n"
     "       [--quiet] PROMPT\n"
     "           a server-side tree job (RunTree): prints each event (created, tokens, pruned),\n"
+    "           defaults: --branch-factor 2, --every-tokens 16, --max-depth 2 (a tree);\n"
     "           then every node of the final tree and the best path; --max-tokens counts the\n"
     "           new tokens of a root-to-leaf path; --quiet prints only the final tree\n"
     "  session [SCRIPT]\n"

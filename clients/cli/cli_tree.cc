@@ -58,7 +58,9 @@ void print_result(const v1::TreeResult& result) {
 int tree_command(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
   v1::RunTreeRequest request;
   v1::BranchPolicy* policy = request.mutable_policy();
+  // Without flags the job still makes a tree: 2 ways, every 16 tokens, two levels deep.
   policy->set_branch_factor(2);
+  policy->set_max_depth(2);
   PromptArgs prompt_args;
   bool quiet = false;
   int triggers = 0;

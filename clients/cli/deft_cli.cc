@@ -1,7 +1,8 @@
 // deft-cli: a command-line client of deft-server (`deft-cli --help` lists the commands).
 //
 //   deft-cli [CONNECTION] info | health | tokenize | detokenize | generate
-//   CONNECTION: --server HOST:PORT, --tls, --tls-ca FILE, --tls-cert FILE --tls-key FILE,
+//   CONNECTION: --server HOST:PORT (else $DEFT_SERVER), --tls, --tls-ca FILE, --tls-cert FILE
+//   --tls-key FILE,
 //               --api-key KEY (else $DEFT_API_KEY); cli_channel.{h,cc}
 //   deft-cli [--server HOST:PORT] tree [POLICY] [SAMPLING] PROMPT      (RunTree)
 //   deft-cli [--server HOST:PORT] session [SCRIPT]                     (TreeSession)
@@ -160,6 +161,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   cli::ChannelOptions channel_options;
   if (const char* key = std::getenv("DEFT_API_KEY"); key != nullptr) channel_options.api_key = key;
+  if (const char* server = std::getenv("DEFT_SERVER"); server != nullptr && *server != '\0') {
+    channel_options.server = server;  // --server still wins
+  }
   size_t first = 0;
   for (; first < args.size() && args[first].rfind("--", 0) == 0; ++first) {
     if (args[first] == "--help") {

@@ -29,7 +29,7 @@ grep -q "summary: model $prefix/share/deft/models/default" "$work/tree.txt" ||
 
 # deft-server from the moved prefix, on any free port (the port file says which).
 (cd "$work" && exec "$prefix/bin/deft-server" --config "$prefix/share/deft/configs/default.json" \
-  --listen 127.0.0.1:0 --metrics-listen "" --port-file "$work/ports" --log-level info) \
+  --listen 127.0.0.1:0 --metrics-listen "" --http-listen 127.0.0.1:0 --port-file "$work/ports" --log-level info) \
   >"$work/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 1 300); do

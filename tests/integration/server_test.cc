@@ -889,7 +889,8 @@ TEST(ServerMetrics, PrefixCacheHitsAndEvictionsAreExported) {
 
 TEST(ServerConfig, TheShippedDefaultConfigStartsAndCommandLineOverridesIt) {
   ServerProcess server({"--config", DEFT_SOURCE_DIR "/configs/default.json", "--listen",
-                        "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--kv-pages", "100"});
+                        "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--http-listen",
+                        "127.0.0.1:0", "--kv-pages", "100"});
   ASSERT_TRUE(server.running());
   grpc::ClientContext context;
   v1::ModelInfoResponse info;

@@ -1,8 +1,8 @@
-"""A small Python client of deft-server (deft.v1.Deft).
+"""The blocking client of deft-server (deft.v1.Deft); `deft_client.aio` is the asyncio one.
 
-Needs Debian's python3-grpcio and the stubs generated from proto/deft/v1/deft.proto (the build
-writes them to build/tests/integration/python_stubs; put that folder on PYTHONPATH), or run
-    python3 -m grpc_tools.protoc -Iproto --python_out=OUT --grpc_python_out=OUT deft/v1/deft.proto
+Installed as a package (`pip install clients/python`, README.md) the stubs of
+proto/deft/v1/deft.proto come with it (generated at build time); from a source checkout, put
+the build's stubs (build/tests/integration/python_stubs) and clients/python on PYTHONPATH.
 
     from deft_client import DeftClient
     # TLS and an API key: DeftClient("host:50051", tls_ca="ca.pem", api_key="...")
