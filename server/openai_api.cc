@@ -1,6 +1,7 @@
 #include "server/openai_api.h"
 
 #include <chrono>
+#include <functional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -312,6 +313,10 @@ void OpenAiApi::completions(const httplib::Request& req, httplib::Response& res,
     reply_error(res, error);
     return done(route, caller, res.status);
   }
+  // Admission shares the server between clients (engine/scheduler.h): the API key, or the
+  // client's address (one request per connection here, so not the connection).
+  request.job.requester.client = std::hash<std::string>{}(
+      caller.key_id.empty() ? "http:" + req.remote_addr : "key:" + caller.key_id);
   if (request.tree) {
     run_tree(caller, std::move(request), res);
   } else {
@@ -469,7 +474,8 @@ void OpenAiApi::run_tree(const Caller& caller, OpenAiRequest request, httplib::R
                             .policy = *request.tree,
                             .sampling = request.job.sampling,
                             .max_tokens = request.job.max_tokens,
-                            .limits = request.job.limits};
+                            .limits = request.job.limits,
+                            .requester = request.job.requester};
   const auto prompt_tokens = static_cast<int64_t>(job.prompt.size());
   const engine::TreeSearchBounds bounds = engine::tree_search_bounds(job, config_.page_tokens);
   if (bounds.tokens > config_.max_tree_tokens) {
