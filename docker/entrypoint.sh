@@ -1,7 +1,8 @@
 #!/bin/sh
 # The images' entry point: starts deft-server with the container's settings, or runs the given
 # program when the first argument is not an option (`docker run IMAGE deft-cli ...`).
-#   /etc/deft/server.json  listen on 0.0.0.0:50051 (gRPC) and 0.0.0.0:9464 (metrics); a --config
+#   /etc/deft/server.json  listen on 0.0.0.0:50051 (gRPC), 0.0.0.0:8000 (HTTP API) and
+#                          0.0.0.0:9464 (metrics); a --config
 #                          of yours is read after it, and options override both
 #   /models                a Hugging Face checkpoint mounted here (config.json, *.safetensors,
 #                          tokenizer) is served; without one, the embedded default model
