@@ -88,6 +88,9 @@ const std::vector<Field>& fields() {
        "Bearer KEY'; reread on SIGHUP; empty: no keys"},
       {"auth_health", &ServerConfig::auth_health,
        "true: grpc.health.v1 needs an API key too (false: open, for probes)"},
+      {"auth_reflection", &ServerConfig::auth_reflection,
+       "true: server reflection needs an API key too (false: open; it describes only the "
+       "public API)"},
       {"max_concurrent_per_key", &ServerConfig::max_concurrent_per_key,
        "most Generate, RunTree and TreeSession streams open at once per API key; 0: no limit"},
       {"max_queued_jobs_per_key", &ServerConfig::max_queued_jobs_per_key,
@@ -347,6 +350,10 @@ absl::Status validate_config(const ServerConfig& config) {
     }
     if (config.auth_health) {
       return absl::InvalidArgumentError("config: auth_health = true needs api_keys (a key file)");
+    }
+    if (config.auth_reflection) {
+      return absl::InvalidArgumentError(
+          "config: auth_reflection = true needs api_keys (a key file)");
     }
   }
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};

@@ -46,6 +46,7 @@ struct ServerConfig {
   std::string tls_client_ca;                  // PEM CAs of client certificates: mutual TLS
   std::string api_keys;                       // key file (server/auth.h); empty: no keys
   bool auth_health = false;                   // grpc.health.v1 needs a key too
+  bool auth_reflection = false;               // server reflection needs a key too
   int32_t max_concurrent_per_key = 0;         // Generate + RunTree + TreeSession streams
   int32_t max_queued_jobs_per_key = 0;        // jobs submitted, not yet answering
   int64_t max_tokens_per_minute_per_key = 0;  // generated tokens in the last 60 s
