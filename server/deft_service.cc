@@ -10,6 +10,7 @@
 #include "engine/sampler.h"
 #include "server/metrics.h"
 #include "server/protobuf_log.h"
+#include "server/request_log.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::server {
@@ -25,47 +26,6 @@ grpc::Status to_grpc(const absl::Status& status) {
 
 grpc::Status invalid(const std::string& message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message);
-}
-
-const char* code_name(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "UNKNOWN";
-  }
 }
 
 using engine::FinishReason;
@@ -196,14 +156,13 @@ grpc::Status DeftService::loading() {
                       "the model is still loading; retry when the health service reports SERVING");
 }
 
-grpc::Status DeftService::done(const char* rpc, const Caller& caller, grpc::Status status) const {
+grpc::Status DeftService::done(const RequestLog& call, const Caller& caller,
+                               grpc::Status status) const {
   if (metrics_ != nullptr) {
-    metrics_->record_request(rpc, code_name(status.error_code()), caller.key_id);
+    metrics_->record_request(call.rpc(), std::string(status_code_name(status.error_code())),
+                             caller.key_id);
   }
-  if (!status.ok()) {
-    spdlog::debug("{}: {} {}{}{}", rpc, code_name(status.error_code()), status.error_message(),
-                  caller.key_id.empty() ? "" : " key ", caller.key_id);
-  }
+  call.finish(caller, status);
   return status;
 }
 
@@ -280,10 +239,11 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
 
 grpc::Status DeftService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const RequestLog call(*context, "Generate", /*streaming=*/true);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? generate(context, caller, *request, writer) : loading();
-  return done("Generate", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& caller,
@@ -389,10 +349,11 @@ absl::Status DeftService::sampling(const v1::SamplingParams& sampling, const std
 
 grpc::Status DeftService::RunTree(grpc::ServerContext* context, const v1::RunTreeRequest* request,
                                   grpc::ServerWriter<v1::TreeEvent>* writer) {
+  const RequestLog call(*context, "RunTree", /*streaming=*/true);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? run_tree(context, caller, *request, writer) : loading();
-  return done("RunTree", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::run_tree(grpc::ServerContext* context, const Caller& caller,
@@ -637,10 +598,11 @@ v1::SessionResponse session_response(engine::SessionEvent& event, uint64_t sessi
 grpc::Status DeftService::TreeSession(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  const RequestLog call(*context, "TreeSession", /*streaming=*/true);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? tree_session(context, caller, stream) : loading();
-  return done("TreeSession", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::tree_session(
@@ -726,10 +688,11 @@ grpc::Status DeftService::tree_session(
 
 grpc::Status DeftService::Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
                                  v1::VerifyResponse* response) {
+  const RequestLog call(*context, "Verify", /*streaming=*/false);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? verify(context, caller, *request, response) : loading();
-  return done("Verify", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::verify(grpc::ServerContext* context, const Caller& caller,
@@ -774,9 +737,10 @@ grpc::Status DeftService::verify(grpc::ServerContext* context, const Caller& cal
 
 grpc::Status DeftService::Tokenize(grpc::ServerContext* context, const v1::TokenizeRequest* request,
                                    v1::TokenizeResponse* response) {
+  const RequestLog call(*context, "Tokenize", /*streaming=*/false);
   Caller caller;
   if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
-    return done("Tokenize", caller, status);
+    return done(call, caller, status);
   }
   const auto run = [&]() -> grpc::Status {
     if (request->text().size() > static_cast<size_t>(config_.max_text_bytes)) {
@@ -789,15 +753,16 @@ grpc::Status DeftService::Tokenize(grpc::ServerContext* context, const v1::Token
     response->mutable_ids()->Add(ids->begin(), ids->end());
     return grpc::Status::OK;
   };
-  return done("Tokenize", caller, ready() ? run() : loading());
+  return done(call, caller, ready() ? run() : loading());
 }
 
 grpc::Status DeftService::Detokenize(grpc::ServerContext* context,
                                      const v1::DetokenizeRequest* request,
                                      v1::DetokenizeResponse* response) {
+  const RequestLog call(*context, "Detokenize", /*streaming=*/false);
   Caller caller;
   if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
-    return done("Detokenize", caller, status);
+    return done(call, caller, status);
   }
   const auto run = [&]() -> grpc::Status {
     const int32_t vocab = tokenizer_->vocab_size();
@@ -815,16 +780,17 @@ grpc::Status DeftService::Detokenize(grpc::ServerContext* context,
     response->set_text(tokenizer_->decode(ids, request->skip_special()));
     return grpc::Status::OK;
   };
-  return done("Detokenize", caller, ready() ? run() : loading());
+  return done(call, caller, ready() ? run() : loading());
 }
 
 grpc::Status DeftService::ModelInfo(grpc::ServerContext* context, const v1::ModelInfoRequest*,
                                     v1::ModelInfoResponse* response) {
+  const RequestLog call(*context, "ModelInfo", /*streaming=*/false);
   Caller caller;
   if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
-    return done("ModelInfo", caller, status);
+    return done(call, caller, status);
   }
-  if (!ready()) return done("ModelInfo", caller, loading());
+  if (!ready()) return done(call, caller, loading());
   response->set_name(model_.name);
   response->set_architecture(model_.architecture);
   response->set_vocab_size(model_.vocab_size);
@@ -844,7 +810,7 @@ grpc::Status DeftService::ModelInfo(grpc::ServerContext* context, const v1::Mode
   response->set_max_prompt_tokens(config_.max_prompt_tokens);
   response->set_max_tree_tokens(config_.max_tree_tokens);
   response->set_max_branches(config_.max_branches);
-  return done("ModelInfo", caller, grpc::Status::OK);
+  return done(call, caller, grpc::Status::OK);
 }
 
 }  // namespace deft::server

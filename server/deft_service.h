@@ -15,6 +15,7 @@
 #include "server/auth.h"
 #include "server/engine_thread.h"
 #include "server/key_limits.h"
+#include "server/request_log.h"
 #include "server/server_config.h"
 
 namespace deft::server {
@@ -103,8 +104,8 @@ class DeftService final : public deft::v1::Deft::Service {
   engine::SessionCommand session_command(const deft::v1::SessionRequest& request) const;
   bool ready() const;
   static grpc::Status loading();
-  // Records the RPC's outcome (metrics, debug log) and returns it.
-  grpc::Status done(const char* rpc, const Caller& caller, grpc::Status status) const;
+  // Records the RPC's outcome (metrics, the request's log line) and returns it.
+  grpc::Status done(const RequestLog& call, const Caller& caller, grpc::Status status) const;
 
   const ServerConfig& config_;
   const Authenticator& auth_;

@@ -33,12 +33,12 @@
 #include "server/deft_service.h"
 #include "server/engine_thread.h"
 #include "server/health_service.h"
+#include "server/log_format.h"
 #include "server/metrics.h"
 #include "server/protobuf_log.h"
 #include "server/reflection_service.h"
 #include "server/server_config.h"
 #include "server/tls.h"
-#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
 namespace {
@@ -106,9 +106,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  spdlog::set_default_logger(spdlog::stderr_color_mt("deft"));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
-  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  deft::server::configure_logging(config.log_format, config.log_level);
   spdlog::info("deft-server: config {}", deft::server::describe_config(config));
   deft::server::route_protobuf_logs();
 

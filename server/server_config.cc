@@ -76,6 +76,9 @@ const std::vector<Field>& fields() {
       {"shutdown_grace_seconds", &ServerConfig::shutdown_grace_seconds,
        "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
+      {"log_format", &ServerConfig::log_format,
+       "text | json (one JSON object a line; a request's line carries its id, peer, key id, "
+       "RPC, status and duration)"},
       {"port_file", &ServerConfig::port_file,
        "write 'grpc=PORT' and 'metrics=PORT' lines here once listening (for tests)"},
       {"tls_cert", &ServerConfig::tls_cert,
@@ -363,6 +366,10 @@ absl::Status validate_config(const ServerConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("config: log_level \"", config.log_level,
                      "\" is not one of trace, debug, info, warn, error, off"));
+  }
+  if (config.log_format != "text" && config.log_format != "json") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: log_format \"", config.log_format, "\" is not one of text, json"));
   }
   return absl::OkStatus();
 }

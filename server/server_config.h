@@ -39,6 +39,7 @@ struct ServerConfig {
   int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
   std::string log_level = "info";      // trace | debug | info | warn | error | off
+  std::string log_format = "text";     // text | json (JSON lines: server/log_format.h)
   std::string port_file;               // when set: the bound ports are written there
   // Security (README "Security"): TLS, mutual TLS, API keys, per-key limits (0: no limit).
   std::string tls_cert;                       // PEM certificate chain; empty: plaintext

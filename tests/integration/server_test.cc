@@ -742,6 +742,7 @@ TEST(ServerConfig, BadOptionsAndFieldsExitTwoNamingThem) {
       {{"--kv-pages", "0"}, "kv_pages"},
       {{"--plan", "magic"}, "magic"},
       {{"--log-level", "loud"}, "loud"},
+      {{"--log-format", "xml"}, "log_format"},
       {{"--auth-reflection", "true"}, "auth_reflection"},
       {{"--device", "-1"}, "device"},
       {{"--first-node-id", "0"}, "first_node_id"},
