@@ -65,11 +65,49 @@ void fill_tokens(engine::TokenDelta& delta, v1::Tokens* tokens) {
 // How often a streaming handler looks at its client while waiting for the engine.
 constexpr std::chrono::milliseconds kPollInterval{50};
 
+// A stream's writer under the watchdog (server/stream_watchdog.h): Write() is false when the
+// client went away or the watchdog cut the call, which cut() then says.
+template <typename Stream>
+class WatchedWriter {
+ public:
+  WatchedWriter(Stream* stream, grpc::ServerContext* context, const char* rpc,
+                StreamWatchdog& watchdog)
+      : stream_(stream), context_(context), rpc_(rpc), watchdog_(watchdog) {}
+
+  template <typename Response>
+  bool Write(const Response& response) {
+    const StreamWatchdog::Write guard(watchdog_, context_, rpc_);
+    if (stream_->Write(response)) return true;
+    cut_ = cut_ || guard.cut();
+    return false;
+  }
+  bool cut() const { return cut_; }
+  // The call's status once cut: the client, which reads nothing, sees CANCELLED; this is what
+  // the request log and the metrics see.
+  grpc::Status cut_status() const {
+    return grpc::Status(
+        grpc::StatusCode::CANCELLED,
+        absl::StrCat("the client read no response for ", watchdog_.stall().count() / 1000.0,
+                     " s (stream_stall_seconds): the stream was cut"));
+  }
+
+ private:
+  Stream* stream_;
+  grpc::ServerContext* context_;
+  const char* rpc_;
+  StreamWatchdog& watchdog_;
+  bool cut_ = false;
+};
+
 // Streams a request's engine events to its client until the engine ends the stream (then its
-// final status), cancelling the request when the client cancels or goes away.
+// final status), cancelling the request when the client cancels or goes away. A client that
+// stops reading blocks Write (HTTP/2 flow control): events then wait in the queue, the work
+// pauses at its backlog limit (engine/works/event_queue.h), and the watchdog cuts the call
+// after stream_stall_seconds.
 template <typename Event, typename Response, typename ToResponse>
 grpc::Status stream_events(grpc::ServerContext* context, engine::EventQueue<Event>& events,
-                           grpc::ServerWriter<Response>* writer, ToResponse to_response) {
+                           WatchedWriter<grpc::ServerWriter<Response>>* writer,
+                           ToResponse to_response) {
   std::vector<Event> batch;
   for (;;) {
     batch.clear();
@@ -77,6 +115,7 @@ grpc::Status stream_events(grpc::ServerContext* context, engine::EventQueue<Even
     for (Event& event : batch) {
       if (!writer->Write(to_response(event))) {
         events.cancel();
+        if (writer->cut()) return writer->cut_status();
         return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
       }
     }
@@ -139,7 +178,9 @@ DeftService::DeftService(const ServerConfig& config, const Authenticator& auth,
       metrics_(metrics),
       key_limits_({.max_concurrent = config.max_concurrent_per_key,
                    .max_queued_jobs = config.max_queued_jobs_per_key,
-                   .max_tokens_per_minute = config.max_tokens_per_minute_per_key}) {}
+                   .max_tokens_per_minute = config.max_tokens_per_minute_per_key}),
+      watchdog_(
+          std::chrono::milliseconds(static_cast<int64_t>(config.stream_stall_seconds * 1000.0))) {}
 
 void DeftService::attach(ModelFacts model, const engine::Tokenizer& tokenizer,
                          EngineThread& engine) {
@@ -285,7 +326,8 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& c
   }
   std::shared_ptr<engine::GenerateEvents> events = engine_->generate(std::move(job));
   bool first = true;
-  return stream_events(context, *events, writer, [&](engine::GenerateEvent& event) {
+  WatchedWriter watched(writer, context, "Generate", watchdog_);
+  return stream_events(context, *events, &watched, [&](engine::GenerateEvent& event) {
     queued_hold.release();  // answering: no longer waiting
     count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
     v1::GenerateResponse response;
@@ -430,7 +472,8 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const Caller& c
     return to_grpc(status);
   }
   std::shared_ptr<engine::TreeSearchEvents> events = engine_->run_tree(std::move(job));
-  return stream_events(context, *events, writer, [&](engine::TreeSearchEvent& event) {
+  WatchedWriter watched(writer, context, "RunTree", watchdog_);
+  return stream_events(context, *events, &watched, [&](engine::TreeSearchEvent& event) {
     queued_hold.release();  // answering: no longer waiting
     if (event.kind == engine::TreeSearchEvent::Kind::kTokens) {
       count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
@@ -625,6 +668,7 @@ grpc::Status DeftService::tree_session(
                 caller.key_id.empty() ? "" : " by key ", caller.key_id);
   // One thread writes what the engine answers; this one reads the client's commands.
   std::atomic<bool> client_gone{false};
+  WatchedWriter watched(stream, context, "TreeSession", watchdog_);
   std::thread writer([&] {
     std::vector<engine::SessionEvent> batch;
     for (;;) {
@@ -635,7 +679,7 @@ grpc::Status DeftService::tree_session(
           count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
         }
         if (client_gone.load()) continue;
-        if (!stream->Write(session_response(event, session))) client_gone.store(true);
+        if (!watched.Write(session_response(event, session))) client_gone.store(true);
       }
       if (!more) break;
       if (context->IsCancelled()) client_gone.store(true);
@@ -677,6 +721,7 @@ grpc::Status DeftService::tree_session(
     session_owners_.erase(session);
   }
   spdlog::debug("TreeSession: session {} closed", session);
+  if (watched.cut()) return watched.cut_status();
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
   }

@@ -17,6 +17,7 @@
 #include "server/key_limits.h"
 #include "server/request_log.h"
 #include "server/server_config.h"
+#include "server/stream_watchdog.h"
 
 namespace deft::server {
 
@@ -111,6 +112,7 @@ class DeftService final : public deft::v1::Deft::Service {
   const Authenticator& auth_;
   ServerMetrics* metrics_;
   KeyLimits key_limits_;
+  StreamWatchdog watchdog_;  // cuts streams whose client stopped reading
   // The key id that opened each open TreeSession.
   mutable std::mutex session_owners_mutex_;
   std::unordered_map<uint64_t, std::string> session_owners_;

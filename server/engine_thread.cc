@@ -11,6 +11,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How long the engine sleeps when every live work is paused for its reader: short next to a
+// reader's pace, long enough that a paused server uses no CPU to speak of.
+constexpr std::chrono::milliseconds kPausedNap{5};
+
 absl::Status shutting_down() { return absl::UnavailableError("the server is shutting down"); }
 
 }  // namespace
@@ -195,7 +199,15 @@ void EngineThread::run() {
       scheduler.abort_all(shutting_down());  // open sessions end now
       break;
     }
-    if (std::optional<engine::StepStats> stats = scheduler.step(); stats.has_value()) {
+    std::optional<engine::StepStats> stats = scheduler.step();
+    if (!stats.has_value() && (scheduler.has_live() || scheduler.has_ready_sessions())) {
+      // Work is live but added no rows: every such work is paused for a slow reader
+      // (engine/works/event_queue.h). Nap until a command arrives or the readers catch up
+      // rather than spin a core.
+      std::unique_lock lock(mutex_);
+      wake_.wait_for(lock, kPausedNap, [&] { return !inbox_.empty(); });
+    }
+    if (stats.has_value()) {
       if (metrics_ != nullptr) {
         metrics_->record_step({.step_seconds = stats->step_seconds,
                                .plan_seconds = stats->plan_seconds,

@@ -79,6 +79,9 @@ const std::vector<Field>& fields() {
       {"log_format", &ServerConfig::log_format,
        "text | json (one JSON object a line; a request's line carries its id, peer, key id, "
        "RPC, status and duration)"},
+      {"stream_stall_seconds", &ServerConfig::stream_stall_seconds,
+       "a stream whose client has read no response for this long is cut and its KV freed (its "
+       "work pauses once 256 answers wait); 0: never cut"},
       {"port_file", &ServerConfig::port_file,
        "write 'grpc=PORT' and 'metrics=PORT' lines here once listening (for tests)"},
       {"tls_cert", &ServerConfig::tls_cert,
@@ -370,6 +373,10 @@ absl::Status validate_config(const ServerConfig& config) {
   if (config.log_format != "text" && config.log_format != "json") {
     return absl::InvalidArgumentError(
         absl::StrCat("config: log_format \"", config.log_format, "\" is not one of text, json"));
+  }
+  if (!(config.stream_stall_seconds >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: stream_stall_seconds = ", config.stream_stall_seconds, " must be >= 0"));
   }
   return absl::OkStatus();
 }

@@ -40,6 +40,9 @@ struct ServerConfig {
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
   std::string log_level = "info";      // trace | debug | info | warn | error | off
   std::string log_format = "text";     // text | json (JSON lines: server/log_format.h)
+  // A stream whose client has accepted no response for this long is cut and its KV freed
+  // (server/stream_watchdog.h); 0: never (the work stays paused for its reader).
+  double stream_stall_seconds = 60;
   std::string port_file;               // when set: the bound ports are written there
   // Security (README "Security"): TLS, mutual TLS, API keys, per-key limits (0: no limit).
   std::string tls_cert;                       // PEM certificate chain; empty: plaintext

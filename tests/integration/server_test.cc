@@ -743,6 +743,7 @@ TEST(ServerConfig, BadOptionsAndFieldsExitTwoNamingThem) {
       {{"--plan", "magic"}, "magic"},
       {{"--log-level", "loud"}, "loud"},
       {{"--log-format", "xml"}, "log_format"},
+      {{"--stream-stall-seconds", "-1"}, "stream_stall_seconds"},
       {{"--auth-reflection", "true"}, "auth_reflection"},
       {{"--device", "-1"}, "device"},
       {{"--first-node-id", "0"}, "first_node_id"},
