@@ -304,6 +304,9 @@ int main(int argc, char** argv) {
       "{} received: shutting down (no new jobs; live jobs have {:.1f} s to finish; a "
       "second signal cancels them)",
       signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
+  // Stop admitting first, then tell the probes: a client that sees NOT_SERVING can rely on new
+  // work being refused (UNAVAILABLE), never admitted into the drain.
+  (*engine)->begin_shutdown(grace);
   health.set_serving(false);
   // A second signal cuts the grace short. The watcher is woken by a signal of our own once
   // the shutdown is over, so it never outlives the engine.

@@ -1,4 +1,6 @@
 // Fault injection on the real deft-server (embedded model, CPU backend) with real gRPC clients:
+//   - SIGTERM under load drains: health NOT_SERVING, new work UNAVAILABLE, every stream in
+//     flight (Generate, RunTree, a session's decode) finishes whole, exit 0;
 //   - a storm of abrupt disconnects (cancels mid-stream, deft-cli processes SIGKILLed) returns
 //     every KV page and leaves the server serving;
 //   - a slow reader: its job pauses once its answers back up (the engine stops stepping it) and
@@ -80,6 +82,129 @@ size_t count(const std::string& text, const std::string& part) {
     ++found;
   }
   return found;
+}
+
+// ---- SIGTERM under load -------------------------------------------------------------------
+
+TEST(FaultInjection, SigtermUnderLoadDrainsInFlightWorkAndExitsZero) {
+  // A grace far longer than the work needs, even under the sanitizers.
+  ServerProcess server({"--shutdown-grace-seconds", "300"});
+  ASSERT_TRUE(server.running());
+  constexpr int kGenerates = 6;
+  constexpr int kTokens = 500;
+  std::atomic<int> started{0};
+  std::vector<std::thread> clients;
+
+  std::vector<GenerateRun> generated(kGenerates);
+  for (int i = 0; i < kGenerates; ++i) {
+    clients.emplace_back([&, i] {
+      auto stub = server.stub();
+      grpc::ClientContext context;
+      auto reader = stub->Generate(&context, long_generate(10 + i, 2, kTokens));
+      v1::GenerateResponse response;
+      bool first = true;
+      while (reader->Read(&response)) {
+        generated[i].branches[response.branch()].add(response.delta(), response.finish_reason());
+        if (first) ++started;
+        first = false;
+      }
+      generated[i].status = reader->Finish();
+    });
+  }
+
+  TreeRun tree;
+  clients.emplace_back([&] {
+    auto stub = server.stub();
+    grpc::ClientContext context;
+    auto reader = stub->RunTree(&context, long_tree(kTokens));
+    v1::TreeEvent event;
+    bool first = true;
+    while (reader->Read(&event)) {
+      tree.events.push_back(event);
+      if (event.has_finished()) ++tree.finished_events;
+      if (first) ++started;
+      first = false;
+    }
+    tree.status = reader->Finish();
+  });
+
+  // A session: create and a long decode, pipelined; the decode is in flight at the signal.
+  std::map<int64_t, StreamedTokens> decoded;
+  grpc::Status session_status;
+  clients.emplace_back([&] {
+    auto stub = server.stub();
+    grpc::ClientContext context;
+    auto stream = stub->TreeSession(&context);
+    v1::SessionRequest create;
+    create.set_request_id(1);
+    set_ids(create.mutable_create()->mutable_prompt()->mutable_tokens()->mutable_ids(), {1, 7, 7});
+    ASSERT_TRUE(stream->Write(create));
+    v1::SessionResponse response;
+    ASSERT_TRUE(stream->Read(&response));
+    ASSERT_TRUE(response.has_created_node()) << response.DebugString();
+    v1::SessionRequest decode;
+    decode.set_request_id(2);
+    decode.mutable_decode()->add_nodes(response.created_node());
+    decode.mutable_decode()->mutable_sampling()->set_max_tokens(kTokens);
+    decode.mutable_decode()->mutable_sampling()->set_ignore_eos(true);
+    ASSERT_TRUE(stream->Write(decode));
+    bool first = true;
+    while (stream->Read(&response)) {
+      if (response.has_decoded()) {
+        decoded[response.decoded().node()].add(response.decoded().delta(),
+                                               response.decoded().finish_reason());
+        if (first) ++started;
+        first = false;
+      }
+    }
+    session_status = stream->Finish();
+  });
+
+  const int in_flight = kGenerates + 2;
+  EXPECT_TRUE(eventually([&] { return started.load() == in_flight; })) << server.log();
+  server.signal(SIGTERM);
+
+  // Draining: not ready, and new work is refused (the engine stops admitting before health
+  // turns NOT_SERVING, so this holds as soon as the probe sees it).
+  EXPECT_TRUE(eventually([&] { return !server.serving(); })) << server.log();
+  {
+    auto stub = server.stub();
+    const GenerateRun refused = run_generate(*stub, greedy_request({1, 3}, 4));
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << refused.status.error_message();
+    grpc::ClientContext context;
+    auto stream = stub->TreeSession(&context);
+    stream->WritesDone();
+    v1::SessionResponse response;
+    EXPECT_FALSE(stream->Read(&response)) << response.DebugString();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+
+  for (std::thread& client : clients) client.join();
+  // Every stream in flight at the signal finished whole.
+  for (int i = 0; i < kGenerates; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_TRUE(generated[i].status.ok()) << generated[i].status.error_message();
+    ASSERT_EQ(generated[i].branches.size(), 2u);
+    for (const auto& [index, branch] : generated[i].branches) {
+      EXPECT_EQ(branch.ids.size(), static_cast<size_t>(kTokens));
+      EXPECT_EQ(branch.finish, v1::FINISH_REASON_LENGTH);
+    }
+  }
+  EXPECT_TRUE(tree.status.ok()) << tree.status.error_message();
+  EXPECT_EQ(tree.finished_events, 1);
+  ASSERT_EQ(decoded.size(), 1u);
+  EXPECT_EQ(decoded.begin()->second.ids.size(), static_cast<size_t>(kTokens));
+  EXPECT_EQ(decoded.begin()->second.finish, v1::FINISH_REASON_LENGTH);
+  // The session itself (open, idle after its decode) ends with the server.
+  EXPECT_EQ(session_status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << session_status.error_message();
+
+  EXPECT_EQ(server.wait(seconds(60)), 0) << server.log();
+  const std::string log = server.log();
+  EXPECT_NE(log.find("SIGTERM received"), std::string::npos) << log;
+  EXPECT_EQ(log.find("second signal: cancelling"), std::string::npos) << log;
+  EXPECT_EQ(log.find("shut down before the request finished"), std::string::npos) << log;
 }
 
 // ---- A storm of abrupt disconnects --------------------------------------------------------
