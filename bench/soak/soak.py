@@ -70,6 +70,9 @@ def parse_args():
     parser.add_argument("--smoke", action="store_true",
                         help="check errors and KV only (a short run in CI)")
     parser.add_argument("--keep-log", help="copy the server log here")
+    parser.add_argument("--hold-seconds", type=float, default=0,
+                        help="keep the idle server this long after the load before stopping "
+                        "it, to inspect it (its pid is printed at the start)")
     return parser.parse_args()
 
 
@@ -356,7 +359,16 @@ def main():
            or final.get("deft_live_jobs", 0) != 0) and time.monotonic() < deadline:
         time.sleep(0.2)
         final = server.metrics()
+    # The server hands free heap back to the OS after a second without work
+    # (server/engine_thread.cc): the idle RSS is read after that.
+    time.sleep(3)
     rss_end = server.rss_mb()
+    if args.hold_seconds > 0:
+        print(f"soak: idle, RSS {rss_end:.1f} MB; holding the server {args.hold_seconds:g} s",
+              flush=True)
+        time.sleep(args.hold_seconds)
+        figures_hold_rss = server.rss_mb()
+        print(f"soak: RSS after the hold {figures_hold_rss:.1f} MB", flush=True)
     exit_code = server.stop()
     log = server.read_log()
     shutil.rmtree(server.dir, ignore_errors=True)
