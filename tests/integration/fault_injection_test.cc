@@ -91,7 +91,7 @@ TEST(FaultInjection, SigtermUnderLoadDrainsInFlightWorkAndExitsZero) {
   ServerProcess server({"--shutdown-grace-seconds", "300"});
   ASSERT_TRUE(server.running());
   constexpr int kGenerates = 6;
-  constexpr int kTokens = 500;
+  constexpr int kTokens = 300;
   std::atomic<int> started{0};
   std::vector<std::thread> clients;
 
@@ -358,7 +358,7 @@ TEST(FaultInjection, ASlowReaderPausesItsJobAndStillGetsEveryToken) {
   ServerProcess server({"--stream-stall-seconds", "600"});
   ASSERT_TRUE(server.running());
   constexpr int kBranches = 4;
-  constexpr int kTokens = 1500;  // 6000 messages of ~100 bytes: far past a 64 KB window
+  constexpr int kTokens = 800;  // 3200 messages of ~100 bytes: far past a 64 KB window
   auto stub = v1::Deft::NewStub(small_window_channel(server));
   grpc::ClientContext context;
   auto reader = stub->Generate(&context, long_generate(3, kBranches, kTokens, /*top_logprobs=*/8));
