@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "server/log_format.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::server {
@@ -181,21 +182,30 @@ absl::StatusOr<Caller> Authenticator::authenticate(std::optional<absl::string_vi
 void Authenticator::log_refusal(const std::string& peer, const std::string& reason) const {
   const std::string address = peer_address(peer);
   const auto now = std::chrono::steady_clock::now();
+  int64_t unlogged = 0;
   {
     std::lock_guard lock(mutex_);
-    auto [it, inserted] = last_refusal_logged_.try_emplace(address, now);
+    auto [it, inserted] = last_refusal_logged_.try_emplace(address, RefusalLog{.logged = now});
     if (!inserted) {
-      if (now - it->second < kRefusalLogInterval) return;
-      it->second = now;
+      if (now - it->second.logged < kRefusalLogInterval) {
+        ++it->second.unlogged;
+        return;
+      }
+      unlogged = it->second.unlogged;
+      it->second = RefusalLog{.logged = now};
     }
     if (last_refusal_logged_.size() > kMaxRefusalPeers) {
-      std::erase_if(last_refusal_logged_,
-                    [&](const auto& entry) { return now - entry.second >= kRefusalLogInterval; });
+      std::erase_if(last_refusal_logged_, [&](const auto& entry) {
+        return now - entry.second.logged >= kRefusalLogInterval;
+      });
       // Still full of recent peers (a scan): forget them rather than grow.
       if (last_refusal_logged_.size() > kMaxRefusalPeers) last_refusal_logged_.clear();
     }
   }
-  spdlog::warn("auth: refused a call from {}: {} (logged once a minute per peer)", address, reason);
+  log_fields(spdlog::level::warn,
+             absl::StrCat("auth: refused a call from ", address, ": ", reason,
+                          " (logged once a minute per peer)"),
+             {{"peer", address}, {"reason", reason}, {"unlogged_since_last", unlogged}});
 }
 
 }  // namespace deft::server

@@ -78,7 +78,9 @@ class Authenticator {
 
   // The caller of a call: UNAUTHENTICATED when keys are required and the call carries no
   // `authorization: Bearer KEY` metadata or an unknown key. A refusal is logged at most once
-  // per peer address a minute, with the peer and the reason, never the key.
+  // per peer address a minute, with the peer, the reason and how many refusals of that peer
+  // went unlogged since its last line, never the key (a scan or a misconfigured client cannot
+  // flood the log).
   absl::StatusOr<Caller> authenticate(const grpc::ServerContext& context) const;
   // The same for any transport (the HTTP API): `authorization` is the header's value (nullopt
   // when absent), `peer` the client's address as gRPC writes it ("ipv4:10.1.2.3:5678").
@@ -89,7 +91,12 @@ class Authenticator {
   std::string path_;
   mutable std::mutex mutex_;  // guards keys_ (swapped whole by reload) and last_refusal_logged_
   std::shared_ptr<const ApiKeys> keys_;
-  mutable std::map<std::string, std::chrono::steady_clock::time_point> last_refusal_logged_;
+  // Per peer address: when its last refusal was logged, and the refusals since (not logged).
+  struct RefusalLog {
+    std::chrono::steady_clock::time_point logged;
+    int64_t unlogged = 0;
+  };
+  mutable std::map<std::string, RefusalLog> last_refusal_logged_;
 
   void log_refusal(const std::string& peer, const std::string& reason) const;
 };

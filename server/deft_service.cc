@@ -10,6 +10,7 @@
 #include "engine/sampler.h"
 #include "server/metrics.h"
 #include "server/protobuf_log.h"
+#include "server/request_log.h"
 #include "spdlog/spdlog.h"
 
 namespace deft::server {
@@ -52,47 +53,6 @@ absl::StatusOr<engine::Requester> requester(const grpc::ServerContext& context,
   return out;
 }
 
-const char* code_name(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "UNKNOWN";
-  }
-}
-
 using engine::FinishReason;
 
 v1::FinishReason to_proto(FinishReason reason) {
@@ -130,11 +90,49 @@ void fill_tokens(engine::TokenDelta& delta, v1::Tokens* tokens) {
 // How often a streaming handler looks at its client while waiting for the engine.
 constexpr std::chrono::milliseconds kPollInterval{50};
 
+// A stream's writer under the watchdog (server/stream_watchdog.h): Write() is false when the
+// client went away or the watchdog cut the call, which cut() then says.
+template <typename Stream>
+class WatchedWriter {
+ public:
+  WatchedWriter(Stream* stream, grpc::ServerContext* context, const char* rpc,
+                StreamWatchdog& watchdog)
+      : stream_(stream), context_(context), rpc_(rpc), watchdog_(watchdog) {}
+
+  template <typename Response>
+  bool Write(const Response& response) {
+    const StreamWatchdog::Write guard(watchdog_, context_, rpc_);
+    if (stream_->Write(response)) return true;
+    cut_ = cut_ || guard.cut();
+    return false;
+  }
+  bool cut() const { return cut_; }
+  // The call's status once cut: the client, which reads nothing, sees CANCELLED; this is what
+  // the request log and the metrics see.
+  grpc::Status cut_status() const {
+    return grpc::Status(
+        grpc::StatusCode::CANCELLED,
+        absl::StrCat("the client read no response for ", watchdog_.stall().count() / 1000.0,
+                     " s (stream_stall_seconds): the stream was cut"));
+  }
+
+ private:
+  Stream* stream_;
+  grpc::ServerContext* context_;
+  const char* rpc_;
+  StreamWatchdog& watchdog_;
+  bool cut_ = false;
+};
+
 // Streams a request's engine events to its client until the engine ends the stream (then its
-// final status), cancelling the request when the client cancels or goes away.
+// final status), cancelling the request when the client cancels or goes away. A client that
+// stops reading blocks Write (HTTP/2 flow control): events then wait in the queue, the work
+// pauses at its backlog limit (engine/works/event_queue.h), and the watchdog cuts the call
+// after stream_stall_seconds.
 template <typename Event, typename Response, typename ToResponse>
 grpc::Status stream_events(grpc::ServerContext* context, engine::EventQueue<Event>& events,
-                           grpc::ServerWriter<Response>* writer, ToResponse to_response) {
+                           WatchedWriter<grpc::ServerWriter<Response>>* writer,
+                           ToResponse to_response) {
   std::vector<Event> batch;
   for (;;) {
     batch.clear();
@@ -142,6 +140,7 @@ grpc::Status stream_events(grpc::ServerContext* context, engine::EventQueue<Even
     for (Event& event : batch) {
       if (!writer->Write(to_response(event))) {
         events.cancel();
+        if (writer->cut()) return writer->cut_status();
         return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
       }
     }
@@ -204,7 +203,9 @@ DeftService::DeftService(const ServerConfig& config, const Authenticator& auth,
       metrics_(metrics),
       key_limits_({.max_concurrent = config.max_concurrent_per_key,
                    .max_queued_jobs = config.max_queued_jobs_per_key,
-                   .max_tokens_per_minute = config.max_tokens_per_minute_per_key}) {}
+                   .max_tokens_per_minute = config.max_tokens_per_minute_per_key}),
+      watchdog_(
+          std::chrono::milliseconds(static_cast<int64_t>(config.stream_stall_seconds * 1000.0))) {}
 
 void DeftService::attach(ModelFacts model, const engine::Tokenizer& tokenizer,
                          EngineThread& engine) {
@@ -221,14 +222,13 @@ grpc::Status DeftService::loading() {
                       "the model is still loading; retry when the health service reports SERVING");
 }
 
-grpc::Status DeftService::done(const char* rpc, const Caller& caller, grpc::Status status) const {
+grpc::Status DeftService::done(const RequestLog& call, const Caller& caller,
+                               grpc::Status status) const {
   if (metrics_ != nullptr) {
-    metrics_->record_request(rpc, code_name(status.error_code()), caller.key_id);
+    metrics_->record_request(call.rpc(), std::string(status_code_name(status.error_code())),
+                             caller.key_id);
   }
-  if (!status.ok()) {
-    spdlog::debug("{}: {} {}{}{}", rpc, code_name(status.error_code()), status.error_message(),
-                  caller.key_id.empty() ? "" : " key ", caller.key_id);
-  }
+  call.finish(caller, status);
   return status;
 }
 
@@ -305,10 +305,11 @@ absl::StatusOr<std::vector<engine::TokenId>> DeftService::prompt_tokens(
 
 grpc::Status DeftService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const RequestLog call(*context, "Generate", /*streaming=*/true);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? generate(context, caller, *request, writer) : loading();
-  return done("Generate", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& caller,
@@ -353,7 +354,8 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& c
   }
   std::shared_ptr<engine::GenerateEvents> events = engine_->generate(std::move(job));
   bool first = true;
-  return stream_events(context, *events, writer, [&](engine::GenerateEvent& event) {
+  WatchedWriter watched(writer, context, "Generate", watchdog_);
+  return stream_events(context, *events, &watched, [&](engine::GenerateEvent& event) {
     queued_hold.release();  // answering: no longer waiting
     count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
     v1::GenerateResponse response;
@@ -417,10 +419,11 @@ absl::Status DeftService::sampling(const v1::SamplingParams& sampling, const std
 
 grpc::Status DeftService::RunTree(grpc::ServerContext* context, const v1::RunTreeRequest* request,
                                   grpc::ServerWriter<v1::TreeEvent>* writer) {
+  const RequestLog call(*context, "RunTree", /*streaming=*/true);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? run_tree(context, caller, *request, writer) : loading();
-  return done("RunTree", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::run_tree(grpc::ServerContext* context, const Caller& caller,
@@ -500,7 +503,8 @@ grpc::Status DeftService::run_tree(grpc::ServerContext* context, const Caller& c
     return to_grpc(status);
   }
   std::shared_ptr<engine::TreeSearchEvents> events = engine_->run_tree(std::move(job));
-  return stream_events(context, *events, writer, [&](engine::TreeSearchEvent& event) {
+  WatchedWriter watched(writer, context, "RunTree", watchdog_);
+  return stream_events(context, *events, &watched, [&](engine::TreeSearchEvent& event) {
     queued_hold.release();  // answering: no longer waiting
     if (event.kind == engine::TreeSearchEvent::Kind::kTokens) {
       count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
@@ -668,10 +672,11 @@ v1::SessionResponse session_response(engine::SessionEvent& event, uint64_t sessi
 grpc::Status DeftService::TreeSession(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  const RequestLog call(*context, "TreeSession", /*streaming=*/true);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? tree_session(context, caller, stream) : loading();
-  return done("TreeSession", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::tree_session(
@@ -694,6 +699,7 @@ grpc::Status DeftService::tree_session(
                 caller.key_id.empty() ? "" : " by key ", caller.key_id);
   // One thread writes what the engine answers; this one reads the client's commands.
   std::atomic<bool> client_gone{false};
+  WatchedWriter watched(stream, context, "TreeSession", watchdog_);
   std::thread writer([&] {
     std::vector<engine::SessionEvent> batch;
     for (;;) {
@@ -704,7 +710,7 @@ grpc::Status DeftService::tree_session(
           count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
         }
         if (client_gone.load()) continue;
-        if (!stream->Write(session_response(event, session))) client_gone.store(true);
+        if (!watched.Write(session_response(event, session))) client_gone.store(true);
       }
       if (!more) break;
       if (context->IsCancelled()) client_gone.store(true);
@@ -746,6 +752,7 @@ grpc::Status DeftService::tree_session(
     session_owners_.erase(session);
   }
   spdlog::debug("TreeSession: session {} closed", session);
+  if (watched.cut()) return watched.cut_status();
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
   }
@@ -757,10 +764,11 @@ grpc::Status DeftService::tree_session(
 
 grpc::Status DeftService::Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
                                  v1::VerifyResponse* response) {
+  const RequestLog call(*context, "Verify", /*streaming=*/false);
   Caller caller;
   grpc::Status status = authenticate(*context, &caller);
   if (status.ok()) status = ready() ? verify(context, caller, *request, response) : loading();
-  return done("Verify", caller, std::move(status));
+  return done(call, caller, std::move(status));
 }
 
 grpc::Status DeftService::verify(grpc::ServerContext* context, const Caller& caller,
@@ -805,9 +813,10 @@ grpc::Status DeftService::verify(grpc::ServerContext* context, const Caller& cal
 
 grpc::Status DeftService::Tokenize(grpc::ServerContext* context, const v1::TokenizeRequest* request,
                                    v1::TokenizeResponse* response) {
+  const RequestLog call(*context, "Tokenize", /*streaming=*/false);
   Caller caller;
   if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
-    return done("Tokenize", caller, status);
+    return done(call, caller, status);
   }
   const auto run = [&]() -> grpc::Status {
     if (request->text().size() > static_cast<size_t>(config_.max_text_bytes)) {
@@ -820,15 +829,16 @@ grpc::Status DeftService::Tokenize(grpc::ServerContext* context, const v1::Token
     response->mutable_ids()->Add(ids->begin(), ids->end());
     return grpc::Status::OK;
   };
-  return done("Tokenize", caller, ready() ? run() : loading());
+  return done(call, caller, ready() ? run() : loading());
 }
 
 grpc::Status DeftService::Detokenize(grpc::ServerContext* context,
                                      const v1::DetokenizeRequest* request,
                                      v1::DetokenizeResponse* response) {
+  const RequestLog call(*context, "Detokenize", /*streaming=*/false);
   Caller caller;
   if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
-    return done("Detokenize", caller, status);
+    return done(call, caller, status);
   }
   const auto run = [&]() -> grpc::Status {
     const int32_t vocab = tokenizer_->vocab_size();
@@ -846,16 +856,17 @@ grpc::Status DeftService::Detokenize(grpc::ServerContext* context,
     response->set_text(tokenizer_->decode(ids, request->skip_special()));
     return grpc::Status::OK;
   };
-  return done("Detokenize", caller, ready() ? run() : loading());
+  return done(call, caller, ready() ? run() : loading());
 }
 
 grpc::Status DeftService::ModelInfo(grpc::ServerContext* context, const v1::ModelInfoRequest*,
                                     v1::ModelInfoResponse* response) {
+  const RequestLog call(*context, "ModelInfo", /*streaming=*/false);
   Caller caller;
   if (grpc::Status status = authenticate(*context, &caller); !status.ok()) {
-    return done("ModelInfo", caller, status);
+    return done(call, caller, status);
   }
-  if (!ready()) return done("ModelInfo", caller, loading());
+  if (!ready()) return done(call, caller, loading());
   response->set_name(model_.name);
   response->set_architecture(model_.architecture);
   response->set_vocab_size(model_.vocab_size);
@@ -875,7 +886,7 @@ grpc::Status DeftService::ModelInfo(grpc::ServerContext* context, const v1::Mode
   response->set_max_prompt_tokens(config_.max_prompt_tokens);
   response->set_max_tree_tokens(config_.max_tree_tokens);
   response->set_max_branches(config_.max_branches);
-  return done("ModelInfo", caller, grpc::Status::OK);
+  return done(call, caller, grpc::Status::OK);
 }
 
 }  // namespace deft::server

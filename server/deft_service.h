@@ -15,7 +15,9 @@
 #include "server/auth.h"
 #include "server/engine_thread.h"
 #include "server/key_limits.h"
+#include "server/request_log.h"
 #include "server/server_config.h"
+#include "server/stream_watchdog.h"
 
 namespace deft::server {
 
@@ -107,13 +109,14 @@ class DeftService final : public deft::v1::Deft::Service {
   engine::SessionCommand session_command(const deft::v1::SessionRequest& request) const;
   bool ready() const;
   static grpc::Status loading();
-  // Records the RPC's outcome (metrics, debug log) and returns it.
-  grpc::Status done(const char* rpc, const Caller& caller, grpc::Status status) const;
+  // Records the RPC's outcome (metrics, the request's log line) and returns it.
+  grpc::Status done(const RequestLog& call, const Caller& caller, grpc::Status status) const;
 
   const ServerConfig& config_;
   const Authenticator& auth_;
   ServerMetrics* metrics_;
   KeyLimits key_limits_;
+  StreamWatchdog watchdog_;  // cuts streams whose client stopped reading
   // The key id that opened each open TreeSession.
   mutable std::mutex session_owners_mutex_;
   std::unordered_map<uint64_t, std::string> session_owners_;

@@ -1,5 +1,7 @@
 #include "server/engine_thread.h"
 
+#include <malloc.h>
+
 #include <future>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +12,10 @@ namespace deft::server {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// How long the engine sleeps when every live work is paused for its reader: short next to a
+// reader's pace, long enough that a paused server uses no CPU to speak of.
+constexpr std::chrono::milliseconds kPausedNap{5};
 
 absl::Status shutting_down() { return absl::UnavailableError("the server is shutting down"); }
 
@@ -164,22 +170,35 @@ void EngineThread::run() {
                engine::plan_kind_name(options_.planner.kind));
   publish();
   bool refused = false;
+  bool trimmed = true;  // nothing ran since the last malloc_trim
   for (;;) {
     std::vector<Command> commands;
     bool stopping = false;
     bool cancel_live = false;
+    bool idle_second = false;
     {
       std::unique_lock lock(mutex_);
       // Idle: sleep until a command arrives (the timeout refreshes the rate gauges). A session
       // whose command just ended may have the next one queued: no sleep then.
       if (inbox_.empty() && !scheduler.has_live() && !scheduler.has_ready_sessions() &&
           !scheduler.has_preempted() && !stopping_) {
-        wake_.wait_for(lock, std::chrono::seconds(1));
+        idle_second =
+            !wake_.wait_for(lock, std::chrono::seconds(1), [&] { return !inbox_.empty(); });
       }
       commands.swap(inbox_);
       stopping = stopping_;
       cancel_live = stopping_ && Clock::now() >= cancel_at_;
     }
+    if (idle_second && !trimmed) {
+      // A second without work after a load: hand the heap's free pages back to the OS. glibc
+      // keeps freed memory of its arenas, and after the first free of a large block (a logits
+      // row: 513 KB on a 128k vocabulary) it raises its mmap threshold, so later rows come from
+      // the arenas and stay resident: RSS would hold the load's peak (its high-water mark)
+      // until the next load reuses it. Once per idle period; a load is never slowed by it.
+      malloc_trim(0);
+      trimmed = true;
+    }
+    if (!commands.empty()) trimmed = false;
     for (Command& command : commands) command(scheduler);
     if (stopping && !refused) {
       // Stop admitting: queued requests are refused; live ones get the grace.
@@ -196,7 +215,15 @@ void EngineThread::run() {
       scheduler.abort_all(shutting_down());  // open sessions end now
       break;
     }
-    if (std::optional<engine::StepStats> stats = scheduler.step(); stats.has_value()) {
+    std::optional<engine::StepStats> stats = scheduler.step();
+    if (!stats.has_value() && (scheduler.has_live() || scheduler.has_ready_sessions())) {
+      // Work is live but added no rows: every such work is paused for a slow reader
+      // (engine/works/event_queue.h). Nap until a command arrives or the readers catch up
+      // rather than spin a core.
+      std::unique_lock lock(mutex_);
+      wake_.wait_for(lock, kPausedNap, [&] { return !inbox_.empty(); });
+    }
+    if (stats.has_value()) {
       if (metrics_ != nullptr) {
         metrics_->record_step({.step_seconds = stats->step_seconds,
                                .plan_seconds = stats->plan_seconds,

@@ -5,7 +5,6 @@
 // rest, and exits 0. SIGHUP rereads the API key file. Exit 2: bad configuration (also an
 // unreadable or invalid TLS or key file); exit 1: the model or a listening address could not be
 // set up.
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
@@ -36,12 +35,13 @@
 #include "server/deft_service.h"
 #include "server/engine_thread.h"
 #include "server/health_service.h"
+#include "server/log_format.h"
 #include "server/metrics.h"
 #include "server/openai_api.h"
 #include "server/protobuf_log.h"
+#include "server/reflection_service.h"
 #include "server/server_config.h"
 #include "server/tls.h"
-#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
 namespace {
@@ -110,9 +110,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  spdlog::set_default_logger(spdlog::stderr_color_mt("deft"));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
-  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  deft::server::configure_logging(config.log_format, config.log_level);
   spdlog::info("deft-server: config {}", deft::server::describe_config(config));
   deft::server::route_protobuf_logs();
 
@@ -154,9 +152,12 @@ int main(int argc, char** argv) {
     spdlog::info("metrics: http://{}/metrics (port {})", config.metrics_listen, metrics_port);
   }
   deft::server::DeftService service(config, *auth, &metrics);
-  // Starts NOT_SERVING; our own service (not gRPC's default) so that it can require a key.
+  // Starts NOT_SERVING; our own services (not gRPC's default ones) so that they can require a
+  // key.
   deft::server::HealthService health(*auth, config.auth_health);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  deft::server::ReflectionService reflection(
+      *auth, config.auth_reflection,
+      {"deft.v1.Deft", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"});
   grpc::ServerBuilder builder;
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and the
   // kernel would split new connections between the two (sessions then seem to vanish).
@@ -176,6 +177,7 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(config.listen, *credentials, &grpc_port);
   builder.RegisterService(&service);
   builder.RegisterService(&health);
+  builder.RegisterService(&reflection);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
     return fail(1, absl::StrCat("gRPC: cannot listen on ", config.listen,
@@ -357,6 +359,9 @@ int main(int argc, char** argv) {
       "{} received: shutting down (no new jobs; live jobs have {:.1f} s to finish; a "
       "second signal cancels them)",
       signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_grace_seconds);
+  // Stop admitting first, then tell the probes: a client that sees NOT_SERVING can rely on new
+  // work being refused (UNAVAILABLE), never admitted into the drain.
+  (*engine)->begin_shutdown(grace);
   health.set_serving(false);
   openai.set_serving(false);
   // A second signal cuts the grace short. The watcher is woken by a signal of our own once

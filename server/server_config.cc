@@ -99,6 +99,12 @@ const std::vector<Field>& fields() {
       {"shutdown_grace_seconds", &ServerConfig::shutdown_grace_seconds,
        "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
+      {"log_format", &ServerConfig::log_format,
+       "text | json (one JSON object a line; a request's line carries its id, peer, key id, "
+       "RPC, status and duration)"},
+      {"stream_stall_seconds", &ServerConfig::stream_stall_seconds,
+       "a stream whose client has read no response for this long is cut and its KV freed (its "
+       "work pauses once 256 answers wait); 0: never cut"},
       {"port_file", &ServerConfig::port_file,
        "write 'grpc=PORT', 'metrics=PORT' and 'http=PORT' lines here once listening (for tests)"},
       {"tls_cert", &ServerConfig::tls_cert,
@@ -111,6 +117,9 @@ const std::vector<Field>& fields() {
        "Bearer KEY'; reread on SIGHUP; empty: no keys"},
       {"auth_health", &ServerConfig::auth_health,
        "true: grpc.health.v1 needs an API key too (false: open, for probes)"},
+      {"auth_reflection", &ServerConfig::auth_reflection,
+       "true: server reflection needs an API key too (false: open; it describes only the "
+       "public API)"},
       {"max_concurrent_per_key", &ServerConfig::max_concurrent_per_key,
        "most Generate, RunTree and TreeSession streams open at once per API key; 0: no limit"},
       {"max_queued_jobs_per_key", &ServerConfig::max_queued_jobs_per_key,
@@ -416,6 +425,10 @@ absl::Status validate_config(const ServerConfig& config) {
     if (config.auth_health) {
       return absl::InvalidArgumentError("config: auth_health = true needs api_keys (a key file)");
     }
+    if (config.auth_reflection) {
+      return absl::InvalidArgumentError(
+          "config: auth_reflection = true needs api_keys (a key file)");
+    }
   }
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   bool known_level = false;
@@ -424,6 +437,14 @@ absl::Status validate_config(const ServerConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("config: log_level \"", config.log_level,
                      "\" is not one of trace, debug, info, warn, error, off"));
+  }
+  if (config.log_format != "text" && config.log_format != "json") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: log_format \"", config.log_format, "\" is not one of text, json"));
+  }
+  if (!(config.stream_stall_seconds >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: stream_stall_seconds = ", config.stream_stall_seconds, " must be >= 0"));
   }
   return absl::OkStatus();
 }

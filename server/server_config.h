@@ -54,6 +54,10 @@ struct ServerConfig {
   int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
   std::string log_level = "info";      // trace | debug | info | warn | error | off
+  std::string log_format = "text";     // text | json (JSON lines: server/log_format.h)
+  // A stream whose client has accepted no response for this long is cut and its KV freed
+  // (server/stream_watchdog.h); 0: never (the work stays paused for its reader).
+  double stream_stall_seconds = 60;
   std::string port_file;               // when set: the bound ports are written there
   // Security (README "Security"): TLS, mutual TLS, API keys, per-key limits (0: no limit).
   std::string tls_cert;                       // PEM certificate chain; empty: plaintext
@@ -61,6 +65,7 @@ struct ServerConfig {
   std::string tls_client_ca;                  // PEM CAs of client certificates: mutual TLS
   std::string api_keys;                       // key file (server/auth.h); empty: no keys
   bool auth_health = false;                   // grpc.health.v1 needs a key too
+  bool auth_reflection = false;               // server reflection needs a key too
   int32_t max_concurrent_per_key = 0;         // Generate + RunTree + TreeSession streams
   int32_t max_queued_jobs_per_key = 0;        // jobs submitted, not yet answering
   int64_t max_tokens_per_minute_per_key = 0;  // generated tokens in the last 60 s

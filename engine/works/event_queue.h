@@ -1,6 +1,16 @@
 // A one-way event stream from the engine thread to one client handler (DESIGN.md §2): the
 // engine pushes events and finally a status; the handler takes them in order and may ask the
 // engine to cancel. Thread-safe; no gRPC here.
+//
+// Backpressure: the queue is bounded by its producer, not by push(). A work whose queue holds
+// kBacklogLimit events or more adds no rows to the step (it pauses, keeping its KV) until the
+// handler has taken them, so a client that stops reading cannot grow server memory: the handler
+// blocks in its gRPC write once the transport's flow-control window is full, stops taking
+// events, and the work waits. A step adds at most one event per live branch, so a queue never
+// holds more than kBacklogLimit + max_branches events (+ the final ones of an abort). Paused
+// rather than cancelled: a slow client (a long link, a busy reader) still gets its whole answer,
+// and its paused work costs no steps; one that reads nothing for stream_stall_seconds is cut by
+// the server (server/stream_watchdog.h), which frees the KV.
 #pragma once
 
 #include <atomic>
@@ -18,6 +28,11 @@ namespace deft::engine {
 template <typename Event>
 class EventQueue {
  public:
+  // Events waiting for the handler before the producer pauses: a few hundred steps of one
+  // branch, or several steps of a wide tree. A fast reader never reaches it (the handler takes
+  // everything waiting at each wake-up); the events are small (a token or two each).
+  static constexpr size_t kBacklogLimit = 256;
+
   // Handler side. Moves the events that arrived into `out` (waiting up to `timeout` for the
   // first); returns false once the stream has ended and every event has been taken.
   bool next(std::vector<Event>& out, std::chrono::milliseconds timeout) {
@@ -40,6 +55,11 @@ class EventQueue {
 
   // Engine side.
   bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
+  // The handler has fallen kBacklogLimit events behind: the producing work pauses.
+  bool backlogged() const {
+    std::lock_guard lock(mutex_);
+    return events_.size() >= kBacklogLimit;
+  }
   void push(Event event) {
     {
       std::lock_guard lock(mutex_);

@@ -151,6 +151,7 @@ void GenerateWork::start(Forest& forest) {
 
 absl::Status GenerateWork::add_rows(StepContext& step) {
   in_step_ = false;
+  if (events_->backlogged()) return absl::OkStatus();  // paused: the client reads slowly
   const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
   if (prefilled_ < prompt_size) {
     // Prefill, in chunks when the step budget is short; logits from the last chunk only.

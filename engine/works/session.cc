@@ -45,6 +45,9 @@ void Session::fail(const SessionCommand& command, const absl::Status& status) {
 
 std::optional<SessionCommand> Session::next_command(Forest& forest) {
   const SequenceTree& tree = forest.tree();
+  // A client that does not read its answers: no new command starts until it has taken them
+  // (engine/works/event_queue.h).
+  if (events_->backlogged()) return std::nullopt;
   while (!busy_ && !closing_ && !commands_.empty()) {
     SessionCommand command = std::move(commands_.front());
     commands_.pop_front();

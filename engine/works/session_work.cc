@@ -152,6 +152,8 @@ class DecodeWork final : public SessionWork {
 
   absl::Status add_rows(StepContext& step) override {
     in_step_ = false;
+    // Paused while the client reads slowly (engine/works/event_queue.h).
+    if (session_->events().backlogged()) return absl::OkStatus();
     int64_t live = 0;
     for (const Live& node : nodes_) live += node.done ? 0 : 1;
     if (live == 0 || step.budget < live) return absl::OkStatus();

@@ -132,6 +132,7 @@ void TreeSearchWork::start(Forest& forest) {
 
 absl::Status TreeSearchWork::add_rows(StepContext& step) {
   in_step_ = false;
+  if (events_->backlogged()) return absl::OkStatus();  // paused: the client reads slowly
   const auto prompt_size = static_cast<int64_t>(job_.prompt.size());
   if (prefilled_ < prompt_size) {
     return step.add_chunk(live_[0]->node, job_.prompt, &prefilled_, &in_step_);

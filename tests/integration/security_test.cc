@@ -2,8 +2,9 @@
 // openssl command line at test time (a CA, a server certificate for localhost and 127.0.0.1, a
 // client certificate of that CA, and one of a second, untrusted CA), API keys (UNAUTHENTICATED
 // without a valid one, health open, reload on SIGHUP), sessions owned by their key, per-key
-// limits, and deft-cli with --tls-ca and --api-key. Channels come from clients/cli's
-// make_channel, as deft-cli makes them.
+// limits, server reflection open or keyed, and deft-cli with --tls-ca and --api-key. Channels
+// come from clients/cli's make_channel, as deft-cli makes them.
+#include <google/protobuf/descriptor.pb.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "clients/cli/cli_channel.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/tree_clients.h"
 
@@ -289,6 +291,67 @@ TEST_F(SecurityTest, AuthHealthRequiresAKeyForTheHealthServiceToo) {
   }
   EXPECT_TRUE(health(keyed_channel).ok());
   expect_status(health(server.channel()), grpc::StatusCode::UNAUTHENTICATED, "API key");
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+}
+
+// list_services, then the file declaring deft.v1.Deft, on one reflection stream of `channel`;
+// the stream's status (OK: both answered).
+grpc::Status reflect(const std::shared_ptr<grpc::Channel>& channel,
+                     std::vector<std::string>* services, std::string* file) {
+  namespace reflection = grpc::reflection::v1alpha;
+  auto stub = reflection::ServerReflection::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + seconds(10));
+  auto stream = stub->ServerReflectionInfo(&context);
+  reflection::ServerReflectionRequest list;
+  list.set_list_services("");
+  reflection::ServerReflectionRequest symbol;
+  symbol.set_file_containing_symbol("deft.v1.Deft");
+  stream->Write(list);
+  stream->Write(symbol);
+  stream->WritesDone();
+  reflection::ServerReflectionResponse response;
+  while (stream->Read(&response)) {
+    for (const auto& service : response.list_services_response().service()) {
+      services->push_back(service.name());
+    }
+    if (response.file_descriptor_response().file_descriptor_proto_size() > 0) {
+      google::protobuf::FileDescriptorProto proto;
+      proto.ParseFromString(response.file_descriptor_response().file_descriptor_proto(0));
+      *file = proto.name();
+    }
+  }
+  return stream->Finish();
+}
+
+TEST_F(SecurityTest, ReflectionIsOpenByDefaultAndAuthReflectionRequiresAKey) {
+  {
+    ServerProcess server(auth_args());
+    ASSERT_TRUE(server.running());
+    std::vector<std::string> services;
+    std::string file;
+    EXPECT_TRUE(reflect(server.channel(), &services, &file).ok());
+    EXPECT_EQ(services, (std::vector<std::string>{"deft.v1.Deft", "grpc.health.v1.Health",
+                                                  "grpc.reflection.v1alpha.ServerReflection"}));
+    EXPECT_EQ(file, "deft/v1/deft.proto");
+    EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
+  }
+  std::vector<std::string> args = auth_args();
+  args.insert(args.end(), {"--auth-reflection", "true"});
+  ServerProcess server(args);
+  ASSERT_TRUE(server.running());
+  std::vector<std::string> services;
+  std::string file;
+  expect_status(reflect(server.channel(), &services, &file), grpc::StatusCode::UNAUTHENTICATED,
+                "API key");
+  EXPECT_TRUE(services.empty());
+  std::string error;
+  const std::shared_ptr<grpc::Channel> keyed_channel =
+      cli::make_channel({.server = server.address(), .api_key = kKeyA}, &error);
+  EXPECT_TRUE(reflect(keyed_channel, &services, &file).ok());
+  EXPECT_EQ(services.size(), 3u);
+  EXPECT_EQ(file, "deft/v1/deft.proto");
+  EXPECT_TRUE(health(server.channel()).ok());  // health stays open
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.log();
 }
 

@@ -222,4 +222,11 @@ std::optional<int> ServerProcess::stop(int signal, std::chrono::milliseconds tim
   return exit;
 }
 
+std::optional<int> ServerProcess::wait(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) return -1;
+  std::optional<int> exit = wait_exit(pid_, timeout);
+  if (exit) pid_ = -1;
+  return exit;
+}
+
 }  // namespace deft::testing

@@ -76,6 +76,9 @@ class ServerProcess {
   // Sends `signal` and waits for the exit; the exit code (-1 killed, nullopt timeout).
   std::optional<int> stop(int signal = SIGTERM,
                           std::chrono::milliseconds timeout = std::chrono::seconds(30));
+  // Waits for an exit of its own (after a signal sent earlier); as stop().
+  std::optional<int> wait(std::chrono::milliseconds timeout);
+  pid_t pid() const { return pid_; }
 
  private:
   void start(std::vector<std::string> extra_args, bool wait_serving,

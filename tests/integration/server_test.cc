@@ -780,6 +780,9 @@ TEST(ServerConfig, BadOptionsAndFieldsExitTwoNamingThem) {
       {{"--kv-pages", "0"}, "kv_pages"},
       {{"--plan", "magic"}, "magic"},
       {{"--log-level", "loud"}, "loud"},
+      {{"--log-format", "xml"}, "log_format"},
+      {{"--stream-stall-seconds", "-1"}, "stream_stall_seconds"},
+      {{"--auth-reflection", "true"}, "auth_reflection"},
       {{"--device", "-1"}, "device"},
       {{"--first-node-id", "0"}, "first_node_id"},
       {{"--first-node-id", "4611686018427387905"}, "first_node_id"},    // 2^62 + 1
