@@ -249,8 +249,10 @@ std::optional<Refusal> tree_policy(const json& deft, const OpenAiLimits& limits,
     static const char* const kKnown[] = {"branch_factor",  "every_tokens", "delimiter",
                                          "step_end_token", "max_depth",    "keep_best",
                                          "score"};
+    // A copy: clang does not let a lambda capture a structured binding before C++20's P1091.
+    const std::string& name = key;
     if (std::find_if(std::begin(kKnown), std::end(kKnown),
-                     [&](const char* known) { return key == known; }) == std::end(kKnown)) {
+                     [&](const char* known) { return name == known; }) == std::end(kKnown)) {
       return Refusal{"deft.tree." + key, absl::StrCat("deft.tree.", key, " is not a field (",
                                                       "branch_factor, every_tokens, delimiter, "
                                                       "step_end_token, max_depth, keep_best, "
