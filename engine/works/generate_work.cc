@@ -36,11 +36,7 @@ int64_t GenerateWork::pending_pages(const Forest& forest) const {
   const SequenceTree& tree = forest.tree();
   int64_t pending = 0;
   if (branches_.empty()) {
-    pending += pages_for(static_cast<int64_t>(job_.prompt.size()) -
-                             tree.node(prompt_node_).depth_begin, page_tokens_) -
-               forest.node_pages(prompt_node_);
-    pending += int64_t{job_.n} * pages_for(job_.max_tokens, page_tokens_);
-    return pending;
+    return prompt_pages_left(forest) + int64_t{job_.n} * pages_for(job_.max_tokens, page_tokens_);
   }
   // A branch's node holds its path from its depth on: the generated tokens, or after a
   // preemption whatever of prompt + generated tokens was not found cached.
@@ -63,8 +59,7 @@ int64_t GenerateWork::reserve_pages(const Forest& forest) const {
     // The prompt's pages (whole before placement) and the first decode step's.
     if (prefilled_ < 0)
       return pages_for(static_cast<int64_t>(job_.prompt.size()), page_tokens_) + job_.n;
-    return pending_pages(forest) - int64_t{job_.n} * pages_for(job_.max_tokens, page_tokens_) +
-           job_.n;
+    return prompt_pages_left(forest) + job_.n;
   }
   int64_t pages = 0;
   for (const Branch& branch : branches_) {
@@ -106,6 +101,12 @@ int64_t GenerateWork::step_pages(const Forest& forest, const StepContext& step) 
     if (branch.live) pages += growth(branch.node, 1);
   }
   return pages;
+}
+
+int64_t GenerateWork::prompt_pages_left(const Forest& forest) const {
+  const int64_t own_tokens =
+      static_cast<int64_t>(job_.prompt.size()) - forest.tree().node(prompt_node_).depth_begin;
+  return pages_for(own_tokens, page_tokens_) - forest.node_pages(prompt_node_);
 }
 
 bool GenerateWork::refilling() const {

@@ -70,6 +70,8 @@ class GenerateWork final : public Work {
     int64_t refilled = 0;         // refill tokens with KV again
   };
   bool refilling() const;
+  // Pages the placed prompt's own node still needs (prefill phase).
+  int64_t prompt_pages_left(const Forest& forest) const;
   absl::Status add_token(int32_t index, const SampledToken& sampled, Forest& forest);
 
   GenerateJob job_;
