@@ -25,14 +25,27 @@ PlannerOptions with_wave(PlannerOptions options, const ModelRunner& runner) {
 
 }  // namespace
 
-Scheduler::Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokenizer& tokenizer)
+Scheduler::Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokenizer& tokenizer,
+                     ModelRunner* draft)
     : options_(options),
       runner_(runner),
       tokenizer_(tokenizer),
       kv_({.page_tokens = options.page_tokens, .num_pages = options.kv_pages}),
       forest_(&kv_, options.first_node_id, {.max_pages = options.prefix_cache_pages}),
       planner_(with_wave(options.planner, runner)),
-      step_(forest_, sampler_, tokenizer, runner.vocab_size()) {}
+      step_(forest_, sampler_, tokenizer, runner.vocab_size()) {
+  if (draft != nullptr) {
+    draft_ = std::make_unique<DraftModel>(
+        DraftModelOptions{
+            .page_tokens = options.page_tokens,
+            .kv_pages = options.draft_kv_pages > 0 ? options.draft_kv_pages : options.kv_pages,
+            .max_step_tokens = options.max_step_tokens,
+            .max_prefill_tokens = options.max_prefill_tokens,
+            .prefix_cache_pages = options.prefix_cache_pages,
+            .planner = options.planner},
+        *draft, tokenizer);
+  }
+}
 
 Scheduler::~Scheduler() {
   abort_all(absl::UnavailableError("the engine stopped"));
@@ -50,6 +63,11 @@ absl::Status Scheduler::submit(std::unique_ptr<Work> work) {
 }
 
 absl::Status Scheduler::admissible(const Work& work) const {
+  if (work.needs_draft_model() && draft_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "speculative decoding with a draft model needs a server started with --draft-model "
+        "(the ngram policy needs none)");
+  }
   const int64_t pages = work.pending_pages(forest_);
   if (pages > options_.kv_pages) {
     return absl::ResourceExhaustedError(
@@ -139,6 +157,7 @@ void Scheduler::admit() {
   if (queued_.empty()) return;
   const auto start = [&](Queued& queued) {
     live_.push_back({.work = std::move(queued.work), .arrival = queued.arrival});
+    if (draft_ != nullptr) live_.back().work->attach_draft(&draft_->forest());
     live_.back().work->start(forest_);
   };
   // Session commands first, whatever the pages.
@@ -279,7 +298,12 @@ std::optional<StepStats> Scheduler::step() {
   });
   preempted_.assign(live_.size(), 0);
   absl::Status status;
-  for (size_t position = 0; position < order.size(); ++position) {
+  if (draft_ != nullptr) {
+    draft_works_.clear();
+    for (size_t index : order) draft_works_.push_back(live_[index].work.get());
+    status = draft_->run(draft_works_, &stats.draft);
+  }
+  for (size_t position = 0; status.ok() && position < order.size(); ++position) {
     const size_t index = order[position];
     if (preempted_[index] != 0) continue;
     Work& work = *live_[index].work;
@@ -352,6 +376,8 @@ std::optional<StepStats> Scheduler::step() {
   stats.rows = static_cast<int64_t>(step_.tokens.size());
   stats.logit_rows = static_cast<int64_t>(step_.logit_rows.size());
   stats.generated = step_.generated;
+  stats.accepted_lengths = step_.accepted_lengths;
+  stats.drafted = step_.drafted;
   stats.step_seconds = seconds_since(start);
   step_.clear();
   if (stats.rows == 0) return std::nullopt;

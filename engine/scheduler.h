@@ -25,6 +25,8 @@
 //      its KV and waits in the queue to recompute it (engine/works/generate_work.h). A work
 //      that still lacks room (nothing left to preempt) skips the step. One plan and one forward
 //      pass serve all the rows, and each work takes its logits.
+// With a draft model (speculative decoding, engine/speculation/draft_model.h), step 4 starts with
+// the draft passes of every live work, in the same order, before any target row is added.
 // Single-threaded: the engine thread owns it (server/engine_thread.h feeds it).
 #pragma once
 
@@ -41,6 +43,7 @@
 #include "engine/kv_cache_manager.h"
 #include "engine/model_runner.h"
 #include "engine/sampler.h"
+#include "engine/speculation/draft_model.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "engine/works/session.h"
 #include "engine/works/work.h"
@@ -72,6 +75,9 @@ struct SchedulerOptions {
   int64_t prefix_cache_pages = -1;
   PlannerOptions planner;
   SessionLimits sessions;
+  // The draft model's KV pool in pages of page_tokens (0: kv_pages). A draft step short of
+  // pages drafts less; admission does not count them.
+  int32_t draft_kv_pages = 0;
 };
 
 // What one step did (metrics, logs).
@@ -85,12 +91,18 @@ struct StepStats {
   double forward_seconds = 0;
   double attention_seconds = -1;  // of the forward, when timed (every 16th step)
   double step_seconds = 0;
+  // Speculative decoding: the draft passes, and per verified tree the entries it accepted.
+  DraftStats draft;
+  std::vector<int32_t> accepted_lengths;
+  int64_t drafted = 0;  // tree entries verified
 };
 
 class Scheduler {
  public:
-  // `runner` must hold KV slots for kv_pages * page_tokens tokens (checked by the caller).
-  Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokenizer& tokenizer);
+  // `runner` must hold KV slots for kv_pages * page_tokens tokens (checked by the caller), and
+  // `draft` (the draft model, or null) for draft_kv_pages * page_tokens.
+  Scheduler(SchedulerOptions options, ModelRunner& runner, const Tokenizer& tokenizer,
+            ModelRunner* draft = nullptr);
   ~Scheduler();
 
   // Queues a work for admission. RESOURCE_EXHAUSTED when it could never fit the KV pool or
@@ -131,6 +143,8 @@ class Scheduler {
   int32_t sessions() const { return static_cast<int32_t>(sessions_.size()); }
   const KvCacheManager& kv() const { return kv_; }
   const Forest& forest() const { return forest_; }
+  // The draft model, or null.
+  const DraftModel* draft() const { return draft_.get(); }
 
  private:
   absl::Status admissible(const Work& work) const;
@@ -158,6 +172,8 @@ class Scheduler {
   AttentionPlan plan_;
   StepContext step_;
   std::vector<float> logits_;  // when the runner offers no logits_buffer()
+  std::unique_ptr<DraftModel> draft_;
+  std::vector<Work*> draft_works_;  // the step's works for the draft passes (storage kept)
   struct Queued {
     std::unique_ptr<Work> work;
     uint64_t arrival = 0;    // submission order (kept through preemptions)

@@ -28,21 +28,40 @@ int64_t GenerateWork::max_pages(const GenerateJob& job, int32_t page_tokens) {
          int64_t{job.n} * pages_for(job.max_tokens, page_tokens);
 }
 
-int64_t GenerateWork::max_step_rows() const { return job_.n; }
+// A speculative step runs at least the branches' uncommitted tokens (up to depth + 1 each); its
+// trees take what the budget leaves.
+int64_t GenerateWork::max_step_rows() const {
+  return job_.speculative == nullptr ? job_.n : int64_t{job_.n} * (job_.speculative->depth + 1);
+}
+
+bool GenerateWork::needs_draft_model() const {
+  return job_.speculative != nullptr && job_.speculative->policy != TreePolicy::kNgram;
+}
+
+int64_t GenerateWork::tree_pages() const {
+  return job_.speculative == nullptr ? 0 : job_.speculative->tree_tokens;
+}
+
+int32_t GenerateWork::tree_depth(const Branch& branch) const {
+  if (job_.speculative == nullptr) return 0;
+  return std::min(job_.speculative->depth, job_.max_tokens - branch.stream->generated() - 1);
+}
 
 int64_t GenerateWork::pending_pages(const Forest& forest) const {
   if (finished_) return 0;
-  if (prefilled_ < 0) return max_pages(job_, page_tokens_);
+  if (prefilled_ < 0) return max_pages(job_, page_tokens_) + int64_t{job_.n} * tree_pages();
   const SequenceTree& tree = forest.tree();
   int64_t pending = 0;
   if (branches_.empty()) {
-    return prompt_pages_left(forest) + int64_t{job_.n} * pages_for(job_.max_tokens, page_tokens_);
+    return prompt_pages_left(forest) +
+           int64_t{job_.n} * (pages_for(job_.max_tokens, page_tokens_) + tree_pages());
   }
   // A branch's node holds its path from its depth on: the generated tokens, or after a
   // preemption whatever of prompt + generated tokens was not found cached.
   const auto path_tokens = static_cast<int64_t>(job_.prompt.size()) + job_.max_tokens;
   for (const Branch& branch : branches_) {
     if (!branch.live) continue;
+    pending += tree_pages();  // a step's drafted nodes, discarded after it
     if (branch.node < 0) {
       pending += pages_for(path_tokens, page_tokens_);
     } else {
@@ -57,13 +76,16 @@ int64_t GenerateWork::reserve_pages(const Forest& forest) const {
   if (finished_) return 0;
   if (branches_.empty()) {
     // The prompt's pages (whole before placement) and the first decode step's.
+    const int64_t first_step = int64_t{job_.n} * (1 + tree_pages());
     if (prefilled_ < 0)
-      return pages_for(static_cast<int64_t>(job_.prompt.size()), page_tokens_) + job_.n;
-    return prompt_pages_left(forest) + job_.n;
+      return pages_for(static_cast<int64_t>(job_.prompt.size()), page_tokens_) + first_step;
+    return prompt_pages_left(forest) + first_step;
   }
   int64_t pages = 0;
   for (const Branch& branch : branches_) {
     if (!branch.live) continue;
+    pages += tree_pages();
+    if (job_.speculative != nullptr) pages += pages_for(job_.speculative->depth + 1, page_tokens_);
     const int64_t context = static_cast<int64_t>(job_.prompt.size() + branch.fed.size());
     if (branch.node < 0) {
       pages += pages_for(context, page_tokens_) + 1;  // preempted: its whole path again
@@ -95,10 +117,17 @@ int64_t GenerateWork::step_pages(const Forest& forest, const StepContext& step) 
     }
     return pages;
   }
-  if (step.budget < live_branches_) return 0;
+  int64_t unfed = 0;
+  for (const Branch& branch : branches_) {
+    if (branch.live) unfed += static_cast<int64_t>(branch.unfed.size());
+  }
+  if (step.budget < unfed) return 0;
   int64_t pages = 0;
   for (const Branch& branch : branches_) {
-    if (branch.live) pages += growth(branch.node, 1);
+    if (!branch.live) continue;
+    pages += growth(branch.node, static_cast<int64_t>(branch.unfed.size()));
+    // At most a page per drafted entry (a node each where the tree branches).
+    if (branch.speculator != nullptr) pages += branch.speculator->tree_bound();
   }
   return pages;
 }
@@ -117,6 +146,7 @@ bool GenerateWork::refilling() const {
 }
 
 void GenerateWork::preempt(Forest& forest) {
+  if (prompt_draft_ != nullptr && draft_ != nullptr) prompt_draft_->release(*draft_);
   if (branches_.empty()) {
     if (prompt_node_ >= 0) forest.release(prompt_node_);
     prompt_node_ = -1;
@@ -124,6 +154,10 @@ void GenerateWork::preempt(Forest& forest) {
     return;
   }
   for (Branch& branch : branches_) {
+    if (branch.live && branch.speculator != nullptr) {
+      branch.speculator->drop_tree(forest, draft_);
+      if (draft_ != nullptr) branch.speculator->release(*draft_);
+    }
     if (!branch.live || branch.node < 0) continue;
     forest.release(branch.node);
     branch.node = -1;
@@ -137,6 +171,12 @@ void GenerateWork::start(Forest& forest) {
     const PromptPlacement placement = forest.place_prompt(job_.prompt);
     prompt_node_ = placement.node;
     prefilled_ = placement.shared;
+    if (drafts()) {
+      // The draft model reads the prompt while the target prefills it.
+      prompt_draft_ = std::make_unique<Speculator>(job_.speculative.get(), job_.prompt,
+                                                   /*anchor=*/false);
+      prompt_draft_->place(*draft_);
+    }
     return;
   }
   // Resuming after a preemption: each live branch is a prompt of its own.
@@ -147,7 +187,40 @@ void GenerateWork::start(Forest& forest) {
     const PromptPlacement placement = forest.place_prompt(branch.refill);
     branch.node = placement.node;
     branch.refilled = placement.shared;
+    if (branch.speculator != nullptr && drafts()) branch.speculator->place(*draft_);
   }
+}
+
+absl::Status GenerateWork::add_draft_rows(StepContext& draft, int32_t level) {
+  if (events_->backlogged()) return absl::OkStatus();  // paused: add_rows adds nothing either
+  if (branches_.empty()) {
+    if (prompt_draft_ != nullptr && level == 0) return prompt_draft_->add_draft_rows(draft, 0, 0);
+    return absl::OkStatus();
+  }
+  if (refilling()) return absl::OkStatus();
+  for (Branch& branch : branches_) {
+    if (!branch.live || branch.speculator == nullptr) continue;
+    if (absl::Status status =
+            branch.speculator->add_draft_rows(draft, level, level == 0 ? tree_depth(branch) : 0);
+        !status.ok()) {
+      return status;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GenerateWork::take_draft_rows(StepContext& draft, int32_t level) {
+  if (branches_.empty()) {
+    if (prompt_draft_ != nullptr) return prompt_draft_->take_draft_rows(draft, level);
+    return absl::OkStatus();
+  }
+  for (Branch& branch : branches_) {
+    if (!branch.live || branch.speculator == nullptr) continue;
+    if (absl::Status status = branch.speculator->take_draft_rows(draft, level); !status.ok()) {
+      return status;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GenerateWork::add_rows(StepContext& step) {
@@ -175,19 +248,32 @@ absl::Status GenerateWork::add_rows(StepContext& step) {
     }
     return absl::OkStatus();
   }
-  if (step.budget < live_branches_) return absl::OkStatus();  // wait for a roomier step
+  int64_t unfed = 0;
+  for (const Branch& branch : branches_) {
+    if (branch.live) unfed += static_cast<int64_t>(branch.unfed.size());
+  }
+  if (step.budget < unfed) return absl::OkStatus();  // wait for a roomier step
   SamplingParams params = job_.sampling;
   for (Branch& branch : branches_) {
     if (!branch.live) continue;
-    if (absl::Status status = step.add_run(branch.node, std::span(&branch.pending.token, 1));
-        !status.ok()) {
+    if (absl::Status status = step.add_run(branch.node, branch.unfed); !status.ok()) {
       return status;
     }
-    branch.fed.push_back(branch.pending.token);
+    unfed -= static_cast<int64_t>(branch.unfed.size());
+    branch.fed.insert(branch.fed.end(), branch.unfed.begin(), branch.unfed.end());
     // The sampler's step counter is the new token's position: draws replay exactly.
     const TreeNode& node = step.forest.tree().node(branch.node);
+    const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
     params.seed = branch.seed;
-    step.sample_last_row(params, static_cast<uint64_t>(node.depth_begin + node.tokens.size()));
+    step.sample_last_row(params, position);
+    if (branch.speculator != nullptr) {
+      // The tree gets the rows the other branches' uncommitted tokens leave.
+      if (absl::Status status = branch.speculator->add_tree_rows(
+              step, branch.node, params, position, step.budget - unfed, tree_depth(branch));
+          !status.ok()) {
+        return status;
+      }
+    }
   }
   in_step_ = true;
   return absl::OkStatus();
@@ -214,17 +300,51 @@ absl::Status GenerateWork::take_logits(StepContext& step) {
         step.sampler, logits, job_.sampling, static_cast<uint64_t>(job_.prompt.size()), job_.n);
     if (!first.ok()) return first.status();
     for (int32_t i = 0; i < job_.n; ++i) {
+      Branch& branch = branches_[i];
+      if (job_.speculative != nullptr) {
+        std::vector<TokenId> context = job_.prompt;
+        context.push_back((*first)[i].token);
+        branch.speculator =
+            std::make_unique<Speculator>(job_.speculative.get(), std::move(context));
+      }
       if (absl::Status status = add_token(i, (*first)[i], forest); !status.ok()) return status;
       ++step.generated;
+      // Each branch's draft context shares the prompt's draft pages.
+      if (branch.live && branch.speculator != nullptr && drafts()) {
+        branch.speculator->place(*draft_);
+      }
+    }
+    if (prompt_draft_ != nullptr) {
+      prompt_draft_->release(*draft_);
+      prompt_draft_.reset();
     }
   } else {
+    std::vector<SampledToken> committed;
     for (int32_t i = 0; i < static_cast<int32_t>(branches_.size()); ++i) {
       Branch& branch = branches_[i];
       if (!branch.live) continue;
       absl::StatusOr<SampledToken> sampled = step.next_sampled();
       if (!sampled.ok()) return sampled.status();
-      if (absl::Status status = add_token(i, *sampled, forest); !status.ok()) return status;
-      ++step.generated;
+      committed.clear();
+      if (branch.speculator != nullptr) {
+        if (absl::Status status = branch.speculator->take_tree_rows(step, *sampled, &committed);
+            !status.ok()) {
+          return status;
+        }
+        if (const int32_t accepted = branch.speculator->last_accepted(); accepted >= 0) {
+          step.accepted_lengths.push_back(accepted);
+          step.drafted += branch.speculator->last_drafted();
+        }
+      } else {
+        committed.push_back(*std::move(sampled));
+      }
+      branch.unfed.clear();
+      for (const SampledToken& token : committed) {
+        if (absl::Status status = add_token(i, token, forest); !status.ok()) return status;
+        ++step.generated;
+        if (!branch.live) break;
+      }
+      if (branch.live && branch.speculator != nullptr) branch.speculator->commit(branch.unfed);
     }
   }
   if (live_branches_ == 0) {
@@ -239,16 +359,27 @@ absl::Status GenerateWork::add_token(int32_t index, const SampledToken& sampled,
   TokenDelta delta =
       branch.stream->add(sampled, branch.stream->generated() + 1 >= job_.max_tokens);
   const bool ended = delta.finish != FinishReason::kNone;
-  events_->push({.branch = index, .delta = std::move(delta)});
+  GenerateEvent event{.branch = index, .delta = std::move(delta)};
+  if (ended && branch.speculator != nullptr) event.speculation = branch.speculator->stats();
+  events_->push(std::move(event));
   if (!ended) {
-    branch.pending = sampled;
+    branch.unfed.push_back(sampled.token);
     return absl::OkStatus();
   }
+  end_branch(branch, forest);
+  return absl::OkStatus();
+}
+
+void GenerateWork::end_branch(Branch& branch, Forest& forest) {
   branch.live = false;
   --live_branches_;
   // The branch's KV is of no further use: its pages go back now, not at the job's end.
-  forest.release(branch.node);
-  return absl::OkStatus();
+  if (branch.speculator != nullptr) {
+    branch.speculator->drop_tree(forest, draft_);
+    if (draft_ != nullptr) branch.speculator->release(*draft_);
+  }
+  if (branch.node >= 0) forest.release(branch.node);
+  branch.node = -1;
 }
 
 void GenerateWork::abort(const absl::Status& status, Forest& forest) {
@@ -257,12 +388,14 @@ void GenerateWork::abort(const absl::Status& status, Forest& forest) {
   if (branches_.empty()) {
     if (prompt_node_ >= 0) forest.release(prompt_node_);
   }
+  if (prompt_draft_ != nullptr && draft_ != nullptr) prompt_draft_->release(*draft_);
   for (size_t i = 0; i < branches_.size(); ++i) {
     Branch& branch = branches_[i];
     if (!branch.live) continue;
-    branch.live = false;
-    events_->push({.branch = static_cast<int32_t>(i), .delta = branch.stream->end(reason)});
-    if (branch.node >= 0) forest.release(branch.node);  // none while preempted
+    GenerateEvent event{.branch = static_cast<int32_t>(i), .delta = branch.stream->end(reason)};
+    if (branch.speculator != nullptr) event.speculation = branch.speculator->stats();
+    events_->push(std::move(event));
+    end_branch(branch, forest);  // none while preempted
   }
   live_branches_ = 0;
   finished_ = true;

@@ -10,6 +10,12 @@
 // to host memory: the runner has no page copy, a refill of the uncached part costs one chunked
 // prefill (cheap next to the decode steps that made it), and the prefix cache often still
 // holds most of it.
+//
+// Speculative decoding (GenerateJob::speculative): each step a branch verifies a drafted token
+// tree after its uncommitted tokens (engine/speculation/speculator.h) and commits the accepted
+// path plus the target's next token, the tokens plain decoding would give (same seed, same
+// positions). With a draft model, the prompt is fed to the draft while the target prefills it,
+// and each branch then keeps its context in the draft forest.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "engine/speculation/speculator.h"
 #include "engine/works/event_queue.h"
 #include "engine/works/work.h"
 
@@ -29,11 +36,14 @@ struct GenerateJob {
   SamplingParams sampling;      // its stop_token_ids end a branch (reason kStop)
   StreamLimits limits;          // stop strings, ignore_eos, top lists
   Requester requester;          // admission order (engine/scheduler.h)
+  // Server-side speculative decoding; null: off.
+  std::shared_ptr<const SpeculativeOptions> speculative;
 };
 
 struct GenerateEvent {
   int32_t branch = 0;
   TokenDelta delta;
+  SpeculationStats speculation;  // the branch's, on its last event (finish set)
 };
 using GenerateEvents = EventQueue<GenerateEvent>;
 
@@ -54,6 +64,10 @@ class GenerateWork final : public Work {
   bool finished() const override { return finished_; }
   bool cancelled() const override { return events_->cancelled(); }
   void abort(const absl::Status& status, Forest& forest) override;
+  bool needs_draft_model() const override;
+  void attach_draft(Forest* draft) override { draft_ = draft; }
+  absl::Status add_draft_rows(StepContext& draft, int32_t level) override;
+  absl::Status take_draft_rows(StepContext& draft, int32_t level) override;
 
   // KV pages the job may hold at its peak (admission's worst case).
   static int64_t max_pages(const GenerateJob& job, int32_t page_tokens);
@@ -61,18 +75,29 @@ class GenerateWork final : public Work {
  private:
   struct Branch {
     NodeId node = -1;
-    SampledToken pending;  // sampled, not yet run through the model
+    // Committed (streamed) tokens not yet run through the model: the last sampled token, or
+    // a speculative step's accepted tokens and the target's next one.
+    std::vector<TokenId> unfed;
     uint64_t seed = 0;
     std::unique_ptr<TokenStream> stream;
     bool live = true;
     std::vector<TokenId> fed;     // tokens after the prompt whose KV the node path holds
     std::vector<TokenId> refill;  // after a preemption: prompt + fed, to recompute
     int64_t refilled = 0;         // refill tokens with KV again
+    std::unique_ptr<Speculator> speculator;  // with GenerateJob::speculative
   };
   bool refilling() const;
   // Pages the placed prompt's own node still needs (prefill phase).
   int64_t prompt_pages_left(const Forest& forest) const;
   absl::Status add_token(int32_t index, const SampledToken& sampled, Forest& forest);
+  // Ends branch `index` after its last token: frees its KV in both forests.
+  void end_branch(Branch& branch, Forest& forest);
+  // Levels the branch's tree may have: a step commits at most the tokens the length limit
+  // leaves, the target's own one among them.
+  int32_t tree_depth(const Branch& branch) const;
+  // Pages a speculative step adds beyond the branch's uncommitted tokens: its tree's.
+  int64_t tree_pages() const;
+  bool drafts() const { return draft_ != nullptr && needs_draft_model(); }
 
   GenerateJob job_;
   std::shared_ptr<GenerateEvents> events_;
@@ -84,6 +109,8 @@ class GenerateWork final : public Work {
   std::vector<Branch> branches_;
   int32_t live_branches_ = 0;
   bool finished_ = false;
+  Forest* draft_ = nullptr;  // the draft model's forest, when the job drafts with it
+  std::unique_ptr<Speculator> prompt_draft_;  // the prompt's draft KV until the job branches
 };
 
 }  // namespace deft::engine

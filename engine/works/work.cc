@@ -98,6 +98,8 @@ void StepContext::clear() {
   budget = 0;
   prefill_budget = 0;
   generated = 0;
+  accepted_lengths.clear();
+  drafted = 0;
   queries.clear();
   tokens.clear();
   logit_rows.clear();

@@ -34,6 +34,9 @@ class StepContext {
   int64_t budget = 0;          // query rows the step can still take
   int64_t prefill_budget = 0;  // of which prompt / extension chunks (add_chunk) may take
   int64_t generated = 0;  // tokens sampled this step (metrics)
+  // Speculative decoding this step (metrics): per verified tree, the entries it accepted.
+  std::vector<int32_t> accepted_lengths;
+  int64_t drafted = 0;  // tree entries verified
 
   enum class Logits : uint8_t { kNone, kLast, kAll };
   // Appends `tokens` to leaf `node` (Forest::append: evicting cached KV for room) and adds one
@@ -146,6 +149,24 @@ class Work {
 
   // A command of a tree session (admission never holds these back: scheduler.h).
   virtual bool is_session_command() const { return false; }
+
+  // Speculative decoding with the server's draft model (engine/speculation/draft_model.h).
+  // needs_draft_model(): the work cannot run without one (the scheduler refuses it then).
+  // attach_draft() gives it the draft forest before its first start(); every step, before
+  // add_rows(), the draft passes call add_draft_rows() and then take_draft_rows() with pass
+  // l = 0, 1, ... until a pass has no rows.
+  virtual bool needs_draft_model() const { return false; }
+  virtual void attach_draft(Forest* draft) { (void)draft; }
+  virtual absl::Status add_draft_rows(StepContext& draft, int32_t level) {
+    (void)draft;
+    (void)level;
+    return absl::OkStatus();
+  }
+  virtual absl::Status take_draft_rows(StepContext& draft, int32_t level) {
+    (void)draft;
+    (void)level;
+    return absl::OkStatus();
+  }
 
   virtual bool finished() const = 0;
   // Its client cancelled or went away (polled before every step).
