@@ -333,6 +333,10 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& c
       !status.ok()) {
     return to_grpc(status);
   }
+  absl::StatusOr<std::shared_ptr<const engine::SpeculativeOptions>> speculative =
+      speculative_options(request.speculative(), model_.speculation, "speculative");
+  if (!speculative.ok()) return to_grpc(speculative.status());
+  job.speculative = std::move(*speculative);
 
   const int64_t prompt_size = static_cast<int64_t>(job.prompt.size());
   if (prompt_size + job.max_tokens > model_.max_context) {
@@ -364,6 +368,12 @@ grpc::Status DeftService::generate(grpc::ServerContext* context, const Caller& c
     first = false;
     fill_tokens(event.delta, response.mutable_delta());
     response.set_finish_reason(to_proto(event.delta.finish));
+    if (event.delta.finish != engine::FinishReason::kNone && event.speculation.steps > 0) {
+      v1::SpeculativeStats* stats = response.mutable_speculative();
+      stats->set_steps(static_cast<int32_t>(event.speculation.steps));
+      stats->set_drafted(static_cast<int32_t>(event.speculation.drafted));
+      stats->set_accepted(static_cast<int32_t>(event.speculation.accepted));
+    }
     return response;
   });
 }
@@ -886,6 +896,8 @@ grpc::Status DeftService::ModelInfo(grpc::ServerContext* context, const v1::Mode
   response->set_max_prompt_tokens(config_.max_prompt_tokens);
   response->set_max_tree_tokens(config_.max_tree_tokens);
   response->set_max_branches(config_.max_branches);
+  response->set_draft_model(model_.draft_model);
+  response->set_max_speculative_tokens(config_.max_speculative_tokens);
   return done(call, caller, grpc::Status::OK);
 }
 

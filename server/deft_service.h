@@ -17,6 +17,7 @@
 #include "server/key_limits.h"
 #include "server/request_log.h"
 #include "server/server_config.h"
+#include "server/speculative_request.h"
 #include "server/stream_watchdog.h"
 
 namespace deft::server {
@@ -35,6 +36,8 @@ struct ModelFacts {
   int32_t num_kv_heads = 0;
   std::string dtype;
   std::string backend;
+  std::string draft_model;       // name of the speculative draft model; empty: none
+  SpeculationOffer speculation;  // what speculative requests may ask for
 };
 
 class DeftService final : public deft::v1::Deft::Service {

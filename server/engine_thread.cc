@@ -23,27 +23,46 @@ absl::Status shutting_down() { return absl::UnavailableError("the server is shut
 
 absl::StatusOr<std::unique_ptr<EngineThread>> EngineThread::start(
     engine::SchedulerOptions options, std::unique_ptr<engine::ModelRunner> runner,
-    const engine::Tokenizer& tokenizer, ServerMetrics* metrics) {
+    const engine::Tokenizer& tokenizer, ServerMetrics* metrics,
+    std::unique_ptr<engine::ModelRunner> draft) {
   const int64_t slots = int64_t{options.kv_pages} * options.page_tokens;
   if (runner->info().num_kv_slots < slots) {
     return absl::InvalidArgumentError(absl::StrCat("engine: the model runner holds ",
                                                    runner->info().num_kv_slots,
                                                    " KV slots but the pool needs ", slots));
   }
+  if (draft != nullptr) {
+    const int64_t draft_slots =
+        int64_t{options.draft_kv_pages > 0 ? options.draft_kv_pages : options.kv_pages} *
+        options.page_tokens;
+    if (draft->info().num_kv_slots < draft_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("engine: the draft model runner holds ",
+                                                     draft->info().num_kv_slots,
+                                                     " KV slots but its pool needs ", draft_slots));
+    }
+    if (draft->vocab_size() != runner->vocab_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engine: the draft model's vocabulary has ", draft->vocab_size(),
+                       " tokens but the model's has ", runner->vocab_size(),
+                       ": a draft model must share the model's tokenizer"));
+    }
+  }
   std::unique_ptr<EngineThread> engine(
-      new EngineThread(options, std::move(runner), tokenizer, metrics));
+      new EngineThread(options, std::move(runner), tokenizer, metrics, std::move(draft)));
   engine->thread_ = std::thread([raw = engine.get()] { raw->run(); });
   return engine;
 }
 
 EngineThread::EngineThread(engine::SchedulerOptions options,
                            std::unique_ptr<engine::ModelRunner> runner,
-                           const engine::Tokenizer& tokenizer, ServerMetrics* metrics)
+                           const engine::Tokenizer& tokenizer, ServerMetrics* metrics,
+                           std::unique_ptr<engine::ModelRunner> draft)
     : options_(options),
       runner_(std::move(runner)),
       tokenizer_(tokenizer),
       metrics_(metrics),
-      scheduler_(std::make_unique<engine::Scheduler>(options, *runner_, tokenizer)) {}
+      draft_(std::move(draft)),
+      scheduler_(std::make_unique<engine::Scheduler>(options, *runner_, tokenizer, draft_.get())) {}
 
 EngineThread::~EngineThread() { shutdown(std::chrono::milliseconds(0)); }
 
@@ -225,15 +244,20 @@ void EngineThread::run() {
     }
     if (stats.has_value()) {
       if (metrics_ != nullptr) {
-        metrics_->record_step({.step_seconds = stats->step_seconds,
-                               .plan_seconds = stats->plan_seconds,
-                               .forward_seconds = stats->forward_seconds,
-                               .attention_seconds = stats->attention_seconds,
-                               .prompt_tokens = stats->rows - stats->generated,
-                               .generated_tokens = stats->generated,
-                               .kv_tokens_read = stats->kv_tokens_read,
-                               .rows = stats->rows,
-                               .logit_rows = stats->logit_rows});
+        metrics_->record_step(
+            {.step_seconds = stats->step_seconds,
+             .plan_seconds = stats->plan_seconds,
+             .forward_seconds = stats->forward_seconds,
+             .attention_seconds = stats->attention_seconds,
+             .prompt_tokens = std::max<int64_t>(0, stats->rows - stats->generated - stats->drafted),
+             .generated_tokens = stats->generated,
+             .kv_tokens_read = stats->kv_tokens_read,
+             .rows = stats->rows,
+             .logit_rows = stats->logit_rows,
+             .draft_seconds = stats->draft.seconds,
+             .draft_rows = stats->draft.rows,
+             .drafted_tokens = stats->drafted,
+             .accepted_lengths = stats->accepted_lengths});
       }
       spdlog::trace("engine: step {} rows, {} works, {:.2f} ms", stats->rows, stats->works,
                     stats->step_seconds * 1e3);

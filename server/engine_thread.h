@@ -43,11 +43,14 @@ struct EngineSnapshot {
 
 class EngineThread {
  public:
-  // Starts the thread. `runner` must hold KV slots for kv_pages * page_tokens tokens;
-  // `tokenizer` and `metrics` (optional) must outlive this object.
+  // Starts the thread. `runner` must hold KV slots for kv_pages * page_tokens tokens, and
+  // `draft` (the speculative draft model, optional) for draft_kv_pages * page_tokens with the
+  // runner's vocabulary (INVALID_ARGUMENT otherwise); `tokenizer` and `metrics` (optional)
+  // must outlive this object.
   static absl::StatusOr<std::unique_ptr<EngineThread>> start(
       engine::SchedulerOptions options, std::unique_ptr<engine::ModelRunner> runner,
-      const engine::Tokenizer& tokenizer, ServerMetrics* metrics);
+      const engine::Tokenizer& tokenizer, ServerMetrics* metrics,
+      std::unique_ptr<engine::ModelRunner> draft = nullptr);
   ~EngineThread();  // shutdown(0) when still running
   EngineThread(const EngineThread&) = delete;
   EngineThread& operator=(const EngineThread&) = delete;
@@ -80,7 +83,8 @@ class EngineThread {
  private:
   using Command = std::function<void(engine::Scheduler&)>;
   EngineThread(engine::SchedulerOptions options, std::unique_ptr<engine::ModelRunner> runner,
-               const engine::Tokenizer& tokenizer, ServerMetrics* metrics);
+               const engine::Tokenizer& tokenizer, ServerMetrics* metrics,
+               std::unique_ptr<engine::ModelRunner> draft);
   // Queues a command for the engine thread; false once shutdown has begun.
   bool post(Command command);
   // Posts a work for admission; `events` ends with UNAVAILABLE when shutdown has begun.
@@ -94,6 +98,7 @@ class EngineThread {
   std::unique_ptr<engine::ModelRunner> runner_;
   const engine::Tokenizer& tokenizer_;
   ServerMetrics* metrics_;
+  std::unique_ptr<engine::ModelRunner> draft_;    // the draft model, or null
   std::unique_ptr<engine::Scheduler> scheduler_;  // engine thread only
 
   std::mutex mutex_;

@@ -16,12 +16,14 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/speculation/static_tree.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "models/default_model.h"
 #include "models/dtype.h"
@@ -294,6 +296,66 @@ int main(int argc, char** argv) {
                           : backend,
       seconds_since(load_start));
 
+  // ---- The speculative draft model (optional): same backend, its own KV pool ----
+  std::unique_ptr<deft::engine::ModelRunner> draft;
+  std::string draft_name;
+  if (!config.draft_model.empty()) {
+    const std::filesystem::path draft_dir(config.draft_model);
+    const int64_t draft_slots =
+        int64_t{config.draft_kv_pages > 0 ? config.draft_kv_pages : config.kv_pages} *
+        config.page_tokens;
+    const auto draft_start = std::chrono::steady_clock::now();
+#ifdef DEFT_HAVE_CUDA
+    if (backend == "cuda") {
+      absl::StatusOr<std::unique_ptr<deft::models::LlamaCudaRunner>> cuda =
+          deft::models::LlamaCudaRunner::load(draft_dir, {.num_kv_slots = draft_slots,
+                                                          .page_tokens = config.page_tokens,
+                                                          .max_batch_rows = config.max_step_tokens,
+                                                          .device = config.device});
+      if (!cuda.ok())
+        return fail_loading(1, absl::StrCat("draft model: ", cuda.status().message()));
+      draft = std::move(*cuda);
+    }
+#endif
+    if (draft == nullptr) {
+      absl::StatusOr<std::unique_ptr<deft::models::LlamaCpuRunner>> cpu =
+          deft::models::LlamaCpuRunner::load(draft_dir, draft_slots);
+      if (!cpu.ok()) return fail_loading(1, absl::StrCat("draft model: ", cpu.status().message()));
+      draft = std::move(*cpu);
+    }
+    if (draft->vocab_size() != model_config->vocab_size) {
+      return fail_loading(1, absl::StrCat("draft model ", draft_dir.string(),
+                                          ": its vocabulary has ", draft->vocab_size(),
+                                          " tokens but the model's has ", model_config->vocab_size,
+                                          " (a draft model must share the model's tokenizer)"));
+    }
+    std::filesystem::path draft_path = draft_dir.lexically_normal();
+    if (draft_path.filename().empty()) draft_path = draft_path.parent_path();
+    draft_name = draft_path.filename().string();
+    spdlog::info("draft model: {} ({} layers, {} KV slots) on the {} backend, loaded in {:.2f} s",
+                 draft_dir.string(), draft->info().num_layers, draft_slots, backend,
+                 seconds_since(draft_start));
+  }
+  std::shared_ptr<const deft::engine::StaticTree> speculative_tree;
+  if (config.speculative_tree.empty()) {
+    speculative_tree =
+        std::make_shared<const deft::engine::StaticTree>(deft::engine::default_static_tree(63, 6));
+  } else {
+    std::ifstream file(config.speculative_tree);
+    std::stringstream text;
+    text << file.rdbuf();
+    if (!file) {
+      return fail_loading(2,
+                          absl::StrCat("speculative_tree: cannot read ", config.speculative_tree));
+    }
+    absl::StatusOr<deft::engine::StaticTree> tree = deft::engine::StaticTree::from_json(text.str());
+    if (!tree.ok()) {
+      return fail_loading(2, absl::StrCat("speculative_tree ", config.speculative_tree, ": ",
+                                          tree.status().message()));
+    }
+    speculative_tree = std::make_shared<const deft::engine::StaticTree>(*std::move(tree));
+  }
+
   deft::server::ModelFacts facts{
       .name = dir.filename().string() == "default" ? "default (embedded)" : dir.filename().string(),
       .architecture = model_config->architecture,
@@ -305,6 +367,10 @@ int main(int argc, char** argv) {
       .num_kv_heads = model_config->num_key_value_heads,
       .dtype = std::string(deft::models::dtype_name(model_config->torch_dtype)),
       .backend = backend,
+      .draft_model = draft_name,
+      .speculation = {.draft_model = draft != nullptr,
+                      .tree = speculative_tree,
+                      .max_tree_tokens = config.max_speculative_tokens},
   };
 
   deft::engine::SchedulerOptions engine_options{
@@ -322,6 +388,7 @@ int main(int argc, char** argv) {
                    .max_branches = config.max_branches,
                    .max_verify_entries = config.max_verify_entries,
                    .max_context = model_config->max_position_embeddings},
+      .draft_kv_pages = config.draft_kv_pages,
   };
   engine_options.planner.chunk_tokens = config.chunk_tokens;
   engine_options.planner.min_prefill_run = config.min_prefill_run;
@@ -331,7 +398,8 @@ int main(int argc, char** argv) {
     return fail_loading(2, std::string(status.message()));
   }
   absl::StatusOr<std::unique_ptr<deft::server::EngineThread>> engine =
-      deft::server::EngineThread::start(engine_options, std::move(runner), **tokenizer, &metrics);
+      deft::server::EngineThread::start(engine_options, std::move(runner), **tokenizer, &metrics,
+                                        std::move(draft));
   if (!engine.ok()) return fail_loading(1, std::string(engine.status().message()));
 
   // ---- Serving ----

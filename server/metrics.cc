@@ -70,6 +70,19 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   preemptions_ = &counter(r, "deft_preemptions_total",
                           "Requests preempted when a step ran short of KV (their KV is "
                           "recomputed when they are admitted again)");
+  draft_seconds_ = &counter(r, "deft_draft_seconds_total",
+                            "Time in the speculative draft model's passes (part of the steps)");
+  draft_rows_ = &counter(r, "deft_draft_rows_total", "Query rows run by the draft model");
+  drafted_tokens_ = &counter(r, "deft_speculative_drafted_tokens_total",
+                             "Drafted tokens verified by the target model");
+  accepted_tokens_ = &counter(r, "deft_speculative_accepted_tokens_total",
+                              "Drafted tokens the target model accepted");
+  accept_length_ =
+      &prometheus::BuildHistogram()
+           .Name("deft_speculative_accept_length")
+           .Help("Drafted tokens accepted per verified tree (a branch's step commits one more)")
+           .Register(r)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32});
   forward_share_ = &gauge(r, "deft_step_forward_share",
                           "Share of the last step spent in the model forward pass (attention "
                           "included)");
@@ -111,6 +124,13 @@ void ServerMetrics::record_step(const StepRecord& step) {
   step_seconds_->Increment(step.step_seconds);
   kv_tokens_read_->Increment(static_cast<double>(step.kv_tokens_read));
   step_latency_->Observe(step.step_seconds);
+  draft_seconds_->Increment(step.draft_seconds);
+  draft_rows_->Increment(static_cast<double>(step.draft_rows));
+  drafted_tokens_->Increment(static_cast<double>(step.drafted_tokens));
+  for (int32_t accepted : step.accepted_lengths) {
+    accepted_tokens_->Increment(accepted);
+    accept_length_->Observe(accepted);
+  }
   if (step.step_seconds > 0) {
     forward_share_->Set(step.forward_seconds / step.step_seconds);
     plan_share_->Set(step.plan_seconds / step.step_seconds);

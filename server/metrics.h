@@ -8,6 +8,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 
 namespace prometheus {
@@ -33,6 +34,11 @@ struct StepRecord {
   int64_t kv_tokens_read = 0;  // the plan's KV IO (per layer and KV head)
   int64_t rows = 0;            // query rows (prefill and decode)
   int64_t logit_rows = 0;      // rows whose logits or token were computed
+  // Speculative decoding: the draft model's passes, and per verified tree the entries accepted.
+  double draft_seconds = 0;
+  int64_t draft_rows = 0;
+  int64_t drafted_tokens = 0;
+  std::span<const int32_t> accepted_lengths;
 };
 
 class ServerMetrics {
@@ -88,6 +94,11 @@ class ServerMetrics {
   int64_t prefix_hit_tokens_total_ = 0;  // what the counters were last advanced to
   int64_t prefix_evicted_pages_total_ = 0;
   prometheus::Counter* preemptions_ = nullptr;
+  prometheus::Counter* draft_seconds_ = nullptr;
+  prometheus::Counter* draft_rows_ = nullptr;
+  prometheus::Counter* drafted_tokens_ = nullptr;
+  prometheus::Counter* accepted_tokens_ = nullptr;
+  prometheus::Histogram* accept_length_ = nullptr;
   int64_t preemptions_total_ = 0;
   prometheus::Gauge* forward_share_ = nullptr;
   prometheus::Gauge* attention_share_ = nullptr;

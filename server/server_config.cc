@@ -89,6 +89,16 @@ const std::vector<Field>& fields() {
       {"devices", &ServerConfig::devices,
        "CUDA devices of the tensor-parallel ranks, comma-separated (\"0,1\"); empty: "
        "0..tensor_parallel-1"},
+      {"draft_model", &ServerConfig::draft_model,
+       "draft model dir for server-side speculative decoding (a small model with the model's "
+       "tokenizer; same backend); empty: none (the ngram policy needs none)"},
+      {"speculative_tree", &ServerConfig::speculative_tree,
+       "JSON file of the static speculation tree (a list of rank paths, most useful first); "
+       "empty: the built-in default (configs/speculative_tree.json)"},
+      {"draft_kv_pages", &ServerConfig::draft_kv_pages,
+       "the draft model's KV pool in pages; 0: kv_pages"},
+      {"max_speculative_tokens", &ServerConfig::max_speculative_tokens,
+       "most drafted tokens a speculative request verifies per step (its tree_tokens)"},
       {"plan", &ServerConfig::plan,
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
       {"chunk_tokens", &ServerConfig::chunk_tokens,
@@ -371,6 +381,8 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_concurrent_per_key", config.max_concurrent_per_key, 0),
            at_least("max_queued_jobs_per_key", config.max_queued_jobs_per_key, 0),
            at_least("max_tokens_per_minute_per_key", config.max_tokens_per_minute_per_key, 0),
+           at_least("draft_kv_pages", config.draft_kv_pages, 0),
+           at_least("max_speculative_tokens", config.max_speculative_tokens, 1),
        }) {
     if (!status.ok()) return status;
   }
@@ -407,6 +419,11 @@ absl::Status validate_config(const ServerConfig& config) {
   }
   if (absl::StatusOr<std::vector<int>> devices = tensor_parallel_devices(config); !devices.ok()) {
     return devices.status();
+  }
+  if (!config.draft_model.empty() && config.tensor_parallel > 1) {
+    return absl::InvalidArgumentError(
+        "config: draft_model with tensor_parallel > 1 is not supported yet (the draft model "
+        "runs on one device)");
   }
   if (config.backend != "auto" && config.backend != "cpu" && config.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(

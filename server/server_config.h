@@ -49,6 +49,14 @@ struct ServerConfig {
   // ("0,1"; empty: 0..tensor_parallel-1). The CPU backend runs the same sharding on threads.
   int32_t tensor_parallel = 1;
   std::string devices;
+  // Server-side speculative decoding (engine/speculation/): the draft model's dir (same
+  // tokenizer as the model; empty: none, the ngram policy still works), the static tree's rank
+  // paths (a JSON file; empty: the built-in default, configs/speculative_tree.json), the draft's
+  // KV pool (0: kv_pages) and the largest tree a request may ask for.
+  std::string draft_model;
+  std::string speculative_tree;
+  int32_t draft_kv_pages = 0;
+  int32_t max_speculative_tokens = 128;
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
   int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
   int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off
