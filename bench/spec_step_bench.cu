@@ -117,6 +117,7 @@ struct ForwardRecord {
   int32_t rows = 0;
   double floor_bytes = 0, flops = 0;
   bool finite = true;
+  models::StepTimes times;  // the runner's split of the step (phases under StepTiming::kPhases)
 };
 
 // One model: a runner, its KV pool, and one tree per sequence (prompt at the root, a tail node of
@@ -214,7 +215,8 @@ class Model {
       }
     }
     rec.wall_us = us_since(t0);
-    rec.gpu_us = runner_.last_step_times().total_ms * 1e3;
+    rec.times = runner_.last_step_times();
+    rec.gpu_us = rec.times.total_ms * 1e3;
     rec.rows = rows;
     rec.floor_bytes = double(weight_read_bytes_) + double(tree_tokens) * double(kv_token_bytes_);
     // 2 FLOPs per weight element per row (the LM head on every row too), attention 4 * q_size
@@ -444,6 +446,64 @@ int main(int argc, char** argv) {
       result.add(row);
     } else {
       std::printf("  plain decode: non-finite logits or bad tokens, rows not written\n");
+    }
+
+    // Where a one-row-per-sequence step of each model spends its GPU time (events after every
+    // launch, so eager and a little slower than the rows above), and the draft's step without
+    // the top logprobs a tree needs.
+    const auto one_row_steps = [&](Model& model, models::StepTiming timing, int32_t top) {
+      std::vector<ForwardRecord> recs;
+      model.set_timing(timing);
+      for (int s = 0; s < kWarmupSteps + steps; ++s) {
+        model.hang(one_token);
+        ForwardRecord rec = model.step(one_token, -1, top, rng);
+        model.commit(1);
+        if (s >= kWarmupSteps) recs.push_back(rec);
+      }
+      model.set_timing(models::StepTiming::kTotal);
+      return recs;
+    };
+    const auto phase_split = [&](const std::vector<ForwardRecord>& recs) {
+      const auto ms = [&](auto f) { return stat(recs, f).median * 1e3; };
+      return nlohmann::json{
+          {"note", "eager, an event after every launch (StepTiming::kPhases); medians in us"},
+          {"gpu_total", ms([](const ForwardRecord& r) { return r.times.total_ms; })},
+          {"attention", ms([](const ForwardRecord& r) { return r.times.attention_ms; })},
+          {"gemm", ms([](const ForwardRecord& r) { return r.times.gemm_ms; })},
+          {"other_kernels", ms([](const ForwardRecord& r) { return r.times.other_ms; })},
+          {"gpu_sampling", ms([](const ForwardRecord& r) { return r.times.sampling_ms; })},
+          {"copies", ms([](const ForwardRecord& r) { return r.times.copy_ms; })}};
+    };
+    struct Diagnostic {
+      const char* method;
+      Model* model;
+      models::StepTiming timing;
+      int32_t top_logprobs;
+    };
+    for (const Diagnostic& d :
+         {Diagnostic{"plain_decode_phases", &target, models::StepTiming::kPhases, 0},
+          Diagnostic{"draft_step_phases", &draft, models::StepTiming::kPhases, kDraftTopLogprobs},
+          Diagnostic{"draft_step_greedy_only", &draft, models::StepTiming::kTotal, 0}}) {
+      const std::vector<ForwardRecord> recs = one_row_steps(*d.model, d.timing, d.top_logprobs);
+      if (!std::all_of(recs.begin(), recs.end(), [](const ForwardRecord& r) { return r.finite; })) {
+        std::printf("%-16s %s: non-finite logits or bad tokens, row not written\n",
+                    batch_case.c_str(), d.method);
+        continue;
+      }
+      const Samples wall = stat(recs, [](const ForwardRecord& r) { return r.wall_us; });
+      ResultRow row{.case_name = batch_case, .method = d.method};
+      row.set_times(wall);
+      row.repetitions = steps;
+      row.floor_us = stat(recs, [&](const ForwardRecord& r) {
+                       return floor_of(r, BenchResult::kHbmBytesPerS);
+                     }).median;
+      row.extra = forward_extra(recs);
+      row.extra["top_logprobs_per_row"] = d.top_logprobs;
+      if (d.timing == models::StepTiming::kPhases) row.extra["gpu_phases_us"] = phase_split(recs);
+      std::printf("%-16s %-22s %1d %10.0f %10.0f %10.0f   %s\n", batch_case.c_str(), d.method,
+                  recs.front().rows, wall.median, row.extra["gpu_us"].get<double>(), row.floor_us,
+                  d.timing == models::StepTiming::kPhases ? phase_split(recs).dump().c_str() : "");
+      result.add(row);
     }
 
     for (const TreeShape& shape : shapes) {
