@@ -14,7 +14,13 @@ A step then yields accepted + 1 tokens (the target's own token after the accepte
 continuation is walked step by step from its start; the figure is tokens per step = tokens /
 steps over all prompts of a set (the APPS records' Accept_length counts the same way).
 
-Run where torch and transformers are (the GPU machine), from the repository root:
+The prompts, made here (spm_encode from Debian's sentencepiece-tools): the first 8 tokens of
+every corpus paragraph, 8 tokens from the middle of every paragraph of 40 tokens or more, and six
+sentences written for this measurement, not from the corpus (NOT_IN_CORPUS below):
+
+    python3 tools/draft_acceptance.py --make-prompts models/default --prompts PROMPTS.json
+
+Then where torch and transformers are (the GPU machine), from the repository root:
 
     python3 tools/draft_acceptance.py --target models/default --draft models/default-draft \\
         --prompts PROMPTS.json [--tree NAME=FILE ...] [--out RESULT.json]
@@ -24,6 +30,42 @@ PROMPTS.json: {"set name": [[token ids of a prompt, without <s>], ...], ...}.
 
 import argparse
 import json
+import os
+import subprocess
+
+NOT_IN_CORPUS = [
+    "The train left the station late in the evening, and the passengers watched the city "
+    "lights fade behind them.",
+    "To bake bread you need flour, water, salt and yeast, and a warm place where the dough can "
+    "rise.",
+    "Our meeting on Tuesday will cover the budget for next year and the plans for the new "
+    "office.",
+    "A compiler turns source code into machine instructions that a processor can execute "
+    "directly.",
+    "The mountain village had one road, one school and a market that opened every Saturday.",
+    "She opened the letter slowly, read the first line twice, and then sat down by the window.",
+]
+
+
+def make_prompts(model_dir, prompts_path):
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from train_default_model import paragraphs
+
+    def encode(lines):
+        out = subprocess.run(["spm_encode", f"--model={os.path.join(model_dir, 'tokenizer.model')}",
+                              "--output_format=id"], input="\n".join(lines) + "\n",
+                             capture_output=True, text=True, check=True).stdout
+        return [[int(x) for x in line.split()] for line in out.strip().split("\n")]
+
+    paras = encode(paragraphs(os.path.join(model_dir, "corpus.txt")))
+    prompts = {"corpus_paragraph_starts": [p[:8] for p in paras if len(p) >= 8],
+               "corpus_mid_paragraph": [p[len(p) // 2:len(p) // 2 + 8] for p in paras
+                                        if len(p) >= 40],
+               "not_in_corpus": encode(NOT_IN_CORPUS)}
+    with open(prompts_path, "w") as f:
+        json.dump(prompts, f)
+    print({name: len(v) for name, v in prompts.items()}, "->", prompts_path)
 
 
 def target_ranks(target, draft, prompt_ids, new_tokens, device):
@@ -93,14 +135,21 @@ def rank_path_tree(paths):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--draft", required=True)
+    parser.add_argument("--make-prompts", metavar="MODEL_DIR",
+                        help="write --prompts from MODEL_DIR/corpus.txt and NOT_IN_CORPUS, exit")
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--tree", action="append", default=[],
                         help="NAME=FILE: a workload file's Tree_Structure (rank paths)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.make_prompts:
+        make_prompts(args.make_prompts, args.prompts)
+        return
+    if not args.target or not args.draft:
+        parser.error("--target and --draft are needed to measure")
 
     import torch
     import transformers
