@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Trains the embedded default model (models/default/) so that its output reads as language.
+"""Trains the embedded default model (models/default/) so that its output reads as language,
+and, with smaller size flags, its draft model (models/default-draft/).
 
-The architecture is the one tools/make_default_model.cc writes (LlamaForCausalLM, hidden 128,
-4 layers, 4 query heads on 2 KV heads, MLP 352, vocab 512); the data is models/default/corpus.txt
+The default architecture is the one tools/make_default_model.cc writes (LlamaForCausalLM,
+hidden 128, 4 layers, 4 query heads on 2 KV heads, MLP 352, vocab 512); --hidden, --layers,
+--heads, --kv-heads and --intermediate change it (head_dim = hidden / heads). The data is
+models/default/corpus.txt
 (a short public-domain text written for the project), tokenized with models/default/
 tokenizer.model, one paragraph per sequence as <s> paragraph </s>. A model this small on 2,000
 tokens of text learns it nearly by heart: its greedy output recites and recombines the corpus.
@@ -16,8 +19,14 @@ IDS.json: a list of token-id lists, one per paragraph, made here with
 
     python3 tools/train_default_model.py --tokenize models/default --ids IDS.json
 
-(spm_encode from Debian's sentencepiece-tools). Training is seeded; GPU kernels make the last
-bits of the weights differ between runs, so the committed weights are the record.
+(spm_encode from Debian's sentencepiece-tools). The draft model of models/default-draft/ (same
+tokenizer and data, see its README.md):
+
+    python3 tools/train_default_model.py --ids IDS.json --out models/default-draft \
+        --hidden 64 --layers 2 --heads 2 --kv-heads 1 --intermediate 176
+
+Training is seeded (--seed: weights and batches); GPU kernels make the last bits of the weights
+differ between runs, so the committed weights are the record.
 """
 
 import argparse
@@ -45,11 +54,12 @@ def tokenize(model_dir, ids_path):
     print(f"{len(ids)} paragraphs, {sum(map(len, ids))} tokens -> {ids_path}")
 
 
-def train(ids_path, out_dir, steps, seed):
+def train(ids_path, out_dir, steps, seed, size):
     import torch
     import transformers
 
     torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
     paras = json.load(open(ids_path))
     bos, eos = 1, 2
     stream = []
@@ -61,11 +71,15 @@ def train(ids_path, out_dir, steps, seed):
     rope = (dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0)) if major >= 5
             else dict(rope_theta=10000.0))
     config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=4096,
+        hidden_size=size.hidden, intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers, num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads, head_dim=size.hidden // size.heads, vocab_size=512, max_position_embeddings=4096,
         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
         bos_token_id=bos, eos_token_id=eos, **rope)
     model = transformers.LlamaForCausalLM(config).to(device)
+    print(f"{sum(p.numel() for p in model.parameters())} parameters: hidden {size.hidden}, "
+          f"{size.layers} layers, {size.heads} heads on {size.kv_heads} KV heads, "
+          f"MLP {size.intermediate}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01,
                                   betas=(0.9, 0.95))
     window, batch = 128, 32
@@ -102,11 +116,20 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=20261123)
+    # The model's size; the defaults are the embedded default model's.
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=352)
     args = parser.parse_args()
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error(f"--hidden {args.hidden} must split over --heads {args.heads}, and "
+                     f"--heads over --kv-heads {args.kv_heads}")
     if args.tokenize:
         tokenize(args.tokenize, args.ids)
     else:
-        train(args.ids, args.out, args.steps, args.seed)
+        train(args.ids, args.out, args.steps, args.seed, args)
 
 
 if __name__ == "__main__":
