@@ -215,7 +215,8 @@ void OpenAiApi::attach(const std::string& model_id, const ModelFacts& model,
                          .model_id = model_id,
                          .vocab_size = model.vocab_size,
                          .max_context = model.max_context,
-                         .chat_template = chat_template};
+                         .chat_template = chat_template,
+                         .speculation = model.speculation};
   engine_ = &engine;
   ready_.store(true, std::memory_order_release);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "engine/sampler.h"
@@ -239,6 +240,45 @@ std::optional<Refusal> stop_strings(const json& body, const OpenAiLimits& limits
   return std::nullopt;
 }
 
+// "deft": {"speculative": {"policy": "static" | "dynamic" | "ngram" | "off", "tree_tokens",
+// "depth", "top_k"}}: GenerateRequest.speculative, with the same defaults and checks.
+std::optional<Refusal> speculative(const json& deft, const OpenAiLimits& limits,
+                                   engine::GenerateJob* job) {
+  const json* spec = field(deft, "speculative");
+  if (spec == nullptr) return std::nullopt;
+  if (!spec->is_object()) return wrong_type("deft.speculative", "an object", *spec);
+  deft::v1::SpeculativeOptions options;
+  for (const auto& [key, value] : spec->items()) {
+    const std::string param = "deft.speculative." + key;
+    if (key == "policy") {
+      if (!value.is_string()) return wrong_type(param, "a string", value);
+      absl::StatusOr<deft::v1::SpeculativeOptions::Policy> policy =
+          policy_by_name(value.get<std::string>());
+      if (!policy.ok()) return Refusal{param, std::string(policy.status().message())};
+      options.set_policy(*policy);
+    } else if (key == "tree_tokens" || key == "depth" || key == "top_k") {
+      if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
+          value.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+        return wrong_type(param, "a non-negative integer", value);
+      }
+      const auto number = value.get<int32_t>();
+      if (key == "tree_tokens") options.set_tree_tokens(number);
+      if (key == "depth") options.set_depth(number);
+      if (key == "top_k") options.set_top_k(number);
+    } else {
+      return Refusal{param, absl::StrCat(param,
+                                         " is not a field (policy, tree_tokens, depth, "
+                                         "top_k)")};
+    }
+  }
+  absl::StatusOr<std::shared_ptr<const engine::SpeculativeOptions>> converted =
+      speculative_options(options, limits.speculation, "deft.speculative");
+  if (!converted.ok())
+    return Refusal{"deft.speculative", std::string(converted.status().message())};
+  job->speculative = std::move(*converted);
+  return std::nullopt;
+}
+
 std::optional<Refusal> tree_policy(const json& deft, const OpenAiLimits& limits,
                                    std::optional<engine::BranchPolicyOptions>* tree) {
   if (!deft.is_object()) return wrong_type("deft", "an object", deft);
@@ -432,6 +472,17 @@ std::optional<Refusal> parse(const json& body, bool chat, const OpenAiLimits& li
     if (auto refusal = tree_policy(*deft, limits, &request->tree)) return refusal;
     if (request->tree && (request->stream || n != 1)) {
       return Refusal{"deft.tree", "deft.tree returns one best path: it takes n 1, no stream"};
+    }
+    for (const auto& [key, value] : deft->items()) {
+      if (key != "tree" && key != "speculative") {
+        return Refusal{"deft." + key, absl::StrCat("deft.", key,
+                                                   " is not a field (tree, "
+                                                   "speculative)")};
+      }
+    }
+    if (auto refusal = speculative(*deft, limits, &job)) return refusal;
+    if (request->tree && job.speculative != nullptr) {
+      return Refusal{"deft.speculative", "deft.speculative applies to sampling, not to deft.tree"};
     }
   }
 

@@ -28,6 +28,7 @@
 #include "nlohmann/json.hpp"
 #include "server/chat_template.h"
 #include "server/server_config.h"
+#include "server/speculative_request.h"
 
 namespace deft::server {
 
@@ -39,6 +40,7 @@ struct OpenAiLimits {
   int32_t vocab_size = 0;
   int64_t max_context = 0;
   ChatTemplate chat_template = ChatTemplate::kLlama2;
+  SpeculationOffer speculation;  // "deft": {"speculative": ...}
 };
 
 struct OpenAiRequest {
