@@ -23,6 +23,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "clients/cli/cli_channel.h"
 #include "clients/cli/cli_common.h"
@@ -116,6 +117,26 @@ int generate(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
       int32_t n = 0;
       if (!absl::SimpleAtoi(args[++i], &n)) return usage_error("generate: bad value for --n");
       request.set_n(n);
+    } else if (arg == "--speculative" && i + 1 < args.size()) {
+      const std::string& policy = args[++i];
+      v1::SpeculativeOptions::Policy value = v1::SpeculativeOptions::POLICY_OFF;
+      if (policy == "static")
+        value = v1::SpeculativeOptions::POLICY_STATIC_TREE;
+      else if (policy == "dynamic")
+        value = v1::SpeculativeOptions::POLICY_DYNAMIC_TREE;
+      else if (policy == "ngram")
+        value = v1::SpeculativeOptions::POLICY_NGRAM;
+      else if (policy != "off") {
+        return usage_error("generate: --speculative takes static, dynamic, ngram or off");
+      }
+      request.mutable_speculative()->set_policy(value);
+    } else if ((arg == "--tree-tokens" || arg == "--depth") && i + 1 < args.size()) {
+      int32_t number = 0;
+      if (!absl::SimpleAtoi(args[++i], &number)) {
+        return usage_error(absl::StrCat("generate: bad value for ", arg));
+      }
+      if (arg == "--tree-tokens") request.mutable_speculative()->set_tree_tokens(number);
+      if (arg == "--depth") request.mutable_speculative()->set_depth(number);
     } else if (arg.rfind("--", 0) == 0) {
       return usage_error(absl::StrCat("generate: unknown or incomplete option ", arg));
     } else {
@@ -133,12 +154,14 @@ int generate(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
   std::map<int32_t, std::string> texts;
   std::map<int32_t, std::string> finish;
   std::map<int32_t, int32_t> tokens;
+  std::map<int32_t, v1::SpeculativeStats> speculation;
   v1::GenerateResponse response;
   while (reader->Read(&response)) {
     texts[response.branch()] += response.delta().text();
     tokens[response.branch()] += response.delta().ids_size();
     if (response.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       finish[response.branch()] = finish_name(response.finish_reason());
+      if (response.has_speculative()) speculation[response.branch()] = response.speculative();
     }
     if (request.n() == 1) {
       std::fputs(response.delta().text().c_str(), stdout);
@@ -149,8 +172,16 @@ int generate(v1::Deft::Stub& stub, const std::vector<std::string>& args) {
   if (request.n() == 1) std::fputs("\n", stdout);
   if (!status.ok()) return rpc_error("Generate", status);
   for (const auto& [branch, text] : texts) {
-    std::printf("[branch %d, %d tokens, %s] %s\n", branch, tokens[branch], finish[branch].c_str(),
-                text.c_str());
+    std::string spec;
+    if (auto it = speculation.find(branch); it != speculation.end() && it->second.steps() > 0) {
+      spec = absl::StrFormat(
+          ", speculative: %d of %d drafted tokens accepted in %d steps, %.2f "
+          "tokens a step",
+          it->second.accepted(), it->second.drafted(), it->second.steps(),
+          1.0 + static_cast<double>(it->second.accepted()) / it->second.steps());
+    }
+    std::printf("[branch %d, %d tokens, %s%s] %s\n", branch, tokens[branch], finish[branch].c_str(),
+                spec.c_str(), text.c_str());
   }
   return 0;
 }

@@ -164,6 +164,21 @@ class PythonClientTest(unittest.TestCase):
         alone = client.generate("Once upon a time", n=1, max_tokens=10)
         self.assertEqual(alone[0].ids, branches[0].ids)
 
+    def test_speculative_generate_gives_the_plain_tokens(self):
+        # Prompt lookup needs no draft model; a draft policy needs one (FAILED_PRECONDITION).
+        prompt = "Once upon a time there was a tree. Once upon a time"
+        plain = client.generate(prompt, n=2, max_tokens=24, temperature=0.7, seed=5)
+        spec = client.generate(prompt, n=2, max_tokens=24, temperature=0.7, seed=5,
+                               speculative={"policy": "ngram", "tree_tokens": 8})
+        self.assertEqual([b.ids for b in spec], [b.ids for b in plain])
+        self.assertIsNone(plain[0].speculative)
+        self.assertGreater(spec[0].speculative["steps"], 0)
+        with self.assertRaises(grpc.RpcError) as raised:
+            client.generate("Once", max_tokens=4, speculative="static")
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        with self.assertRaises(ValueError):
+            client.generate("Once", speculative="sometimes")
+
     def test_generate_matches_the_cpp_client_semantics_for_token_prompts(self):
         a = client.generate([1, 20, 21, 22], n=2, max_tokens=6, temperature=0.9, seed=7)
         b = client.generate([1, 20, 21, 22], n=2, max_tokens=6, temperature=0.9, seed=7)

@@ -18,8 +18,10 @@ from ._sync import (
     SessionError,
     TreeNode,
     TreeRun,
+    generate_request,
     run_tree_request,
     sampling_params,
+    speculative_options,
 )
 
 __version__ = "0.1.0"
@@ -41,8 +43,10 @@ __all__ = [
     "deft_pb2",
     "deft_pb2_grpc",
     "grpc",
+    "generate_request",
     "run_tree_request",
     "sampling_params",
+    "speculative_options",
 ]
 
 

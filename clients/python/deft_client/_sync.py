@@ -77,9 +77,59 @@ class Branch:
     text: str = ""
     logprobs: List[float] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
+    # A speculative branch's stats: {"steps", "drafted", "accepted"} (None without speculation).
+    speculative: Optional[Dict[str, int]] = None
 
 
 Prompt = Union[str, Sequence[int]]
+
+SPECULATIVE_POLICIES = {
+    "off": deft_pb2.SpeculativeOptions.POLICY_OFF,
+    "static": deft_pb2.SpeculativeOptions.POLICY_STATIC_TREE,
+    "dynamic": deft_pb2.SpeculativeOptions.POLICY_DYNAMIC_TREE,
+    "ngram": deft_pb2.SpeculativeOptions.POLICY_NGRAM,
+}
+
+
+def speculative_options(policy: str = "static", tree_tokens: int = 0, depth: int = 0,
+                        top_k: int = 0) -> deft_pb2.SpeculativeOptions:
+    """Server-side speculative decoding: policy "static" or "dynamic" (the server's draft model
+    drafts the tree) or "ngram" (prompt lookup); 0 sizes take the server's defaults."""
+    if policy not in SPECULATIVE_POLICIES:
+        raise ValueError(f"speculative policy {policy!r} is not one of {list(SPECULATIVE_POLICIES)}")
+    return deft_pb2.SpeculativeOptions(policy=SPECULATIVE_POLICIES[policy], tree_tokens=tree_tokens,
+                                       depth=depth, top_k=top_k)
+
+
+def generate_request(prompt: Prompt, n: int = 1,
+                     speculative: Union[None, str, Dict, deft_pb2.SpeculativeOptions] = None,
+                     **sampling) -> deft_pb2.GenerateRequest:
+    """A GenerateRequest: sampling keywords as sampling_params(); `speculative` a policy name,
+    a dict of speculative_options() keywords, or SpeculativeOptions."""
+    request = deft_pb2.GenerateRequest(prompt=_prompt(prompt), n=n,
+                                       sampling=sampling_params(**sampling))
+    if isinstance(speculative, str):
+        request.speculative.CopyFrom(speculative_options(speculative))
+    elif isinstance(speculative, dict):
+        request.speculative.CopyFrom(speculative_options(**speculative))
+    elif speculative is not None:
+        request.speculative.CopyFrom(speculative)
+    return request
+
+
+def _add_response(branches: Dict[int, Branch], response: deft_pb2.GenerateResponse) -> None:
+    """Adds one streamed GenerateResponse to its branch."""
+    branch = branches.setdefault(response.branch, Branch(index=response.branch))
+    branch.ids.extend(response.delta.ids)
+    branch.text += response.delta.text
+    branch.logprobs.extend(response.delta.logprobs)
+    reason = FINISH_REASON_NAMES.get(response.finish_reason)
+    if reason is not None:
+        branch.finish_reason = reason
+        if response.HasField("speculative"):
+            stats = response.speculative
+            branch.speculative = {"steps": stats.steps, "drafted": stats.drafted,
+                                  "accepted": stats.accepted}
 
 
 def _prompt(prompt: Prompt) -> deft_pb2.Prompt:
@@ -232,24 +282,17 @@ class DeftClient:
         return self.stub.Detokenize(request, timeout=self.timeout).text
 
     # ---- generation ----
-    def generate_stream(self, prompt: Prompt, n: int = 1, **sampling):
-        """The raw response stream (iterate it; call .cancel() on it to stop early). Sampling
-        keywords: see sampling_params()."""
-        request = deft_pb2.GenerateRequest(prompt=_prompt(prompt), n=n,
-                                           sampling=sampling_params(**sampling))
+    def generate_stream(self, prompt: Prompt, n: int = 1, speculative=None, **sampling):
+        """The raw response stream (iterate it; call .cancel() on it to stop early). Keywords:
+        generate_request()."""
+        request = generate_request(prompt, n=n, speculative=speculative, **sampling)
         return self.stub.Generate(request, timeout=self.timeout)
 
     def generate(self, prompt: Prompt, n: int = 1, **kwargs) -> List[Branch]:
         """n samples from one prompt, each assembled from its streamed deltas."""
         branches: Dict[int, Branch] = {}
         for response in self.generate_stream(prompt, n=n, **kwargs):
-            branch = branches.setdefault(response.branch, Branch(index=response.branch))
-            branch.ids.extend(response.delta.ids)
-            branch.text += response.delta.text
-            branch.logprobs.extend(response.delta.logprobs)
-            reason = FINISH_REASON_NAMES.get(response.finish_reason)
-            if reason is not None:
-                branch.finish_reason = reason
+            _add_response(branches, response)
         return [branches[index] for index in sorted(branches)]
 
 

@@ -42,8 +42,10 @@ from ._sync import (
     TreeRun,
     _decode_health_response,
     _encode_health_request,
+    _add_response,
     _pem,
     _prompt,
+    generate_request,
     run_tree_request,
     sampling_params,
 )
@@ -126,24 +128,18 @@ class AsyncDeftClient:
         return response.text
 
     # ---- generation ----
-    def generate_stream(self, prompt: Prompt, n: int = 1,
+    def generate_stream(self, prompt: Prompt, n: int = 1, speculative=None,
                         **sampling) -> AsyncIterator[deft_pb2.GenerateResponse]:
-        """The raw response stream (`async for`; .cancel() on it stops the job)."""
-        request = deft_pb2.GenerateRequest(prompt=_prompt(prompt), n=n,
-                                           sampling=sampling_params(**sampling))
+        """The raw response stream (`async for`; .cancel() on it stops the job). Keywords:
+        generate_request()."""
+        request = generate_request(prompt, n=n, speculative=speculative, **sampling)
         return self.stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
 
-    async def generate(self, prompt: Prompt, n: int = 1, **sampling) -> List[Branch]:
+    async def generate(self, prompt: Prompt, n: int = 1, **kwargs) -> List[Branch]:
         """n samples from one prompt (sharing its KV), each assembled from its deltas."""
         branches: Dict[int, Branch] = {}
-        async for response in self.generate_stream(prompt, n=n, **sampling):
-            branch = branches.setdefault(response.branch, Branch(index=response.branch))
-            branch.ids.extend(response.delta.ids)
-            branch.text += response.delta.text
-            branch.logprobs.extend(response.delta.logprobs)
-            reason = FINISH_REASON_NAMES.get(response.finish_reason)
-            if reason is not None:
-                branch.finish_reason = reason
+        async for response in self.generate_stream(prompt, n=n, **kwargs):
+            _add_response(branches, response)
         return [branches[index] for index in sorted(branches)]
 
     def run_tree_stream(self, prompt: Union[Prompt, deft_pb2.RunTreeRequest],
