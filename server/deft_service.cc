@@ -588,6 +588,16 @@ engine::SessionCommand DeftService::session_command(const v1::SessionRequest& re
         command.invalid = sampling(request.decode().sampling(), "decode.sampling", &decode.sampling,
                                    &decode.limits, &decode.max_tokens);
       }
+      if (command.invalid.ok()) {
+        absl::StatusOr<std::shared_ptr<const engine::SpeculativeOptions>> speculative =
+            speculative_options(request.decode().speculative(), model_.speculation,
+                                "decode.speculative");
+        if (speculative.ok()) {
+          decode.speculative = std::move(*speculative);
+        } else {
+          command.invalid = speculative.status();
+        }
+      }
       command.op = std::move(decode);
       break;
     }
@@ -643,6 +653,12 @@ v1::SessionResponse session_response(engine::SessionEvent& event, uint64_t sessi
       out.mutable_decoded()->set_node(event.node);
       out.mutable_decoded()->set_finish_reason(to_proto(event.delta.finish));
       fill_tokens(event.delta, out.mutable_decoded()->mutable_delta());
+      if (event.delta.finish != engine::FinishReason::kNone && event.speculation.steps > 0) {
+        v1::SpeculativeStats* stats = out.mutable_decoded()->mutable_speculative();
+        stats->set_steps(static_cast<int32_t>(event.speculation.steps));
+        stats->set_drafted(static_cast<int32_t>(event.speculation.drafted));
+        stats->set_accepted(static_cast<int32_t>(event.speculation.accepted));
+      }
       break;
     case Kind::kBranched:
       out.mutable_branched()->mutable_children()->Add(event.children.begin(),

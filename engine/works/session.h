@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "engine/forest.h"
+#include "engine/speculation/speculator.h"
 #include "engine/works/event_queue.h"
 #include "engine/works/work.h"
 
@@ -56,6 +57,7 @@ struct SessionEvent {
   NodeId node = -1;
   int64_t length = 0;              // kExtended: tokens on the path to the node's end
   TokenDelta delta;                // kDecoded
+  SpeculationStats speculation;    // kDecoded: a speculative node's, on its last event
   std::vector<NodeId> children;    // kBranched
   double logprob = 0.0;            // kScored
   std::vector<float> token_logprobs;
@@ -80,6 +82,8 @@ struct DecodeCommand {
   SamplingParams sampling;
   int32_t max_tokens = 0;
   StreamLimits limits;
+  // Server-side speculative decoding of every node (engine/speculation/speculator.h); null: off.
+  std::shared_ptr<const SpeculativeOptions> speculative;
 };
 struct BranchCommand {
   NodeId node = -1;

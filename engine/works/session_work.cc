@@ -130,52 +130,113 @@ class DecodeWork final : public SessionWork {
       if (live.done) continue;
       const TreeNode& node = forest.tree().node(live.node);
       // Tokens sampled but not yet run count as generated and still need their KV.
-      const int64_t left = command_.max_tokens - live.stream->generated() + (live.pending ? 1 : 0);
-      pending += pages_for(static_cast<int64_t>(node.tokens.size()) + left,
-                           session_->page_tokens()) -
-                 forest.node_pages(live.node);
+      const int64_t left =
+          command_.max_tokens - live.stream->generated() + static_cast<int64_t>(live.unfed.size());
+      pending +=
+          pages_for(static_cast<int64_t>(node.tokens.size()) + left, session_->page_tokens()) -
+          forest.node_pages(live.node) + tree_pages();
     }
     return std::max<int64_t>(pending, 0);
   }
-  int64_t max_step_rows() const override { return static_cast<int64_t>(nodes_.size()); }
-  // One token on every live node (add_rows below), or nothing when the budget is short.
+  int64_t max_step_rows() const override {
+    const int64_t per_node = command_.speculative == nullptr ? 1 : command_.speculative->depth + 1;
+    return static_cast<int64_t>(nodes_.size()) * per_node;
+  }
+  // Every live node's uncommitted tokens (one at first) and its tree (add_rows below), or
+  // nothing when the budget is short.
   int64_t step_pages(const Forest& forest, const StepContext& step) const override {
-    int64_t live = 0;
+    const int64_t rows = unfed_rows();
+    if (step.budget < rows) return 0;
     int64_t pages = 0;
     for (const Live& node : nodes_) {
       if (node.done) continue;
-      ++live;
-      pages += forest.append_pages(node.node, 1);
+      pages += forest.append_pages(node.node,
+                                   std::max<int64_t>(1, static_cast<int64_t>(node.unfed.size())));
+      if (node.speculator != nullptr) pages += node.speculator->tree_bound();
     }
-    return step.budget < live ? 0 : pages;
+    return pages;
+  }
+
+  bool needs_draft_model() const override {
+    return command_.speculative != nullptr && command_.speculative->policy != TreePolicy::kNgram;
+  }
+  void attach_draft(Forest* draft) override { draft_ = draft; }
+  // Each node's speculator starts from the node's whole context (its path's tokens).
+  void start(Forest& forest) override {
+    if (command_.speculative == nullptr) return;
+    for (Live& live : nodes_) {
+      std::vector<TokenId> context;
+      absl::StatusOr<std::vector<NodeId>> path = forest.tree().path(live.node);
+      if (path.ok()) {
+        for (NodeId id : *path) {
+          const NodeTokens& tokens = forest.tree().node(id).tokens;
+          context.insert(context.end(), tokens.begin(), tokens.end());
+        }
+      }
+      live.speculator =
+          std::make_unique<Speculator>(command_.speculative.get(), std::move(context));
+      // Placed between steps: a placement may split draft nodes.
+      if (draft_ != nullptr && needs_draft_model()) live.speculator->place(*draft_);
+    }
+  }
+  absl::Status add_draft_rows(StepContext& draft, int32_t level) override {
+    if (session_->events().backlogged()) return absl::OkStatus();
+    for (Live& live : nodes_) {
+      // The node's first token comes from its kept logits at add_rows: trees start after it.
+      if (live.done || live.ending || live.speculator == nullptr || live.unfed.empty()) continue;
+      if (absl::Status status =
+              live.speculator->add_draft_rows(draft, level, level == 0 ? tree_depth(live) : 0);
+          !status.ok()) {
+        return status;
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status take_draft_rows(StepContext& draft, int32_t level) override {
+    for (Live& live : nodes_) {
+      if (live.done || live.ending || live.speculator == nullptr || live.unfed.empty()) continue;
+      if (absl::Status status = live.speculator->take_draft_rows(draft, level); !status.ok()) {
+        return status;
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status add_rows(StepContext& step) override {
     in_step_ = false;
     // Paused while the client reads slowly (engine/works/event_queue.h).
     if (session_->events().backlogged()) return absl::OkStatus();
-    int64_t live = 0;
-    for (const Live& node : nodes_) live += node.done ? 0 : 1;
-    if (live == 0 || step.budget < live) return absl::OkStatus();
+    const int64_t rows = unfed_rows();
+    if (rows == 0 || step.budget < rows) return absl::OkStatus();
+    int64_t later = rows;  // rows of this node and the ones after it, kept for them
     for (Live& live_node : nodes_) {
       if (live_node.done) continue;
-      if (!live_node.pending) {  // the decode's first step: from the node's kept logits
+      if (live_node.unfed.empty()) {  // the decode's first step: from the node's kept logits
         const TreeNode& node = step.forest.tree().node(live_node.node);
         absl::StatusOr<SampledToken> sampled =
             step.sampler.sample(*session_->node_logits(live_node.node), params_of(live_node),
                                 static_cast<uint64_t>(node.depth_begin + node.tokens.size()));
         if (!sampled.ok()) return sampled.status();
         take_token(live_node, *sampled, step);
+        if (live_node.speculator != nullptr) live_node.speculator->commit(live_node.unfed);
       }
-      if (absl::Status status = step.add_run(live_node.node, std::span(&live_node.token, 1));
-          !status.ok()) {
+      later -= static_cast<int64_t>(live_node.unfed.size());
+      if (absl::Status status = step.add_run(live_node.node, live_node.unfed); !status.ok()) {
         return status;
       }
-      live_node.pending = false;
+      live_node.unfed.clear();
       if (!live_node.ending) {
         const TreeNode& node = step.forest.tree().node(live_node.node);
-        step.sample_last_row(params_of(live_node),
-                             static_cast<uint64_t>(node.depth_begin + node.tokens.size()));
+        const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
+        step.sample_last_row(params_of(live_node), position);
+        if (live_node.speculator != nullptr) {
+          if (absl::Status status = live_node.speculator->add_tree_rows(
+                  step, live_node.node, params_of(live_node), position, step.budget - later,
+                  tree_depth(live_node));
+              !status.ok()) {
+            return status;
+          }
+        }
       }
     }
     in_step_ = true;
@@ -185,16 +246,37 @@ class DecodeWork final : public SessionWork {
   absl::Status take_logits(StepContext& step) override {
     if (!in_step_) return absl::OkStatus();
     bool all_done = true;
+    std::vector<SampledToken> committed;
     for (Live& live_node : nodes_) {
       if (live_node.done) continue;
       if (live_node.ending) {
         session_->set_logits(live_node.node, copy_row(step.next_logits()));
         live_node.done = true;
+        release_speculator(live_node, step.forest);
         continue;
       }
       absl::StatusOr<SampledToken> sampled = step.next_sampled();
       if (!sampled.ok()) return sampled.status();
-      take_token(live_node, *sampled, step);
+      committed.clear();
+      if (live_node.speculator != nullptr) {
+        if (absl::Status status = live_node.speculator->take_tree_rows(step, *sampled, &committed);
+            !status.ok()) {
+          return status;
+        }
+        if (const int32_t accepted = live_node.speculator->last_accepted(); accepted >= 0) {
+          step.accepted_lengths.push_back(accepted);
+          step.drafted += live_node.speculator->last_drafted();
+        }
+      } else {
+        committed.push_back(*std::move(sampled));
+      }
+      for (const SampledToken& token : committed) {
+        take_token(live_node, token, step);
+        if (live_node.ending) break;
+      }
+      if (live_node.speculator != nullptr && !live_node.ending) {
+        live_node.speculator->commit(live_node.unfed);
+      }
       all_done = false;
     }
     if (all_done) done();
@@ -203,8 +285,8 @@ class DecodeWork final : public SessionWork {
 
  protected:
   void release_held(Forest& forest) override {
-    (void)forest;
     for (Live& live_node : nodes_) {
+      release_speculator(live_node, forest);
       // A node that never streamed a token (the decode was refused or ended before its first
       // step) is untouched: no finish of its own, its logits kept; the error answers the command.
       if (live_node.done || live_node.stream->generated() == 0) continue;
@@ -222,10 +304,12 @@ class DecodeWork final : public SessionWork {
     NodeId node = -1;
     uint64_t seed = 0;
     std::unique_ptr<TokenStream> stream;
-    TokenId token = -1;    // the newest sampled token
-    bool pending = false;  // `token` is sampled and streamed but not yet run
-    bool ending = false;   // `token` ends the node's stream: its row keeps the logits
+    // Sampled and streamed tokens not yet run (the newest sampled token, or a speculative
+    // step's accepted tokens and the target's next one); empty before the first step.
+    std::vector<TokenId> unfed;
+    bool ending = false;  // the last of `unfed` ends the node's stream: its row keeps the logits
     bool done = false;
+    std::unique_ptr<Speculator> speculator;  // with DecodeCommand::speculative
   };
 
   SamplingParams params_of(const Live& live) const {
@@ -233,24 +317,47 @@ class DecodeWork final : public SessionWork {
     params.seed = live.seed;
     return params;
   }
+  int64_t tree_pages() const {
+    return command_.speculative == nullptr ? 0 : command_.speculative->tree_tokens;
+  }
+  int32_t tree_depth(const Live& live) const {
+    if (command_.speculative == nullptr) return 0;
+    return std::min(command_.speculative->depth,
+                    command_.max_tokens - live.stream->generated() - 1);
+  }
+  // Rows the live nodes' uncommitted tokens take (one for a node's first token).
+  int64_t unfed_rows() const {
+    int64_t rows = 0;
+    for (const Live& node : nodes_) {
+      if (!node.done) rows += std::max<int64_t>(1, static_cast<int64_t>(node.unfed.size()));
+    }
+    return rows;
+  }
+  void release_speculator(Live& live, Forest& forest) {
+    if (live.speculator == nullptr) return;
+    live.speculator->drop_tree(forest, draft_);
+    if (draft_ != nullptr) live.speculator->release(*draft_);
+  }
 
   // Streams a sampled token; it runs in the node's next step.
   void take_token(Live& live, const SampledToken& sampled, StepContext& step) {
     TokenDelta delta =
         live.stream->add(sampled, live.stream->generated() + 1 >= command_.max_tokens);
-    live.token = sampled.token;
-    live.pending = true;
+    live.unfed.push_back(sampled.token);
     live.ending = delta.finish != FinishReason::kNone;
     ++step.generated;
-    session_->events().push({.request_id = request_id_,
-                             .kind = SessionEvent::Kind::kDecoded,
-                             .node = live.node,
-                             .delta = std::move(delta)});
+    SessionEvent event{.request_id = request_id_,
+                       .kind = SessionEvent::Kind::kDecoded,
+                       .node = live.node,
+                       .delta = std::move(delta)};
+    if (live.ending && live.speculator != nullptr) event.speculation = live.speculator->stats();
+    session_->events().push(std::move(event));
   }
 
   DecodeCommand command_;
   std::vector<Live> nodes_;
   bool in_step_ = false;
+  Forest* draft_ = nullptr;
 };
 
 // score: the continuation runs under a temporary child of the node (its KV freed at the end);

@@ -17,6 +17,7 @@
 
 #include "engine/scheduler.h"
 #include "engine/works/generate_work.h"
+#include "engine/works/session.h"
 #include "models/llama_cpu.h"
 #include "tests/models/tiny_llama.h"
 
@@ -348,6 +349,89 @@ TEST_F(SpeculativeTest, ADraftPolicyWithoutADraftModelIsRefused) {
       scheduler->submit(std::make_unique<GenerateWork>(std::move(job), events, *tokenizer_, 8));
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
   EXPECT_TRUE(events->finished());
+}
+
+// A tree session's decodes with and without speculation: create, branch 3 ways, decode the
+// children twice (the second decode starts from the logits the first one kept), close.
+// Returns every decoded node's tokens in order.
+std::vector<std::vector<TokenId>> session_decodes(SpeculativeTest& test, Scheduler& scheduler,
+                                                  const std::vector<TokenId>& prompt,
+                                                  std::shared_ptr<const SpeculativeOptions> spec,
+                                                  uint64_t session) {
+  auto events = std::make_shared<SessionEvents>();
+  EXPECT_TRUE(scheduler.open_session(session, events).ok());
+  std::vector<SessionEvent> seen;
+  const auto run = [&](SessionCommand command, size_t answers) {
+    const size_t before = seen.size();
+    scheduler.session_command(session, std::move(command));
+    for (int i = 0; i < 5000; ++i) {
+      scheduler.prepare();
+      (void)scheduler.step();
+      std::vector<SessionEvent> batch;
+      events->next(batch, std::chrono::milliseconds(0));
+      seen.insert(seen.end(), batch.begin(), batch.end());
+      size_t finished = 0;
+      for (size_t k = before; k < seen.size(); ++k) {
+        const bool last = seen[k].kind != SessionEvent::Kind::kDecoded ||
+                          seen[k].delta.finish != FinishReason::kNone;
+        finished += last ? 1 : 0;
+      }
+      if (finished >= answers) break;
+    }
+    return std::vector<SessionEvent>(seen.begin() + static_cast<std::ptrdiff_t>(before),
+                                     seen.end());
+  };
+  (void)test;
+  const std::vector<SessionEvent> created =
+      run({.request_id = 1, .op = CreateCommand{.prompt = prompt}}, 1);
+  EXPECT_EQ(created.back().kind, SessionEvent::Kind::kCreated) << created.back().error;
+  const std::vector<SessionEvent> branched =
+      run({.request_id = 2, .op = BranchCommand{.node = created.back().node, .k = 3}}, 1);
+  const std::vector<NodeId> children = branched.back().children;
+  EXPECT_EQ(children.size(), 3u);
+  std::vector<std::vector<TokenId>> out;
+  for (uint64_t round = 0; round < 2; ++round) {
+    DecodeCommand decode{.nodes = children,
+                         .sampling = {.temperature = 0.8f, .seed = 9 + round},
+                         .max_tokens = 20 + static_cast<int32_t>(round) * 7,
+                         .speculative = spec};
+    const std::vector<SessionEvent> decoded =
+        run({.request_id = 3 + round, .op = std::move(decode)}, children.size());
+    for (NodeId child : children) {
+      std::vector<TokenId>& ids = out.emplace_back();
+      for (const SessionEvent& event : decoded) {
+        EXPECT_EQ(event.kind, SessionEvent::Kind::kDecoded) << event.error;
+        if (event.node == child)
+          ids.insert(ids.end(), event.delta.ids.begin(), event.delta.ids.end());
+      }
+    }
+  }
+  run({.request_id = 9, .op = CloseCommand{}}, 1);
+  return out;
+}
+
+TEST_F(SpeculativeTest, SpeculativeSessionDecodesGiveThePlainTokens) {
+  const std::vector<TokenId> prompt = encode("Once upon a time there was a");
+  std::vector<std::vector<TokenId>> plain;
+  {
+    std::unique_ptr<Scheduler> scheduler = make_scheduler(nullptr);
+    plain = session_decodes(*this, *scheduler, prompt, nullptr, 1);
+  }
+  ASSERT_EQ(plain.size(), 6u);
+  struct Policy {
+    SpeculativeOptions options;
+    ModelRunner* draft;
+  };
+  for (const Policy& policy : {Policy{spec(TreePolicy::kStatic), self_draft_},
+                               Policy{spec(TreePolicy::kDynamic), random_draft_},
+                               Policy{spec(TreePolicy::kNgram), nullptr}}) {
+    SCOPED_TRACE(static_cast<int>(policy.options.policy));
+    std::unique_ptr<Scheduler> scheduler = make_scheduler(policy.draft);
+    EXPECT_EQ(session_decodes(*this, *scheduler, prompt,
+                              std::make_shared<const SpeculativeOptions>(policy.options), 2),
+              plain);
+    expect_no_referenced_kv(*scheduler);
+  }
 }
 
 // The χ² test: tokens 1-3 of sampled speculative decoding across thousands of seeds (token 3 is
