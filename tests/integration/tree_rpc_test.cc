@@ -1579,8 +1579,24 @@ TEST_F(TreeRpcTest, DeftCliTreeSessionAndVerify) {
   EXPECT_EQ(usage.exit_code, 2) << usage.output;
   const ProgramResult help = run_program({DEFT_CLI_BINARY, "--help"});
   EXPECT_EQ(help.exit_code, 0);
-  for (const char* option : {"tree ", "session ", "verify ", "--branch-factor", "--every-tokens",
-                             "--delimiter", "--step-end-token", "--keep-best", "--draft-probs"}) {
+  // verify with a draft distribution per node (improbable drafts: accepted at T = 1).
+  std::vector<std::string> sampled_args = {DEFT_CLI_BINARY, "--server",     address,
+                                           "verify",        "--prompt-ids", prompt_ids};
+  for (const char* arg :
+       {"--tokens", "5,6", "--parents", "-1,0", "--draft-dist", "-1:5=1e-30,9=0.9", "--draft-dist",
+        "0:6=1e-30,9=0.9", "--draft-sampling", "without", "--temperature", "1", "--seed", "4"}) {
+    sampled_args.push_back(arg);
+  }
+  const ProgramResult sampled = run_program(sampled_args);
+  EXPECT_EQ(sampled.exit_code, 0) << sampled.output;
+  EXPECT_NE(sampled.output.find("accepted 5 6 (entries 0 1)"), std::string::npos) << sampled.output;
+  const ProgramResult bad_dist =
+      run_program({DEFT_CLI_BINARY, "--server", address, "verify", "--tokens", "5", "--parents",
+                   "-1", "--draft-dist", "-1:5", "Once"});
+  EXPECT_EQ(bad_dist.exit_code, 2) << bad_dist.output;
+  for (const char* option :
+       {"tree ", "session ", "verify ", "--branch-factor", "--every-tokens", "--delimiter",
+        "--step-end-token", "--keep-best", "--draft-probs", "--draft-dist", "--draft-sampling"}) {
     EXPECT_NE(help.output.find(option), std::string::npos) << option;
   }
 }
