@@ -6,6 +6,7 @@ import grpc
 from deft.v1 import deft_pb2, deft_pb2_grpc
 
 from ._sync import (
+    DRAFT_SAMPLINGS,
     FINISH_REASON_NAMES,
     SCORE_KINDS,
     Branch,
@@ -20,6 +21,7 @@ from ._sync import (
     TreeRun,
     run_tree_request,
     sampling_params,
+    verify_fields,
 )
 
 __version__ = "0.1.0"
@@ -27,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncDeftClient",
     "Branch",
+    "DRAFT_SAMPLINGS",
     "DeftClient",
     "FINISH_REASON_NAMES",
     "NodeText",
@@ -43,6 +46,7 @@ __all__ = [
     "grpc",
     "run_tree_request",
     "sampling_params",
+    "verify_fields",
 ]
 
 
