@@ -542,13 +542,45 @@ absl::Status DeftService::verify_command(const Request& request, const std::stri
   command->tokens.assign(request.tokens().begin(), request.tokens().end());
   command->parents.assign(request.parents().begin(), request.parents().end());
   command->draft_probs.assign(request.draft_probs().begin(), request.draft_probs().end());
-  const engine::DraftTree tree{
-      .tokens = command->tokens, .parents = command->parents, .draft_probs = command->draft_probs};
-  if (absl::Status status =
-          engine::validate_draft_tree(tree, model_.vocab_size, config_.max_verify_entries);
-      !status.ok()) {
+  const auto with_prefix = [&](const absl::Status& status) {
     if (prefix.empty()) return status;
     return absl::Status(status.code(), absl::StrCat("verify: ", status.message()));
+  };
+  switch (request.draft_sampling()) {
+    case v1::DRAFT_SAMPLING_UNSPECIFIED:
+      command->draft_sampling = engine::DraftSampling::kUnspecified;
+      break;
+    case v1::DRAFT_SAMPLING_WITH_REPLACEMENT:
+      command->draft_sampling = engine::DraftSampling::kWithReplacement;
+      break;
+    case v1::DRAFT_SAMPLING_WITHOUT_REPLACEMENT:
+      command->draft_sampling = engine::DraftSampling::kWithoutReplacement;
+      break;
+    default:
+      return with_prefix(absl::InvalidArgumentError(
+          absl::StrCat("draft tree: draft_sampling = ", request.draft_sampling(),
+                       " is not a DraftSampling (DRAFT_SAMPLING_WITH_REPLACEMENT or "
+                       "DRAFT_SAMPLING_WITHOUT_REPLACEMENT)")));
+  }
+  // The copy is no larger than the parsed message, which gRPC bounds by max_request_bytes (it
+  // counts max_verify_distribution_tokens pairs); validation then refuses more pairs than that.
+  command->draft_distributions.reserve(static_cast<size_t>(request.draft_distributions_size()));
+  for (const v1::DraftDistribution& distribution : request.draft_distributions()) {
+    command->draft_distributions.push_back(
+        {.entry = distribution.entry(),
+         .tokens = {distribution.tokens().begin(), distribution.tokens().end()},
+         .probs = {distribution.probs().begin(), distribution.probs().end()}});
+  }
+  const engine::DraftTree tree{.tokens = command->tokens,
+                               .parents = command->parents,
+                               .draft_probs = command->draft_probs,
+                               .distributions = command->draft_distributions,
+                               .draft_sampling = command->draft_sampling};
+  if (absl::Status status =
+          engine::validate_draft_tree(tree, model_.vocab_size, config_.max_verify_entries,
+                                      config_.max_verify_distribution_tokens);
+      !status.ok()) {
+    return with_prefix(status);
   }
   int32_t unused_max_tokens = 0;
   engine::StreamLimits unused_limits;

@@ -75,6 +75,8 @@ const std::vector<Field>& fields() {
        "most nodes one TreeSession holds (each keeps its next-token logits)"},
       {"max_verify_entries", &ServerConfig::max_verify_entries,
        "most drafted tokens in one Verify"},
+      {"max_verify_distribution_tokens", &ServerConfig::max_verify_distribution_tokens,
+       "most (token, prob) pairs in one Verify's draft_distributions, all nodes together"},
       {"first_node_id", &ServerConfig::first_node_id,
        "node ids (TreeSession, Verify) start here, up to 2^62; a high start (e.g. 4294967296) "
        "checks that clients handle 64-bit ids"},
@@ -320,8 +322,8 @@ absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& a
 }
 
 int64_t max_request_bytes(const ServerConfig& config) {
-  const int64_t tokens =
-      int64_t{config.max_tree_tokens} + config.max_prompt_tokens + config.max_verify_entries;
+  const int64_t tokens = int64_t{config.max_tree_tokens} + config.max_prompt_tokens +
+                         config.max_verify_entries + config.max_verify_distribution_tokens;
   return int64_t{config.max_text_bytes} + 16 * tokens + (int64_t{1} << 20);
 }
 
@@ -376,6 +378,7 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_sessions", config.max_sessions, 0),
            at_least("max_session_nodes", config.max_session_nodes, 1),
            at_least("max_verify_entries", config.max_verify_entries, 1),
+           at_least("max_verify_distribution_tokens", config.max_verify_distribution_tokens, 0),
            at_least("first_node_id", config.first_node_id, 1),
            at_least("http_threads", config.http_threads, 1),
            at_least("max_concurrent_per_key", config.max_concurrent_per_key, 0),

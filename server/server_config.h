@@ -42,6 +42,9 @@ struct ServerConfig {
   int32_t max_sessions = 64;           // open TreeSessions
   int32_t max_session_nodes = 1024;    // nodes one session holds (each keeps a logits row)
   int32_t max_verify_entries = 256;    // drafted tokens of one Verify
+  // (token, prob) pairs of one Verify's draft distributions, all nodes together: 64 nodes of a
+  // top-256 draft; 128 KiB of engine memory per queued Verify.
+  int32_t max_verify_distribution_tokens = 16384;
   int64_t first_node_id = 1;           // node ids start here (<= 2^62; high: test 64-bit clients)
   std::string backend = "auto";        // auto (CUDA when built with it and a GPU is seen) | cpu | cuda
   int32_t device = 0;                  // CUDA device of the cuda backend
@@ -99,7 +102,8 @@ absl::Status validate_config(const ServerConfig& config);
 
 // The largest request message the gRPC port accepts (ServerBuilder::SetMaxReceiveMessageSize):
 // max_text_bytes, 16 bytes per token the limits allow (a token id, a verify parent and a draft
-// probability take at most 14 on the wire) and 1 MiB for everything else. gRPC refuses a larger
+// probability take at most 14 on the wire; a draft distribution's token and prob at most 9) and
+// 1 MiB for everything else. gRPC refuses a larger
 // message with RESOURCE_EXHAUSTED before parsing it, so one request's memory is bounded by the
 // limits rather than by gRPC's 4 MiB default.
 int64_t max_request_bytes(const ServerConfig& config);

@@ -1,12 +1,40 @@
 #include "clients/cli/cli_verify.h"
 
 #include <cstdio>
+#include <optional>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "clients/cli/cli_session.h"
 
 namespace deft::cli {
+namespace {
+
+// --draft-dist ENTRY:TOKEN=PROB,TOKEN=PROB,... (ENTRY -1: the anchor node).
+std::optional<v1::DraftDistribution> parse_draft_distribution(const std::string& text) {
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) return std::nullopt;
+  v1::DraftDistribution distribution;
+  int32_t entry = 0;
+  if (!absl::SimpleAtoi(text.substr(0, colon), &entry)) return std::nullopt;
+  distribution.set_entry(entry);
+  for (absl::string_view pair : absl::StrSplit(text.substr(colon + 1), ',')) {
+    const std::vector<absl::string_view> parts = absl::StrSplit(pair, '=');
+    int32_t token = 0;
+    float prob = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &token) ||
+        !absl::SimpleAtof(parts[1], &prob)) {
+      return std::nullopt;
+    }
+    distribution.add_tokens(token);
+    distribution.add_probs(prob);
+  }
+  return distribution;
+}
+
+}  // namespace
 
 std::string parse_verify_args(const std::vector<std::string>& args, size_t start,
                               v1::VerifyCommand* request, PromptArgs* positional) {
@@ -33,6 +61,24 @@ std::string parse_verify_args(const std::vector<std::string>& args, size_t start
       const std::optional<std::vector<float>> probs = parse_floats(args[++i]);
       if (!probs) return absl::StrCat("bad value for --draft-probs: '", args[i], "'");
       request->mutable_draft_probs()->Add(probs->begin(), probs->end());
+    } else if (arg == "--draft-dist") {
+      if (i + 1 >= args.size()) return "--draft-dist needs a value";
+      std::optional<v1::DraftDistribution> distribution = parse_draft_distribution(args[++i]);
+      if (!distribution) {
+        return absl::StrCat("bad value for --draft-dist: '", args[i],
+                            "' (want ENTRY:TOKEN=PROB,TOKEN=PROB,...)");
+      }
+      *request->add_draft_distributions() = std::move(*distribution);
+    } else if (arg == "--draft-sampling") {
+      if (i + 1 >= args.size()) return "--draft-sampling needs a value";
+      const std::string& value = args[++i];
+      if (value == "with") {
+        request->set_draft_sampling(v1::DRAFT_SAMPLING_WITH_REPLACEMENT);
+      } else if (value == "without") {
+        request->set_draft_sampling(v1::DRAFT_SAMPLING_WITHOUT_REPLACEMENT);
+      } else {
+        return absl::StrCat("bad value for --draft-sampling: '", value, "' (with or without)");
+      }
     } else if (positional != nullptr && arg.rfind("--", 0) != 0) {
       positional->text.push_back(arg);
     } else {

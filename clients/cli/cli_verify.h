@@ -10,7 +10,8 @@
 
 namespace deft::cli {
 
-// Parses --tokens, --parents, --draft-probs and SAMPLING from args[start...] into `command`;
+// Parses --tokens, --parents, --draft-probs, --draft-dist, --draft-sampling and SAMPLING from
+// args[start...] into `command`;
 // other arguments go to `positional` (an error when it is null). Empty string, or the error.
 std::string parse_verify_args(const std::vector<std::string>& args, size_t start,
                               deft::v1::VerifyCommand* command, PromptArgs* positional);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/draft_acceptance.h"
 #include "engine/forest.h"
 #include "engine/speculation/speculator.h"
 #include "engine/works/event_queue.h"
@@ -105,6 +106,8 @@ struct VerifyCommand {
   std::vector<TokenId> tokens;
   std::vector<int32_t> parents;
   std::vector<float> draft_probs;
+  std::vector<DraftDistribution> draft_distributions;
+  DraftSampling draft_sampling = DraftSampling::kUnspecified;
   SamplingParams sampling;
   std::shared_ptr<VerifyReply> reply;
 };

@@ -82,7 +82,9 @@ class VerifyWork final : public SessionWork {
         static_cast<uint64_t>(anchor_node.depth_begin + anchor_node.tokens.size());
     const DraftTree tree{.tokens = command_.tokens,
                          .parents = command_.parents,
-                         .draft_probs = command_.draft_probs};
+                         .draft_probs = command_.draft_probs,
+                         .distributions = command_.draft_distributions,
+                         .draft_sampling = command_.draft_sampling};
     absl::StatusOr<Acceptance> acceptance =
         accept_draft_tree(tree, logits, step.vocab_size, command_.sampling, first_position);
     if (!acceptance.ok()) return acceptance.status();

@@ -418,6 +418,27 @@ class TreeClientTest(unittest.TestCase):
                     for raised in (in_stream, unary):
                         self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
                         self.assertIn(mention, raised.exception.details())
+            # Draft distributions: each child improbable under its q is accepted at T = 1.
+            for draft_sampling in ("with_replacement", "without_replacement"):
+                with self.subTest(draft_sampling=draft_sampling):
+                    distributions = {-1: {9: 0.9, 5: 1e-30}, 0: {6: 1e-30, 9: 0.9}}
+                    sampled = dict(draft_distributions=distributions,
+                                   draft_sampling=draft_sampling, temperature=1.0, seed=3)
+                    leaf = session.branch(root, 1)[0]
+                    in_stream = session.verify(leaf, [5, 6], [-1, 0], **sampled)
+                    self.assertEqual(list(in_stream.accepted), [5, 6])
+                    leaf = session.branch(root, 1)[0]
+                    unary = client.verify(session, leaf, [5, 6], [-1, 0], **sampled)
+                    self.assertEqual(list(unary.accepted), [5, 6])
+                    self.assertEqual(unary.bonus_token, in_stream.bonus_token)
+            bad = dict(draft_distributions={-1: {5: 0.5}}, draft_sampling="without_replacement",
+                       temperature=1.0)
+            with self.assertRaises(SessionError) as in_stream:
+                session.verify(root, [5, 6], [-1, -1], **bad)
+            self.assertEqual(in_stream.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("token 6 is not in draft_distributions[0]", in_stream.exception.details())
+            with self.assertRaises(ValueError):
+                session.verify(root, [5], [-1], draft_sampling="sometimes")
             # The session stays usable after refused verifies.
             self.assertEqual(list(session.verify(root, [g[0]], [-1]).accepted), g[:1])
             session_id = session.session_id

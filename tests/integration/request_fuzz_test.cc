@@ -234,6 +234,22 @@ void session(v1::Deft::Stub& stub, Fuzzer& f, std::vector<int>& codes) {
       for (int i = 0; i < entries + (f.coin(4) ? 1 : 0); ++i) {
         request.add_draft_probs(f.pick<float>({0.5f, 1.0f, 0.0f, -1.0f, 2.0f, NAN}));
       }
+    } else if (f.coin(2) && entries > 0) {
+      // Draft distributions: mostly each parent's children listed, sometimes anything.
+      request.set_draft_sampling(f.pick<v1::DraftSampling>(
+          {v1::DRAFT_SAMPLING_WITH_REPLACEMENT, v1::DRAFT_SAMPLING_WITHOUT_REPLACEMENT,
+           v1::DRAFT_SAMPLING_UNSPECIFIED, static_cast<v1::DraftSampling>(9)}));
+      for (int32_t node = -1; node < entries; ++node) {
+        if (!f.coin(2)) continue;
+        v1::DraftDistribution* distribution = request.add_draft_distributions();
+        distribution->set_entry(f.coin(10) ? f.pick<int32_t>({-2, entries, node}) : node);
+        for (int i = 0; i < entries; ++i) {
+          if (request.parents(i) != node || f.coin(10)) continue;
+          distribution->add_tokens(request.tokens(i));
+          distribution->add_probs(f.pick<float>({0.1f, 0.02f, 1e-30f, 0.0f, 1.5f, NAN}));
+        }
+        if (f.coin(5)) distribution->add_tokens(static_cast<int32_t>(f.rng()() % (kVocab + 2)));
+      }
     }
     v1::SamplingParams sampling = f.sampling();
     if (sampling.max_tokens() > 8) sampling.set_max_tokens(8);

@@ -1161,6 +1161,93 @@ TEST_F(TreeRpcTest, VerifyUnderAnEmptyChildAndAnExtendedChild) {
   EXPECT_TRUE(session.finish().ok());
 }
 
+// A draft distribution per node (sampled drafts): each drafted token listed with a tiny
+// probability beside a likely one, so the target (T = 1, p far above 1e-30) accepts every child:
+// the accepted path is known whatever the seed. The unary Verify and the session's verify
+// command answer alike; a bad distribution fails alone and the session stays usable.
+void add_distribution(google::protobuf::RepeatedPtrField<v1::DraftDistribution>* field,
+                      int32_t entry, const std::vector<std::pair<int32_t, float>>& pairs) {
+  v1::DraftDistribution* distribution = field->Add();
+  distribution->set_entry(entry);
+  for (const auto& [token, prob] : pairs) {
+    distribution->add_tokens(token);
+    distribution->add_probs(prob);
+  }
+}
+
+template <typename Request>
+void set_sampled_draft(Request* request, v1::DraftSampling draft_sampling) {
+  // Entries 0:(5) 1:(6) under 0, 2:(7) under 1; every drafted child improbable under its q.
+  request->mutable_tokens()->Clear();
+  request->mutable_parents()->Clear();
+  for (const int32_t token : {5, 6, 7}) request->add_tokens(token);
+  for (const int32_t parent : {-1, 0, 1}) request->add_parents(parent);
+  request->mutable_draft_distributions()->Clear();
+  add_distribution(request->mutable_draft_distributions(), -1, {{9, 0.9f}, {5, 1e-30f}});
+  add_distribution(request->mutable_draft_distributions(), 0, {{6, 1e-30f}, {9, 0.5f}});
+  add_distribution(request->mutable_draft_distributions(), 1, {{7, 1e-30f}, {11, 0.5f}});
+  request->set_draft_sampling(draft_sampling);
+  request->mutable_sampling()->set_temperature(1.0f);
+  request->mutable_sampling()->set_seed(77);
+}
+
+TEST_F(TreeRpcTest, VerifyWithDraftDistributions) {
+  const std::vector<int32_t> prompt = story_prompt(*stub_);
+  const auto ids = [](const auto& field) {
+    return std::vector<int32_t>(field.begin(), field.end());
+  };
+  for (const v1::DraftSampling draft_sampling :
+       {v1::DRAFT_SAMPLING_WITH_REPLACEMENT, v1::DRAFT_SAMPLING_WITHOUT_REPLACEMENT}) {
+    SCOPED_TRACE(v1::DraftSampling_Name(draft_sampling));
+    TestSession by_rpc(*stub_);
+    const int64_t rpc_root = by_rpc.create(prompt).created_node();
+    v1::VerifyRequest request = verify_request(by_rpc.session_id(), rpc_root, {}, {});
+    set_sampled_draft(&request, draft_sampling);
+    v1::VerifyResponse unary;
+    const grpc::Status status = verify(*stub_, request, &unary);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(ids(unary.accepted()), (std::vector<int32_t>{5, 6, 7}));
+    EXPECT_EQ(ids(unary.accepted_entries()), (std::vector<int32_t>{0, 1, 2}));
+    EXPECT_GE(unary.bonus_token(), 0);
+    EXPECT_LT(unary.bonus_token(), kVocab);
+
+    // The same tree at the same positions with the same seed in a session's stream.
+    TestSession session(*stub_);
+    const int64_t root = session.create(prompt).created_node();
+    v1::SessionRequest command;
+    command.mutable_verify()->set_node(root);
+    set_sampled_draft(command.mutable_verify(), draft_sampling);
+    const std::vector<v1::SessionResponse> answers = session.call(command);
+    ASSERT_FALSE(answers.empty());
+    ASSERT_TRUE(answers.back().has_verified()) << answers.back().DebugString();
+    const v1::VerifyResponse& streamed = answers.back().verified();
+    EXPECT_EQ(ids(streamed.accepted()), ids(unary.accepted()));
+    EXPECT_EQ(streamed.bonus_token(), unary.bonus_token());
+
+    // A bad distribution (a drafted child its parent's distribution lacks) fails alone.
+    v1::SessionRequest bad = command;
+    bad.mutable_verify()->set_node(streamed.node());
+    bad.mutable_verify()->mutable_draft_distributions(1)->set_tokens(0, 8);
+    const std::vector<v1::SessionResponse> refused = session.call(bad);
+    ASSERT_FALSE(refused.empty());
+    EXPECT_EQ(error_code(refused.back()), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    EXPECT_NE(refused.back().error().message().find(
+                  "verify: draft tree: entry 1: token 6 is not in draft_distributions[1]"),
+              std::string::npos)
+        << refused.back().DebugString();
+    // The session goes on from the committed leaf.
+    command.mutable_verify()->set_node(streamed.node());
+    const std::vector<v1::SessionResponse> again = session.call(command);
+    ASSERT_FALSE(again.empty());
+    ASSERT_TRUE(again.back().has_verified()) << again.back().DebugString();
+    EXPECT_EQ(ids(again.back().verified().accepted()), (std::vector<int32_t>{5, 6, 7}));
+    EXPECT_TRUE(session.close().closed());
+    EXPECT_TRUE(session.finish().ok());
+    EXPECT_TRUE(by_rpc.close().closed());
+    EXPECT_TRUE(by_rpc.finish().ok());
+  }
+}
+
 TEST_F(TreeRpcTest, VerifyBadInputs) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   TestSession session(*stub_);
@@ -1241,6 +1328,64 @@ TEST_F(TreeRpcTest, VerifyBadInputs) {
     r.mutable_sampling()->set_temperature(-2);
     cases.push_back(
         {"negative temperature", r, grpc::StatusCode::INVALID_ARGUMENT, {"temperature"}});
+  }
+  // Draft distributions: each refusal names draft_distributions[i] or the entry.
+  const auto with_distribution = [&](const std::vector<std::pair<int32_t, float>>& pairs,
+                                     int32_t entry = -1) {
+    v1::VerifyRequest r = verify_request(id, leaf, {5, 6}, {-1, -1});
+    add_distribution(r.mutable_draft_distributions(), entry, pairs);
+    r.set_draft_sampling(v1::DRAFT_SAMPLING_WITHOUT_REPLACEMENT);
+    r.mutable_sampling()->set_temperature(1.0f);
+    return r;
+  };
+  cases.push_back({"distribution token outside vocab",
+                   with_distribution({{5, 0.5f}, {6, 0.25f}, {kVocab, 0.25f}}),
+                   grpc::StatusCode::INVALID_ARGUMENT,
+                   {"draft_distributions[0] (entry -1): tokens[2] = 512 outside the vocabulary"}});
+  cases.push_back({"distribution prob over 1",
+                   with_distribution({{5, 0.5f}, {6, 1.5f}}),
+                   grpc::StatusCode::INVALID_ARGUMENT,
+                   {"draft_distributions[0] (entry -1): probs[1] = 1.5"}});
+  cases.push_back({"distribution probs sum over 1",
+                   with_distribution({{5, 0.7f}, {6, 0.7f}}),
+                   grpc::StatusCode::INVALID_ARGUMENT,
+                   {"probs sum to 1.4"}});
+  cases.push_back({"drafted child not in the distribution",
+                   with_distribution({{5, 0.5f}, {7, 0.5f}}),
+                   grpc::StatusCode::INVALID_ARGUMENT,
+                   {"entry 1: token 6 is not in draft_distributions[0]"}});
+  cases.push_back({"distribution entry outside the tree",
+                   with_distribution({{5, 0.5f}, {6, 0.5f}}, 2),
+                   grpc::StatusCode::INVALID_ARGUMENT,
+                   {"draft_distributions[0] (entry 2): entry must be -1"}});
+  {
+    v1::VerifyRequest r = with_distribution({{5, 0.5f}, {6, 0.5f}});
+    r.clear_draft_sampling();
+    cases.push_back({"distributions without draft_sampling",
+                     r,
+                     grpc::StatusCode::INVALID_ARGUMENT,
+                     {"draft_distributions need draft_sampling"}});
+    r.set_draft_sampling(static_cast<v1::DraftSampling>(7));
+    cases.push_back({"unknown draft_sampling",
+                     r,
+                     grpc::StatusCode::INVALID_ARGUMENT,
+                     {"draft_sampling = 7 is not a DraftSampling"}});
+  }
+  {
+    v1::VerifyRequest r = with_distribution({{5, 0.5f}, {6, 0.5f}});
+    r.add_draft_probs(0.5f);
+    r.add_draft_probs(0.5f);
+    cases.push_back({"draft_probs and distributions",
+                     r,
+                     grpc::StatusCode::INVALID_ARGUMENT,
+                     {"give draft_probs or draft_distributions, not both"}});
+    v1::VerifyRequest twice = with_distribution({{5, 0.5f}, {6, 0.5f}});
+    *twice.add_draft_distributions() = twice.draft_distributions(0);
+    cases.push_back({"two distributions for one node",
+                     twice,
+                     grpc::StatusCode::INVALID_ARGUMENT,
+                     {"draft_distributions[1] (entry -1): draft_distributions[0] describes the "
+                      "same node"}});
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -1434,8 +1579,24 @@ TEST_F(TreeRpcTest, DeftCliTreeSessionAndVerify) {
   EXPECT_EQ(usage.exit_code, 2) << usage.output;
   const ProgramResult help = run_program({DEFT_CLI_BINARY, "--help"});
   EXPECT_EQ(help.exit_code, 0);
-  for (const char* option : {"tree ", "session ", "verify ", "--branch-factor", "--every-tokens",
-                             "--delimiter", "--step-end-token", "--keep-best", "--draft-probs"}) {
+  // verify with a draft distribution per node (improbable drafts: accepted at T = 1).
+  std::vector<std::string> sampled_args = {DEFT_CLI_BINARY, "--server",     address,
+                                           "verify",        "--prompt-ids", prompt_ids};
+  for (const char* arg :
+       {"--tokens", "5,6", "--parents", "-1,0", "--draft-dist", "-1:5=1e-30,9=0.9", "--draft-dist",
+        "0:6=1e-30,9=0.9", "--draft-sampling", "without", "--temperature", "1", "--seed", "4"}) {
+    sampled_args.push_back(arg);
+  }
+  const ProgramResult sampled = run_program(sampled_args);
+  EXPECT_EQ(sampled.exit_code, 0) << sampled.output;
+  EXPECT_NE(sampled.output.find("accepted 5 6 (entries 0 1)"), std::string::npos) << sampled.output;
+  const ProgramResult bad_dist =
+      run_program({DEFT_CLI_BINARY, "--server", address, "verify", "--tokens", "5", "--parents",
+                   "-1", "--draft-dist", "-1:5", "Once"});
+  EXPECT_EQ(bad_dist.exit_code, 2) << bad_dist.output;
+  for (const char* option :
+       {"tree ", "session ", "verify ", "--branch-factor", "--every-tokens", "--delimiter",
+        "--step-end-token", "--keep-best", "--draft-probs", "--draft-dist", "--draft-sampling"}) {
     EXPECT_NE(help.output.find(option), std::string::npos) << option;
   }
 }
@@ -1445,7 +1606,8 @@ TEST_F(TreeRpcTest, DeftCliTreeSessionAndVerify) {
 TEST(TreeRpcLimits, OverLimitTreesAreRefused) {
   // Small limits: RunTree trees of 300 tokens, sessions of 8 nodes, Verify trees of 16 entries.
   ServerProcess server({"--max-tree-tokens", "300", "--max-prompt-tokens", "200",
-                        "--max-session-nodes", "8", "--max-verify-entries", "16"});
+                        "--max-session-nodes", "8", "--max-verify-entries", "16",
+                        "--max-verify-distribution-tokens", "4"});
   ASSERT_TRUE(server.running());
   auto stub = server.stub();
   const std::vector<int32_t> prompt(150, 9);
@@ -1473,6 +1635,17 @@ TEST(TreeRpcLimits, OverLimitTreesAreRefused) {
                verify_request(session.session_id(), seven.branched().children(0), tokens, parents),
                &response),
         grpc::StatusCode::INVALID_ARGUMENT, "16");
+  }
+  {
+    // Draft distributions of 5 (token, prob) pairs in all: over the limit of 4.
+    v1::VerifyRequest request =
+        verify_request(session.session_id(), seven.branched().children(0), {5, 6}, {-1, 0});
+    add_distribution(request.mutable_draft_distributions(), -1, {{5, 0.5f}, {7, 0.5f}});
+    add_distribution(request.mutable_draft_distributions(), 0, {{6, 0.2f}, {8, 0.2f}, {9, 0.2f}});
+    request.set_draft_sampling(v1::DRAFT_SAMPLING_WITH_REPLACEMENT);
+    v1::VerifyResponse response;
+    expect_status(verify(*stub, request, &response), grpc::StatusCode::INVALID_ARGUMENT,
+                  "draft_distributions list 5 tokens in all, more than the limit of 4");
   }
   // Within the limits the session works: prune the children, the root grows again.
   for (const int64_t child : seven.branched().children()) {

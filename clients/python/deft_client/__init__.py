@@ -6,6 +6,7 @@ import grpc
 from deft.v1 import deft_pb2, deft_pb2_grpc
 
 from ._sync import (
+    DRAFT_SAMPLINGS,
     FINISH_REASON_NAMES,
     SCORE_KINDS,
     Branch,
@@ -22,6 +23,7 @@ from ._sync import (
     run_tree_request,
     sampling_params,
     speculative_options,
+    verify_fields,
 )
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncDeftClient",
     "Branch",
+    "DRAFT_SAMPLINGS",
     "DeftClient",
     "FINISH_REASON_NAMES",
     "NodeText",
@@ -47,6 +50,7 @@ __all__ = [
     "run_tree_request",
     "sampling_params",
     "speculative_options",
+    "verify_fields",
 ]
 
 

@@ -29,7 +29,7 @@ import os
 import queue
 import threading
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import grpc
 
@@ -162,6 +162,42 @@ def sampling_params(
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
     )
+
+
+DRAFT_SAMPLINGS = {
+    None: deft_pb2.DRAFT_SAMPLING_UNSPECIFIED,
+    "with_replacement": deft_pb2.DRAFT_SAMPLING_WITH_REPLACEMENT,
+    "without_replacement": deft_pb2.DRAFT_SAMPLING_WITHOUT_REPLACEMENT,
+}
+
+# Per node, the distribution its drafted children were sampled from: {entry: {token: prob}}
+# (entry -1: the anchor node), or DraftDistribution messages.
+DraftDistributions = Union[Mapping[int, Mapping[int, float]],
+                           Iterable[deft_pb2.DraftDistribution]]
+
+
+def verify_fields(tokens: Sequence[int], parents: Sequence[int],
+                  draft_probs: Sequence[float] = (),
+                  draft_distributions: DraftDistributions = (),
+                  draft_sampling: Optional[str] = None, **sampling) -> dict:
+    """The drafted tree's fields of a VerifyRequest / VerifyCommand. With sampled drafts, give
+    `draft_distributions` and `draft_sampling` ("with_replacement": each child an independent
+    draw; "without_replacement": each drawn from the rest) for exact acceptance; `draft_probs`
+    are exact only for deterministic drafts (README, Verify)."""
+    if draft_sampling not in DRAFT_SAMPLINGS:
+        raise ValueError(f"draft_sampling {draft_sampling!r}: use one of "
+                         f"{sorted(k for k in DRAFT_SAMPLINGS if k)} or None")
+    if isinstance(draft_distributions, Mapping):
+        distributions = [
+            deft_pb2.DraftDistribution(entry=entry, tokens=list(q.keys()), probs=list(q.values()))
+            for entry, q in draft_distributions.items()
+        ]
+    else:
+        distributions = list(draft_distributions)
+    return dict(tokens=list(tokens), parents=list(parents), draft_probs=list(draft_probs),
+                draft_distributions=distributions,
+                draft_sampling=DRAFT_SAMPLINGS[draft_sampling],
+                sampling=sampling_params(**sampling))
 
 
 class _CallDetails(
@@ -330,11 +366,14 @@ class DeftClient:
         tokens: Sequence[int] = (),
         parents: Sequence[int] = (),
         draft_probs: Sequence[float] = (),
+        draft_distributions: DraftDistributions = (),
+        draft_sampling: Optional[str] = None,
         **sampling,
     ) -> deft_pb2.VerifyResponse:
         """Verifies a token tree (tokens[i] hangs under entry parents[i], -1 = under `node`)
         against the target model with the Verify RPC; `session` is a Session, its id, or a whole
-        VerifyRequest. Behind a load balancer prefer Session.verify (the session's stream)."""
+        VerifyRequest. Drafts sampled from a distribution pass it (verify_fields). Behind a load
+        balancer prefer Session.verify (the session's stream)."""
         if isinstance(session, deft_pb2.VerifyRequest):
             request = session
         else:
@@ -342,8 +381,9 @@ class DeftClient:
             if session_id is None:
                 raise ValueError("the session has no id yet (send a command first)")
             request = deft_pb2.VerifyRequest(
-                session_id=session_id, node=node, tokens=list(tokens), parents=list(parents),
-                draft_probs=list(draft_probs), sampling=sampling_params(**sampling))
+                session_id=session_id, node=node,
+                **verify_fields(tokens, parents, draft_probs, draft_distributions,
+                                draft_sampling, **sampling))
         return self.stub.Verify(request, timeout=self.timeout)
 
 
@@ -638,14 +678,16 @@ class Session:
         return self._result(self.send(score=command)).scored
 
     def verify(self, node: int, tokens: Sequence[int], parents: Sequence[int],
-               draft_probs: Sequence[float] = (), **sampling) -> deft_pb2.VerifyResponse:
+               draft_probs: Sequence[float] = (),
+               draft_distributions: DraftDistributions = (),
+               draft_sampling: Optional[str] = None, **sampling) -> deft_pb2.VerifyResponse:
         """Verifies a token tree (tokens[i] hangs under entry parents[i], -1 = under `node`)
         in this session's stream, in order with its other commands; raises SessionError for a
         refused tree. Unlike DeftClient.verify (a separate RPC), it always reaches the replica
         that holds the session behind a load balancer."""
-        command = deft_pb2.VerifyCommand(node=node, tokens=list(tokens), parents=list(parents),
-                                         draft_probs=list(draft_probs),
-                                         sampling=sampling_params(**sampling))
+        command = deft_pb2.VerifyCommand(
+            node=node, **verify_fields(tokens, parents, draft_probs, draft_distributions,
+                                       draft_sampling, **sampling))
         return self._result(self.send(verify=command)).verified
 
     def close(self) -> bool:

@@ -35,6 +35,7 @@ from ._sync import (
     FINISH_REASON_NAMES,
     HEALTH_CHECK_METHOD,
     Branch,
+    DraftDistributions,
     NodeText,
     Prompt,
     SessionClosed,
@@ -48,6 +49,7 @@ from ._sync import (
     generate_request,
     run_tree_request,
     sampling_params,
+    verify_fields,
 )
 
 __all__ = ["AsyncDeftClient", "AsyncSession"]
@@ -158,14 +160,18 @@ class AsyncDeftClient:
 
     async def verify(self, session: Union["AsyncSession", int], node: int,
                      tokens: Sequence[int], parents: Sequence[int],
-                     draft_probs: Sequence[float] = (), **sampling) -> deft_pb2.VerifyResponse:
+                     draft_probs: Sequence[float] = (),
+                     draft_distributions: DraftDistributions = (),
+                     draft_sampling: Optional[str] = None,
+                     **sampling) -> deft_pb2.VerifyResponse:
         """The Verify RPC on a session's node (prefer AsyncSession.verify behind a balancer)."""
         session_id = session.session_id if isinstance(session, AsyncSession) else session
         if session_id is None:
             raise ValueError("the session has no id yet (send a command first)")
         request = deft_pb2.VerifyRequest(
-            session_id=session_id, node=node, tokens=list(tokens), parents=list(parents),
-            draft_probs=list(draft_probs), sampling=sampling_params(**sampling))
+            session_id=session_id, node=node,
+            **verify_fields(tokens, parents, draft_probs, draft_distributions, draft_sampling,
+                            **sampling))
         return await self.stub.Verify(request, timeout=self.timeout, metadata=self._metadata)
 
     def session(self) -> "AsyncSession":
@@ -272,10 +278,13 @@ class AsyncSession:
         return (await self.send(score=command))[-1].scored
 
     async def verify(self, node: int, tokens: Sequence[int], parents: Sequence[int],
-                     draft_probs: Sequence[float] = (), **sampling) -> deft_pb2.VerifyResponse:
-        command = deft_pb2.VerifyCommand(node=node, tokens=list(tokens), parents=list(parents),
-                                         draft_probs=list(draft_probs),
-                                         sampling=sampling_params(**sampling))
+                     draft_probs: Sequence[float] = (),
+                     draft_distributions: DraftDistributions = (),
+                     draft_sampling: Optional[str] = None,
+                     **sampling) -> deft_pb2.VerifyResponse:
+        command = deft_pb2.VerifyCommand(
+            node=node, **verify_fields(tokens, parents, draft_probs, draft_distributions,
+                                       draft_sampling, **sampling))
         return (await self.send(verify=command))[-1].verified
 
     async def close(self) -> bool:
