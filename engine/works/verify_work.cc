@@ -1,6 +1,5 @@
-// Entries are laid out as nodes of the forest: a maximal chain of drafted entries (each the
-// only child of the one before) shares one node, so a Medusa-style tree of t entries costs far
-// fewer than t pages, and the accepted path ends inside at most one node, which is truncated.
+// Entries are laid out as engine/works/tree_rows.h lays out drafted trees (a chain of entries
+// shares one node), so the accepted path ends inside at most one node, which is truncated.
 #include "engine/works/verify_work.h"
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/draft_acceptance.h"
 #include "engine/works/session_work.h"
+#include "engine/works/tree_rows.h"
 
 namespace deft::engine {
 namespace {
@@ -19,13 +19,7 @@ int64_t pages_for(int64_t tokens, int32_t page_tokens) {
 class VerifyWork final : public SessionWork {
  public:
   VerifyWork(std::shared_ptr<Session> session, uint64_t request_id, VerifyCommand command)
-      : SessionWork(std::move(session), request_id), command_(std::move(command)) {
-    const size_t n = command_.tokens.size();
-    children_.assign(n, 0);
-    for (int32_t parent : command_.parents) {
-      if (parent >= 0) ++children_[static_cast<size_t>(parent)];
-    }
-  }
+      : SessionWork(std::move(session), request_id), command_(std::move(command)) {}
 
   // At worst every entry starts a node.
   int64_t pending_pages(const Forest& forest) const override {
@@ -45,26 +39,11 @@ class VerifyWork final : public SessionWork {
   absl::Status add_rows(StepContext& step) override {
     const size_t n = command_.tokens.size();
     if (in_step_ || step.budget < static_cast<int64_t>(n)) return absl::OkStatus();
-    node_of_.assign(n, -1);
-    index_of_.assign(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      const int32_t parent = command_.parents[i];
-      NodeId node = -1;
-      if (parent >= 0 && children_[static_cast<size_t>(parent)] == 1) {
-        node = node_of_[static_cast<size_t>(parent)];  // continues the parent's chain
-      } else {
-        const NodeId under = parent < 0 ? command_.node : node_of_[static_cast<size_t>(parent)];
-        absl::StatusOr<NodeId> child = step.forest.add_child(under);
-        if (!child.ok()) return child.status();
-        node = *child;
-        created_.push_back(node);
-      }
-      node_of_[i] = node;
-      index_of_[i] = static_cast<int32_t>(step.forest.tree().node(node).tokens.size());
-      if (absl::Status status = step.add_run(node, std::span(&command_.tokens[i], 1));
-          !status.ok()) {
-        return status;
-      }
+    if (absl::Status status =
+            add_tree_rows(step, command_.node, command_.tokens, command_.parents,
+                          StepContext::Logits::kAll, &rows_);
+        !status.ok()) {
+      return status;
     }
     in_step_ = true;
     return absl::OkStatus();
@@ -101,10 +80,10 @@ class VerifyWork final : public SessionWork {
     outcome.node = command_.node;
     if (!acceptance->accepted_entries.empty()) {
       const auto last = static_cast<size_t>(acceptance->accepted_entries.back());
-      const NodeId leaf = node_of_[last];
+      const NodeId leaf = rows_.node_of[last];
       forest.hold(leaf);
       release_held(forest);
-      if (absl::Status status = forest.tree().truncate(leaf, index_of_[last] + 1); !status.ok()) {
+      if (absl::Status status = forest.tree().truncate(leaf, rows_.index_of[last] + 1); !status.ok()) {
         return status;
       }
       const std::span<const float> row = logits[last + 1];
@@ -130,8 +109,7 @@ class VerifyWork final : public SessionWork {
   void release_held(Forest& forest) override {
     // Children before parents, so each discard frees its node at once. Rejected entries are
     // discarded, not cached: one token and one page each, they would push useful prefixes out.
-    for (auto it = created_.rbegin(); it != created_.rend(); ++it) forest.discard(*it);
-    created_.clear();
+    rows_.discard(forest);
   }
   void answer_error(const absl::Status& status) override {
     if (command_.reply != nullptr) {
@@ -143,10 +121,7 @@ class VerifyWork final : public SessionWork {
 
  private:
   VerifyCommand command_;
-  std::vector<int32_t> children_;  // drafted children per entry
-  std::vector<NodeId> node_of_;    // the node holding each entry
-  std::vector<int32_t> index_of_;  // the entry's token index in that node
-  std::vector<NodeId> created_;    // nodes this work created (each held once)
+  TreeRows rows_;  // the drafted entries' nodes (engine/works/tree_rows.h)
   bool in_step_ = false;
 };
 
