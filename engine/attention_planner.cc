@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/check.h"
 
 namespace deft::engine {
 namespace {
@@ -195,8 +196,12 @@ class PlanBuilder {
               ? pages[page] * page_tokens + token_index % page_tokens
               : tree->kv()->slot(tree->kv_key(dfs_nodes_[rank]), token_index);  // aborts
     }
-    if (options_.min_prefill_run > 0) take_prefill_runs(*tree);
+    if (options_.min_prefill_run > 0 && !options_.deterministic) take_prefill_runs(*tree);
     if (queries_.row.empty()) return absl::OkStatus();
+    if (options_.deterministic) {
+      add_deterministic_tasks(*tree);
+      return absl::OkStatus();
+    }
     if (options_.kind == PlanKind::kSequence) {
       add_sequence_tasks(*tree);
       return absl::OkStatus();
@@ -744,6 +749,151 @@ class PlanBuilder {
     }
   }
 
+  // Deterministic plans (PlannerOptions::deterministic). For each piece k of depths
+  // [k B, (k + 1) B), in increasing k so that every query's entries (its merge order) follow
+  // depth: a query whose path covers the whole piece joins the task of that piece's last path
+  // position (the same tokens for every such query); a query inside the piece (its last piece)
+  // joins the chain of the query before it in depth-first order when that one's piece is a
+  // prefix of its own (a prompt's consecutive tokens, a token chain), seeing the chain's run up
+  // to itself through a mask; else it starts a chain. Grouping decides only which rows share a
+  // CTA, never a row's arithmetic.
+  void add_deterministic_tasks(const SequenceTree& tree) {
+    const int32_t chunk =
+        options_.chunk_tokens > 0 ? options_.chunk_tokens : kDeterministicChunkTokens;
+    plan_->io.max_chunk_tokens = std::max(plan_->io.max_chunk_tokens, chunk);
+    const int32_t num_queries = static_cast<int32_t>(queries_.row.size());
+    det_depth_.resize(num_queries);
+    int32_t max_depth = 0;
+    for (int32_t q = 0; q < num_queries; ++q) {
+      det_depth_[q] = static_cast<int32_t>(dfs_node_ptrs_[queries_.rank[q]]->depth_begin) +
+                      queries_.token_index[q];
+      max_depth = std::max(max_depth, det_depth_[q]);
+    }
+    const KvCacheManager& kv = *tree.kv();
+    for (int32_t lo = 0; lo <= max_depth; lo += chunk) {
+      const int32_t hi = lo + chunk;
+      det_groups_used_ = 0;
+      full_group_.erase(full_group_.begin(), full_group_.end());
+      int32_t chain = -1;  // the open chain's group
+      int64_t chain_end = -1;
+      for (int32_t q = 0; q < num_queries; ++q) {
+        const int32_t depth = det_depth_[q];
+        if (depth < lo) continue;
+        if (depth >= hi - 1) {  // the whole piece: keyed by its last position
+          const int64_t key = position_key(q, hi - 1);
+          auto [it, added] = full_group_.try_emplace(key, 0);
+          if (added || static_cast<int32_t>(det_groups_[it->second].members.size()) >=
+                           options_.max_unmasked_queries) {
+            it->second = new_group(q, chunk);
+          }
+          det_groups_[it->second].members.push_back({q, chunk});
+          continue;
+        }
+        const int32_t length = depth - lo + 1;
+        DetGroup* open = chain >= 0 ? &det_groups_[chain] : nullptr;
+        if (open != nullptr && static_cast<int32_t>(open->members.size()) < kMaskWordBits &&
+            depth >= lo + open->length - 1 && position_key(q, lo + open->length - 1) == chain_end) {
+          open->anchor = q;
+          open->length = length;
+        } else {
+          chain = new_group(q, length);
+          open = &det_groups_[chain];
+        }
+        open->members.push_back({q, length});
+        chain_end = position_key(q, depth);
+      }
+      for (size_t g = 0; g < det_groups_used_; ++g) add_deterministic_task(kv, det_groups_[g], lo);
+    }
+  }
+
+  struct DetMember {
+    int32_t query;   // depth-first number
+    int32_t tokens;  // visible prefix of the group's run
+  };
+  struct DetGroup {
+    int32_t anchor = 0;  // a query whose path holds the run (the deepest member)
+    int32_t length = 0;  // tokens of the run
+    std::vector<DetMember> members;
+  };
+  int32_t new_group(int32_t anchor, int32_t length) {
+    if (det_groups_.size() == det_groups_used_) det_groups_.emplace_back();
+    DetGroup& group = det_groups_[det_groups_used_];
+    group.anchor = anchor;
+    group.length = length;
+    group.members.clear();
+    return static_cast<int32_t>(det_groups_used_++);
+  }
+
+  // The node rank and token of query q's path at `depth` (<= its own), packed.
+  int64_t position_key(int32_t q, int32_t depth) const {
+    int32_t rank = queries_.rank[q];
+    while (dfs_node_ptrs_[rank]->depth_begin > depth) rank = parent_rank_[rank];
+    return (int64_t{rank} << 32) | static_cast<uint32_t>(depth - dfs_node_ptrs_[rank]->depth_begin);
+  }
+
+  // One task: the anchor's path at depths [lo, lo + length), its members' rows, and a mask when
+  // some member sees only a prefix.
+  void add_deterministic_task(const KvCacheManager& kv, const DetGroup& group, int32_t lo) {
+    const int32_t kv_begin = slots_end_;
+    const int32_t end_depth = lo + group.length;  // exclusive
+    path_.clear();  // the anchor's node ranks overlapping the run, deepest first
+    for (int32_t r = queries_.rank[group.anchor]; r != -1; r = parent_rank_[r]) {
+      const int64_t begin = dfs_node_ptrs_[r]->depth_begin;
+      if (begin >= end_depth) continue;
+      path_.push_back(r);
+      if (begin <= lo) break;
+    }
+    int32_t ready = -1;  // first token of the run that the step's KV write fills
+    for (auto it = path_.rbegin(); it != path_.rend(); ++it) {
+      const int32_t r = *it;
+      const auto begin = static_cast<int32_t>(dfs_node_ptrs_[r]->depth_begin);
+      const int32_t first = std::max(lo, begin) - begin;
+      const int32_t last =
+          std::min(end_depth, begin + static_cast<int32_t>(dfs_node_ptrs_[r]->tokens.size())) -
+          begin;
+      if (ready < 0 && fresh_from_[r] < last) {
+        ready = slots_end_ - kv_begin + std::max(0, fresh_from_[r] - first);
+      }
+      append_slot_range(kv.page_tokens(), dfs_pages_[r], first, last - first);
+    }
+    DEFT_CHECK(slots_end_ - kv_begin == group.length,
+               "planner: a deterministic task holds %d slots, not its run's %d",
+               slots_end_ - kv_begin, group.length);
+    bool full = true;
+    for (const DetMember& member : group.members) full = full && member.tokens == group.length;
+    plan_->task_kv_begin.push_back(kv_begin);
+    plan_->task_kv_end.push_back(slots_end_);
+    plan_->task_entry_begin.push_back(static_cast<int32_t>(plan_->entry_query.size()));
+    plan_->task_mask_begin.push_back(full ? -1 : static_cast<int32_t>(plan_->mask_words.size()));
+    plan_->task_kv_ready.push_back(ready < 0 ? group.length : ready);
+    for (const DetMember& member : group.members) {
+      plan_->entry_query.push_back(queries_.row[member.query]);
+    }
+    if (full) return;
+    // Members are in increasing prefix order: token j is seen by the members from the first whose
+    // prefix holds it.
+    for (int32_t j = 0; j < group.length; ++j) {
+      uint64_t word = 0;
+      for (size_t m = 0; m < group.members.size(); ++m) {
+        if (j < group.members[m].tokens) word |= uint64_t{1} << m;
+      }
+      plan_->mask_words.push_back(word);
+    }
+  }
+
+  // Appends the slots of tokens [first, first + count) of an owner with `pages`.
+  void append_slot_range(int32_t page_tokens, std::span<const int32_t> pages, int32_t first,
+                         int32_t count) {
+    int32_t* out = take_slots(count);
+    for (int32_t j = 0; j < count;) {
+      const int32_t token = first + j;
+      const int32_t offset = token % page_tokens;
+      const int32_t n = std::min(page_tokens - offset, count - j);
+      fill_consecutive(out + j, n, pages[token / page_tokens] * page_tokens + offset);
+      j += n;
+    }
+  }
+
   PlannerOptions options_;
   AttentionPlan* plan_ = nullptr;
   OrderedQueries queries_;
@@ -770,6 +920,13 @@ class PlanBuilder {
   int32_t slots_end_ = 0;   // plan.kv_slots written so far (its size is larger until finish())
   int32_t flat_base_ = 0;   // index in plan.kv_slots of the current tree's first flat token
   int32_t run_cursor_ = 0;  // first run that the next piece can overlap
+  // Deterministic plans: per depth-first query its depth; one piece's groups (the first
+  // det_groups_used_ of det_groups_ are live; the rest keep their storage), the group of each
+  // whole-piece position.
+  std::vector<int32_t> det_depth_;
+  std::vector<DetGroup> det_groups_;
+  size_t det_groups_used_ = 0;
+  absl::flat_hash_map<int64_t, int32_t> full_group_;
   int32_t step_queries_ = 0;       // every tree's queries of the step
   WaveCount* counting_ = nullptr;  // set: tasks are counted (wave_chunk_tokens), not added
 };

@@ -59,7 +59,26 @@ struct PlannerOptions {
   // With ctas > 0, a Flatten tree's adaptive B may grow so that its stage-1 grid takes fewer
   // waves (see wave_chunk_tokens in attention_planner.cc). Set from ModelRunner::attention_wave().
   AttentionWave wave = {};
+  // Deterministic plans (the server's --deterministic): a query's partial results and their merge
+  // order depend only on its own root-to-token path, never on the other queries of the step.
+  // Its KV is cut at the fixed depths 0, B, 2B, ... (B = chunk_tokens, or
+  // kDeterministicChunkTokens when that is 0) and each piece is one task whose KV run starts at
+  // the piece's first token and holds the path's tokens in depth order; the query sees a prefix
+  // of that run (all of it, or up to itself in its last piece). Queries whose pieces are the
+  // same tokens share the task (a shared prompt is still read once per step), others read their
+  // own copy. Stage 2 merges a query's pieces in depth order. No prefill runs (min_prefill_run
+  // and `kind` are ignored): every row goes through the same tasks, so a prompt token computes
+  // the same whether it is prefilled in one step, in chunks beside other requests, or decoded.
+  // An executor whose row arithmetic depends only on the row's task runs and visible prefixes
+  // (the CPU twin; the CUDA kernels with wgmma passes, kernels::PlanShape::batch_invariant)
+  // then gives each row the same bits in any batch.
+  bool deterministic = false;
 };
+
+// B of deterministic plans when PlannerOptions::chunk_tokens is 0: the adaptive rule's usual pick
+// for decode trees, and large enough that a long prompt's rows write few partials each (a
+// 4000-token prompt prefilled at once: ~8 partials a row).
+inline constexpr int32_t kDeterministicChunkTokens = 256;
 
 // The chunk size B used when PlannerOptions::chunk_tokens is 0, for a tree whose step has
 // `num_queries` queries over `visible_tokens` KV tokens. Stage 1 writes one fp32 partial per

@@ -390,7 +390,27 @@ bool deft_attention_supported(const AttentionDims& dims) {
 }
 
 bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& dims) {
-  return int64_t{shape.max_task_entries} * dims.group_size() > detail::kMmaRows;
+  return shape.batch_invariant ||
+         int64_t{shape.max_task_entries} * dims.group_size() > detail::kMmaRows;
+}
+
+bool deft_attention_batch_invariant_available() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  static PerDevice<bool> available;
+  return available.get([] {
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes,
+                              &detail::deft_attention_stage1_kernel<__nv_bfloat16, 128, true>) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return attributes.binaryVersion == 90;  // DEFT_HAS_WGMMA: the sm_90a machine code
+  });
 }
 
 namespace {

@@ -44,6 +44,14 @@ struct PlanCapacity {
 struct PlanShape {
   int32_t max_task_entries = 0;   // largest task_entry_begin[t + 1] - task_entry_begin[t]
   int32_t max_query_entries = 0;  // largest query_entry_begin[q + 1] - query_entry_begin[q]
+  // Set by the caller, not the plan: every stage-1 pass on warpgroup MMAs whatever the plan's
+  // largest task (deft_attention_wgmma_passes), so that a row's arithmetic depends only on its
+  // task's KV run and the prefix of it the row sees, never on how many rows share its pass or
+  // plan (the mma.sync passes of small plans split a tile's tokens among warps, another order).
+  // Stage 2 merges a query's partials in plan order whatever its batch. With a deterministic
+  // plan (engine::PlannerOptions::deterministic) a row's output is then bitwise the same in any
+  // step. Needs the sm_90a code (deft_attention_batch_invariant_available).
+  bool batch_invariant = false;
 };
 
 // The shape of a plan whose arrays are host memory (null entry arrays: no entries).
@@ -149,6 +157,10 @@ bool deft_attention_supported(const AttentionDims& dims);
 // H100 that kernel ran every tree of bench/kernel_attention_bench as fast or faster
 // (few-shot b20 23.9 -> 22.6 µs, specdec p1000 t128 19.0 -> 16.3, reasoning 46.9 -> 42.7).
 bool deft_attention_wgmma_passes(const PlanShape& shape, const AttentionDims& dims);
+
+// Whether the current device runs stage 1's warpgroup-MMA passes (sm_90a machine code on a
+// compute 9.0 GPU), which PlanShape::batch_invariant needs.
+bool deft_attention_batch_invariant_available();
 
 // The stage-2 batch launch_deft_attention picks when given 0, for a plan laid out for
 // `num_queries` query rows (stage 2's grid) with `shape`. A caller that captures the launch in a

@@ -488,8 +488,8 @@ void launch_pass(const Params& p, const void* x, const void* w, DType dtype, int
 
 template <typename T>
 void launch_rows(const Params& p, const void* x, const void* w, DType dtype, int ctas,
-                 cudaStream_t stream) {
-  if (p.rows <= 32) {
+                 cudaStream_t stream, bool batch_invariant) {
+  if (p.rows <= 32 && !batch_invariant) {
     launch_pass<T, 32>(p, x, w, dtype, ctas, stream);
   } else {
     launch_pass<T, 64>(p, x, w, dtype, ctas, stream);
@@ -567,7 +567,7 @@ void check_launchable(const char* what, const SkinnyGemmDims& dims, const void* 
 // Both launchers: passes of up to kSkinnyGemmMaxRows rows over `tiles` tiles of w.
 void launch_passes(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w, void* y,
                    bool y_fp32, bool accumulate, cudaStream_t stream, int tiles, const Grid& grid,
-                   int32_t swiglu_width) {
+                   int32_t swiglu_width, bool batch_invariant) {
   const Workspace work = workspace(stream);
   const int k_blocks = k_blocks_of(dims);
   const int32_t out = swiglu_width > 0 ? swiglu_width : dims.out;
@@ -588,9 +588,9 @@ void launch_passes(const SkinnyGemmDims& dims, DType dtype, const void* x, const
     p.accumulate = accumulate;
     p.swiglu_width = swiglu_width;
     if (dtype == DType::kBf16) {
-      launch_rows<__nv_bfloat16>(p, x_pass, w, dtype, grid.ctas, stream);
+      launch_rows<__nv_bfloat16>(p, x_pass, w, dtype, grid.ctas, stream, batch_invariant);
     } else {
-      launch_rows<__half>(p, x_pass, w, dtype, grid.ctas, stream);
+      launch_rows<__half>(p, x_pass, w, dtype, grid.ctas, stream, batch_invariant);
     }
   }
 }
@@ -598,16 +598,17 @@ void launch_passes(const SkinnyGemmDims& dims, DType dtype, const void* x, const
 }  // namespace
 
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
-                        void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
-                        int32_t split_k) {
+                        void* y, bool y_fp32, bool accumulate, cudaStream_t stream, int32_t split_k,
+                        bool batch_invariant) {
   check_launchable("launch_skinny_gemm", dims, x, w);
   const int tiles = tiles_of(dims);
   launch_passes(dims, dtype, x, w, y, y_fp32, accumulate, stream, tiles,
-                grid_for(tiles, k_blocks_of(dims), split_k), /*swiglu_width=*/0);
+                grid_for(tiles, k_blocks_of(dims), split_k), /*swiglu_width=*/0, batch_invariant);
 }
 
 void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype, const void* x,
-                               const void* w, void* out, cudaStream_t stream) {
+                               const void* w, void* out, cudaStream_t stream,
+                               bool batch_invariant) {
   const SkinnyGemmDims dims{.rows = rows, .in = in, .out = 2 * width};
   DEFT_CHECK(width > 0, "launch_skinny_gemm_swiglu: width %d must be > 0", width);
   check_launchable("launch_skinny_gemm_swiglu", dims, x, w);
@@ -618,7 +619,7 @@ void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dt
   Grid grid = grid_for(tiles, k_blocks, 0);
   if (grid.cluster > 1) grid = grid_for(tiles, k_blocks, 1);
   launch_passes(dims, dtype, x, w, out, /*y_fp32=*/false, /*accumulate=*/false, stream, tiles, grid,
-                width);
+                width, batch_invariant);
 }
 
 }  // namespace deft::kernels

@@ -36,17 +36,22 @@ bool skinny_gemm_supported(const SkinnyGemmDims& dims, const void* x, const void
 // rounding, and a given split gives bit-identical results every time.
 // Launches on one stream share a workspace (allocated on the stream's first launch, or by
 // skinny_gemm_reserve); launches on other streams have their own.
+// batch_invariant: every pass on the N = 64 MMA, also passes of <= 32 rows (which otherwise take
+// N = 32). The grid depends only on w's shape and split_k, and each row of x is a column of its
+// own in the MMAs, so a row's outputs are then the same bits whatever the other rows of the
+// product and however many there are (the CUDA runner's deterministic mode).
 void launch_skinny_gemm(const SkinnyGemmDims& dims, DType dtype, const void* x, const void* w,
                         void* y, bool y_fp32, bool accumulate, cudaStream_t stream,
-                        int32_t split_k = 0);
+                        int32_t split_k = 0, bool batch_invariant = false);
 
 // SwiGLU fused into the product (a Llama MLP's gate/up and SiLU·mul in one launch):
 // out[rows][width] = silu(g) * u, where g and u are x · w^T's columns [0, width) and
 // [width, 2 * width) in fp32, rounded once to `dtype` (the unfused path rounds g and u first).
 // w: [2 * width][in] dtype, gate rows then up rows. Same support as launch_skinny_gemm for
 // {rows, in, 2 * width}; each 64-row tile of gate rows is read with the same 64 up rows.
-void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype,
-                               const void* x, const void* w, void* out, cudaStream_t stream);
+void launch_skinny_gemm_swiglu(int32_t rows, int32_t in, int32_t width, DType dtype, const void* x,
+                               const void* w, void* out, cudaStream_t stream,
+                               bool batch_invariant = false);
 
 // Whether w has enough 128-row tiles for one per SM, so that the grid gives each CTA whole
 // tiles and no partial sums travel between CTAs (on the H100: the Llama-3-8B gate/up and LM head

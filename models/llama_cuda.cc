@@ -84,6 +84,8 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
           .add(attn.data(), int64_t{rows} * q_size * e)
           .add(q.data(), int64_t{rows} * q_size * e)
           .add(qkv.data(), int64_t{rows} * qkv_width * e);
+  kernels::PlanShape attention_shape = device_plan.shape();
+  attention_shape.batch_invariant = batch_invariant;
   for (size_t l = 0; l < layers.size(); ++l) {
     Layer& layer = layers[l];
     kernels::launch_rms_norm(norm_dims, dtype, nullptr, x, nullptr, layer.input_norm.as<float>(),
@@ -100,7 +102,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
       // set_attention_skipped (benchmarks): no attention; `attn` keeps what it holds.
     } else if (deft_kernels) {
       kernels::launch_deft_attention(
-          device_plan.view(), device_plan.shape(), dims, dtype, q.data(), layer.k_cache.data(),
+          device_plan.view(), attention_shape, dims, dtype, q.data(), layer.k_cache.data(),
           layer.v_cache.data(), partials.partial_out(), partials.partial_lse(), attn.data(), stream,
           launch.stage2, launch.stage2_batch, prefetch(layer.o_proj, hidden, q_size));
       // Rows of the plan's prefill runs (no DeFT entries): the tiled causal kernel (never in a
@@ -124,11 +126,10 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                              prefetch(layer.gate_up, 2 * int64_t{intermediate}, hidden),
                              dead_after_attention);
     timer.mark(StepPhase::kOther);
-    if (on_skinny({.rows = rows, .in = hidden, .out = 2 * intermediate}, normed.data(),
-                  layer.gate_up.data(), false)) {
+    if (batch_invariant || on_skinny({.rows = rows, .in = hidden, .out = 2 * intermediate},
+                                     normed.data(), layer.gate_up.data(), false)) {
       // gate/up on the skinny GEMM: SiLU·mul in its epilogue, no gate/up round trip.
-      kernels::launch_skinny_gemm_swiglu(rows, hidden, intermediate, dtype, normed.data(),
-                                         layer.gate_up.data(), act.data(), stream);
+      gemm_swiglu(normed.data(), layer.gate_up.data(), rows, hidden, intermediate, act.data());
       timer.mark(StepPhase::kGemm);
     } else {
       gemm(normed.data(), layer.gate_up.data(), rows, hidden, 2 * intermediate, gate_up.data(),
@@ -432,8 +433,9 @@ absl::Status LlamaCudaRunner::run_step(const engine::StepBatch& batch, std::span
   StepGraph* graph = nullptr;
   int32_t launch_rows = rows, launch_logit_rows = logit_rows;
   if (graph_step) {
-    graph = &s.graphs.entry(
-        step_graph_key(plan.view(), logit_rows, sample, s.dims, s.dtype, s.deft_kernels), s.stream);
+    graph = &s.graphs.entry(step_graph_key(plan.view(), logit_rows, sample, s.dims, s.dtype,
+                                           s.deft_kernels, s.batch_invariant),
+                            s.stream);
     launch_rows = graph->key.rows;
     launch_logit_rows = graph->key.logit_rows;
   }

@@ -77,6 +77,17 @@ struct LlamaCudaOptions {
   // within ~20 µs a step of each other, 8-16 MiB lose in the small kernels what the GEMMs gain,
   // 32 MiB is slower (bench/results/e2e_step-h100-notes.md).
   int64_t weight_prefetch_bytes = int64_t{4} << 20;
+  // Deterministic mode (the server's --deterministic): a row's logits (and sampled token) are the
+  // same bits whatever other rows share its step, given a deterministic plan
+  // (engine::PlannerOptions::deterministic). Every weight GEMM runs on the skinny GEMM in passes
+  // of 64 rows (kernels/skinny_gemm.h: its grid and reduction order depend only on the weight's
+  // shape) instead of cuBLAS, whose algorithm, tiles and split-K change with the row count; the
+  // attention's stage 1 runs every pass on warpgroup MMAs (kernels::PlanShape::batch_invariant).
+  // The other kernels (RMSNorm, RoPE, SiLU·mul, sampling) already compute each row alone. Needs
+  // a compute 9.0 GPU and the DeFT kernels (load fails otherwise) and one GPU (no tensor
+  // parallelism). tune_gemms, skinny_lm_head and set_skinny_gemm / set_gemm_tuning then change
+  // nothing. Cost: bench/results/e2e_step-h200-notes.md.
+  bool deterministic = false;
   // Tensor parallelism (models/tensor_parallel.h): this runner is rank `tp.rank` of `tp.ranks` on
   // `device`, holding that rank's shard of the weights and KV heads, and meets the other ranks
   // through `nccl_comm` (that rank's communicator) inside every step. Set by

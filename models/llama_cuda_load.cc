@@ -288,6 +288,31 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
         absl::StrCat("llama_cuda: head_dim ", c.head_dim, " with ", c.num_attention_heads,
                      " query heads and ", c.num_key_value_heads, " KV heads is not supported"));
   }
+  if (options.deterministic) {
+    // Every GEMM on the skinny GEMM and stage 1 on warpgroup MMAs: both sm_90a code.
+    if (!s.deft_kernels || !kernels::skinny_gemm_available() ||
+        !kernels::deft_attention_batch_invariant_available()) {
+      // Not FAILED_PRECONDITION: the server's backend "auto" would fall back to the CPU.
+      return absl::UnimplementedError(absl::StrCat(
+          "llama_cuda: deterministic mode needs the DeFT kernels (head_dim 64 or 128, this model: ",
+          c.head_dim, ") and a compute 9.0 GPU with this binary's sm_90a code (skinny GEMM: ",
+          kernels::skinny_gemm_available() ? "yes" : "no", ")"));
+    }
+    if (s.tp.ranks > 1) {
+      return absl::InvalidArgumentError(
+          "llama_cuda: deterministic mode runs on one GPU (the tensor-parallel all-reduce sums in "
+          "an order that depends on the step's size)");
+    }
+    for (const int64_t in :
+         {int64_t{c.hidden_size}, int64_t{c.q_size()}, int64_t{c.intermediate_size}}) {
+      if (in % 8 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "llama_cuda: deterministic mode needs GEMM inputs of a multiple of 8 elements, not ",
+            in));
+      }
+    }
+    s.batch_invariant = true;
+  }
 
   // Activations for max_batch_rows query rows.
   const size_t rows = static_cast<size_t>(options.max_batch_rows);
@@ -321,10 +346,12 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
       std::make_unique<GemmTuner>(s.stream, s.cublas_workspace.data(), s.cublas_workspace.bytes());
   // Before the KV pool takes the memory and any step runs: the activations are scratch now.
   s.gemms->set_wide_search(options.wide_gemm_search);
-  if (options.tune_gemms) s.tune_gemms(c);
+  // Deterministic mode runs no cuBLAS GEMM: nothing to tune.
+  if (options.tune_gemms && !s.batch_invariant) s.tune_gemms(c);
   s.use_graphs = options.cuda_graphs;
   s.prefetch_bytes = options.weight_prefetch_bytes;
   s.graphs.set_max_graphs(options.max_cuda_graphs);
+  if (s.batch_invariant) kernels::skinny_gemm_reserve(s.stream);  // before any graph capture
   if (options.skinny_lm_head && kernels::skinny_gemm_available()) {
     s.skinny_gemm = SkinnyGemmUse::kLmHeadAndWide;
     kernels::skinny_gemm_reserve(s.stream);  // before any graph capture
@@ -389,7 +416,7 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
       "on a GPU with {:.0f} MiB: "
       "{:.1f} MiB weights, {:.1f} MiB activations for {} rows, {:.1f} MiB KV for {} slots "
       "({:.1f} KiB per token), attention: {}, decode GEMMs on the skinny GEMM: {}, weight "
-      "prefetch before decode GEMMs: {:.1f} MiB",
+      "prefetch before decode GEMMs: {:.1f} MiB{}",
       info_.name, info_.family, info_.num_layers, c.hidden_size, info_.vocab_size,
       kernels::dtype_name(s.dtype), s.tp.rank, s.tp.ranks, s.device,
       s.tp.ranks == 1          ? ""
@@ -401,7 +428,8 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
       s.skinny_gemm == SkinnyGemmUse::kLmHeadAndWide
           ? absl::StrCat("LM head, and gate/up above ", kSkinnyWideAboveRows, " rows")
           : std::string("none"),
-      static_cast<double>(s.prefetch_bytes) / kMiB);
+      static_cast<double>(s.prefetch_bytes) / kMiB,
+      s.batch_invariant ? "; deterministic: every GEMM on the skinny GEMM, stage 1 on wgmma" : "");
   return absl::OkStatus();
 }
 

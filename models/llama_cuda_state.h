@@ -103,6 +103,11 @@ struct LlamaCudaRunner::State {
   kernels::AttentionDims dims;
   bool deft_kernels = false;
   SkinnyGemmUse skinny_gemm = SkinnyGemmUse::kOff;  // set_skinny_gemm
+  // LlamaCudaOptions::deterministic: every weight GEMM on the skinny GEMM in passes of
+  // kSkinnyGemmMaxRows rows at N = 64 (gemm(), gemm_swiglu()), the attention's stage 1 on
+  // warpgroup MMAs only (kernels::PlanShape::batch_invariant); set_skinny_gemm and
+  // set_gemm_tuning then change nothing.
+  bool batch_invariant = false;
   int64_t prefetch_bytes = 0;                       // set_weight_prefetch: per GEMM
   bool skip_attention = false;                      // set_attention_skipped (benchmarks)
   DeviceBuffer cublas_workspace;
@@ -176,6 +181,21 @@ struct LlamaCudaRunner::State {
   void gemm(const void* x, const void* w, int32_t rows, int32_t in, int32_t out, void* y,
             bool y_fp32, bool accumulate, bool lm_head = false) const {
     const kernels::SkinnyGemmDims dims{.rows = rows, .in = in, .out = out};
+    if (batch_invariant) {
+      // The skinny GEMM's grid depends on w's shape alone and each x row is an MMA column of
+      // its own, so a row's outputs do not depend on the step's other rows (a cuBLAS algorithm,
+      // its tiles and split-K change with M).
+      const size_t x_row = kernels::dtype_bytes(dtype) * static_cast<size_t>(in);
+      const size_t y_row = (y_fp32 ? sizeof(float) : kernels::dtype_bytes(dtype)) * out;
+      for (int32_t begin = 0; begin < rows; begin += kernels::kSkinnyGemmMaxRows) {
+        kernels::launch_skinny_gemm(
+            {.rows = std::min(kernels::kSkinnyGemmMaxRows, rows - begin), .in = in, .out = out},
+            dtype, static_cast<const char*>(x) + x_row * begin, w,
+            static_cast<char*>(y) + y_row * begin, y_fp32, accumulate, stream, /*split_k=*/0,
+            /*batch_invariant=*/true);
+      }
+      return;
+    }
     if (on_skinny(dims, x, w, lm_head)) {
       kernels::launch_skinny_gemm(dims, dtype, x, w, y, y_fp32, accumulate, stream);
       return;
@@ -187,6 +207,24 @@ struct LlamaCudaRunner::State {
                  .y_fp32 = y_fp32,
                  .accumulate = accumulate},
                 x, w, y);
+  }
+  // out[rows][width] = silu(gate) * up of x[rows][in] * gate_up[2 width][in]^T on the skinny
+  // GEMM (SwiGLU in its epilogue), in passes of kSkinnyGemmMaxRows rows (batch_invariant: every
+  // step, N = 64 whatever the rows).
+  void gemm_swiglu(const void* x, const void* gate_up, int32_t rows, int32_t in, int32_t width,
+                   void* out) const {
+    if (!batch_invariant) {
+      kernels::launch_skinny_gemm_swiglu(rows, in, width, dtype, x, gate_up, out, stream);
+      return;
+    }
+    const size_t e = kernels::dtype_bytes(dtype);
+    for (int32_t begin = 0; begin < rows; begin += kernels::kSkinnyGemmMaxRows) {
+      kernels::launch_skinny_gemm_swiglu(std::min(kernels::kSkinnyGemmMaxRows, rows - begin), in,
+                                         width, dtype, static_cast<const char*>(x) + e * in * begin,
+                                         gate_up, static_cast<char*>(out) + e * width * begin,
+                                         stream,
+                                         /*batch_invariant=*/true);
+    }
   }
   // Tensor parallel: the residual `x` [rows][hidden] (fp32) summed over the ranks in place, on the
   // stream (captured into a step's graph like any launch); nothing at one rank.

@@ -22,9 +22,10 @@ bool fits_step_graph(int32_t rows, int32_t logit_rows, int32_t max_rows, bool ha
 
 StepGraphKey step_graph_key(const kernels::AttentionPlanView& plan, int32_t logit_rows, bool sample,
                             const kernels::AttentionDims& dims, kernels::DType dtype,
-                            bool deft_kernels) {
+                            bool deft_kernels, bool batch_invariant) {
   const int32_t rows = plan.num_queries;
-  const kernels::PlanShape shape = kernels::plan_shape(plan);
+  kernels::PlanShape shape = kernels::plan_shape(plan);
+  shape.batch_invariant = batch_invariant;
   const bool stage2 = deft_kernels && plan.num_entries > rows;
   return {.rows = gemm_row_bucket(rows),
           .logit_rows = gemm_row_bucket(logit_rows),

@@ -70,10 +70,11 @@ struct StepGraphKey {
 
 // The bucket of a step on `plan` (host arrays) with `logit_rows` logit rows, sampling on the GPU
 // or not, for attention of `dims` in `dtype` (`deft_kernels`: the DeFT kernels, else the generic
-// one, whose graphs have no row slices, stage 2 or wgmma passes).
+// one, whose graphs have no row slices, stage 2 or wgmma passes; `batch_invariant`: the runner's
+// deterministic mode, kernels::PlanShape::batch_invariant).
 StepGraphKey step_graph_key(const kernels::AttentionPlanView& plan, int32_t logit_rows, bool sample,
                             const kernels::AttentionDims& dims, kernels::DType dtype,
-                            bool deft_kernels);
+                            bool deft_kernels, bool batch_invariant = false);
 
 // One bucket's graph, its padded plan, and the buffers its captured parameters point into.
 struct StepGraph {

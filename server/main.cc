@@ -239,7 +239,8 @@ int main(int argc, char** argv) {
     const deft::models::LlamaCudaOptions cuda_options{.num_kv_slots = kv_slots,
                                                       .page_tokens = config.page_tokens,
                                                       .max_batch_rows = config.max_step_tokens,
-                                                      .device = config.device};
+                                                      .device = config.device,
+                                                      .deterministic = config.deterministic};
     absl::StatusOr<std::unique_ptr<deft::engine::ModelRunner>> cuda;
     if (tp > 1) {
       cuda = deft::models::LlamaCudaRunner::load_tensor_parallel(dir, cuda_options, tp_devices);
@@ -392,6 +393,13 @@ int main(int argc, char** argv) {
   };
   engine_options.planner.chunk_tokens = config.chunk_tokens;
   engine_options.planner.min_prefill_run = config.min_prefill_run;
+  engine_options.planner.deterministic = config.deterministic;
+  if (config.deterministic) {
+    spdlog::info(
+        "deterministic mode: a request's tokens do not depend on the other requests of its steps "
+        "(attention in fixed pieces of {} tokens of its own path, batch-invariant GEMMs)",
+        config.chunk_tokens > 0 ? config.chunk_tokens : deft::engine::kDeterministicChunkTokens);
+  }
   if (absl::Status status =
           deft::engine::parse_plan_kind(config.plan, &engine_options.planner.kind);
       !status.ok()) {

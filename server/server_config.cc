@@ -108,6 +108,10 @@ const std::vector<Field>& fields() {
       {"min_prefill_run", &ServerConfig::min_prefill_run,
        "a run of at least this many new tokens of one node (a prompt, an extension) is attended by "
        "the tiled prefill kernel; 0: every row by the DeFT kernel"},
+      {"deterministic", &ServerConfig::deterministic,
+       "true: a request's tokens and logprobs are the same bits whatever other requests share its "
+       "steps (batch-invariant GEMMs and attention; CUDA: one compute 9.0 GPU; min_prefill_run "
+       "and plan are then ignored; slower, see the README); --deterministic alone means true"},
       {"shutdown_grace_seconds", &ServerConfig::shutdown_grace_seconds,
        "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
@@ -294,6 +298,11 @@ absl::StatusOr<CommandLine> parse_command_line(const std::vector<std::string>& a
       result.config.prefix_cache_pages = 0;
       continue;
     }
+    if (arg == "--deterministic" &&
+        (i + 1 >= args.size() || (args[i + 1] != "true" && args[i + 1] != "false"))) {
+      result.config.deterministic = true;  // a bare flag
+      continue;
+    }
     std::string value;
     bool has_value = false;
     if (const size_t eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
@@ -393,6 +402,11 @@ absl::Status validate_config(const ServerConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat("config: first_node_id = ", config.first_node_id,
                                                    " must be <= 2^62 = ", engine::kMaxFirstNodeId,
                                                    " (ids must never run out)"));
+  }
+  if (config.deterministic && config.tensor_parallel > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: deterministic = true runs on one GPU, not tensor_parallel = ",
+        config.tensor_parallel, " (the all-reduce's order depends on the step's size)"));
   }
   if (config.listen.empty()) return absl::InvalidArgumentError("config: listen is empty");
   if (config.kv_admission != "step" && config.kv_admission != "worst_case") {

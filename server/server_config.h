@@ -63,6 +63,10 @@ struct ServerConfig {
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
   int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
   int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off
+  // A request's tokens and logprobs do not depend on which other requests share its steps
+  // (engine::PlannerOptions::deterministic, models::LlamaCudaOptions::deterministic); the
+  // README's "Deterministic mode" says what is promised and what it costs.
+  bool deterministic = false;
   double shutdown_grace_seconds = 10;  // SIGTERM: live jobs may finish this long, then cancel
   std::string log_level = "info";      // trace | debug | info | warn | error | off
   std::string log_format = "text";     // text | json (JSON lines: server/log_format.h)

@@ -1,0 +1,148 @@
+// Test support (header only): deterministic mode through the engine. Copies of one Generate job
+// run on a Scheduler alongside each other and random jobs (a small step budget: chunked prefill;
+// the prefix cache on) against the same job alone on a fresh Scheduler: tokens and logprobs per
+// branch, bit for bit. Used by the CPU runner's test (tests/models/) and the CUDA runner's
+// (tests/gpu/).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "engine/model_runner.h"
+#include "engine/scheduler.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "engine/works/generate_work.h"
+
+namespace deft::test {
+
+inline constexpr int32_t kPageTokens = 16;
+inline constexpr int32_t kPages = 2048;
+
+struct JobResult {
+  std::vector<std::vector<engine::TokenId>> tokens;  // per branch
+  std::vector<std::vector<float>> logprobs;
+  bool operator==(const JobResult& other) const {
+    if (tokens != other.tokens || logprobs.size() != other.logprobs.size()) return false;
+    for (size_t b = 0; b < logprobs.size(); ++b) {
+      if (logprobs[b].size() != other.logprobs[b].size() ||
+          std::memcmp(logprobs[b].data(), other.logprobs[b].data(),
+                      logprobs[b].size() * sizeof(float)) != 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+class EngineDeterminism {
+ public:
+  EngineDeterminism(engine::ModelRunner& runner, const engine::Tokenizer& tokenizer,
+                    bool deterministic, int32_t max_step_tokens)
+      : runner_(runner), tokenizer_(tokenizer) {
+    engine::SchedulerOptions options{
+        .page_tokens = kPageTokens, .kv_pages = kPages, .max_step_tokens = max_step_tokens};
+    options.planner.deterministic = deterministic;
+    options.planner.min_prefill_run = 64;
+    scheduler_ = std::make_unique<engine::Scheduler>(options, runner_, tokenizer_);
+  }
+
+  std::shared_ptr<engine::GenerateEvents> submit(const engine::GenerateJob& job) {
+    auto events = std::make_shared<engine::GenerateEvents>();
+    EXPECT_TRUE(
+        scheduler_
+            ->submit(std::make_unique<engine::GenerateWork>(job, events, tokenizer_, kPageTokens))
+            .ok());
+    return events;
+  }
+
+  // Steps until every job has finished, draining their events each step (a job whose reader
+  // falls kBacklogLimit events behind pauses); returns each job's tokens and logprobs.
+  std::vector<JobResult> run_until_done(
+      const std::vector<std::shared_ptr<engine::GenerateEvents>>& events,
+      const std::vector<int32_t>& branches) {
+    std::vector<JobResult> results(events.size());
+    for (size_t j = 0; j < events.size(); ++j) {
+      results[j].tokens.resize(branches[j]);
+      results[j].logprobs.resize(branches[j]);
+    }
+    std::vector<bool> ended(events.size(), false);
+    std::vector<engine::GenerateEvent> batch;
+    for (int i = 0; i < 20000; ++i) {
+      bool done = true;
+      for (size_t j = 0; j < events.size(); ++j) {
+        batch.clear();
+        if (!ended[j] && !events[j]->next(batch, std::chrono::milliseconds(0))) ended[j] = true;
+        for (const engine::GenerateEvent& event : batch) {
+          JobResult& r = results[j];
+          r.tokens[event.branch].insert(r.tokens[event.branch].end(), event.delta.ids.begin(),
+                                        event.delta.ids.end());
+          r.logprobs[event.branch].insert(r.logprobs[event.branch].end(),
+                                          event.delta.logprobs.begin(), event.delta.logprobs.end());
+        }
+        done = done && ended[j];
+      }
+      if (done) return results;
+      scheduler_->prepare();
+      (void)scheduler_->step();
+    }
+    ADD_FAILURE() << "the scheduler did not finish";
+    return results;
+  }
+
+  JobResult alone(const engine::GenerateJob& job) {
+    return run_until_done({submit(job)}, {job.n}).front();
+  }
+
+ private:
+  engine::ModelRunner& runner_;
+  const engine::Tokenizer& tokenizer_;
+  std::unique_ptr<engine::Scheduler> scheduler_;
+};
+
+// Copies of `job` (16 greedy, 8 seeded) alone and among each other and random jobs; returns how
+// many copies equal the job alone.
+inline int32_t copies_equal_alone(engine::ModelRunner& runner, const engine::Tokenizer& tokenizer,
+                                  bool deterministic, const engine::GenerateJob& job,
+                                  int32_t copies, std::mt19937_64& rng) {
+  JobResult reference;
+  {
+    // Alone on a fresh scheduler (an empty prefix cache).
+    EngineDeterminism engine(runner, tokenizer, deterministic, /*max_step_tokens=*/512);
+    reference = engine.alone(job);
+  }
+  // Mixed on another (a small step budget: chunked prefill), the copies submitted together with
+  // 12 random jobs (greedy and sampled, 1-4 branches).
+  EngineDeterminism engine(runner, tokenizer, deterministic, /*max_step_tokens=*/96);
+  std::vector<std::shared_ptr<engine::GenerateEvents>> all;
+  std::vector<int32_t> branches;
+  for (int32_t i = 0; i < copies + 12; ++i) {
+    const bool is_copy = i < copies;
+    if (is_copy) {
+      all.push_back(engine.submit(job));
+      branches.push_back(job.n);
+    } else {
+      engine::GenerateJob other;
+      other.prompt.resize(std::uniform_int_distribution<size_t>(1, 200)(rng));
+      for (engine::TokenId& t : other.prompt) {
+        t = static_cast<engine::TokenId>(std::uniform_int_distribution<int>(3, 500)(rng));
+      }
+      other.n = std::uniform_int_distribution<int32_t>(1, 4)(rng);
+      other.max_tokens = std::uniform_int_distribution<int32_t>(4, 64)(rng);
+      other.sampling = {.temperature = 0.8f, .seed = rng()};
+      other.limits.ignore_eos = true;
+      all.push_back(engine.submit(other));
+      branches.push_back(other.n);
+    }
+  }
+  const std::vector<JobResult> results = engine.run_until_done(all, branches);
+  int32_t equal = 0;
+  for (int32_t i = 0; i < copies; ++i) equal += results[i] == reference ? 1 : 0;
+  return equal;
+}
+
+}  // namespace deft::test
