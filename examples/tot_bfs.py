@@ -16,55 +16,15 @@ The server keeps the whole search tree's KV; this client only sends commands. Pe
 The best path's text is printed at the end. The default model (models/default) is a tiny
 Llama trained on one short story: its steps read like text, its judgement is not smart.
 
-Needs grpcio (Debian: python3-grpcio; the script re-runs itself with /usr/bin/python3 when the
-first python3 lacks it) and the deft.v1 stubs: from PYTHONPATH, from build*/tests/integration/
-python_stubs, or generated on the fly with grpc_tools (python3-grpc-tools).
+Needs grpcio and the deft.v1 stubs (examples/client_import.py says where they are looked for).
 """
 
 import argparse
-import glob
-import importlib
 import os
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-
-
-def _import_client():
-    try:
-        import grpc  # noqa: F401
-    except ImportError:
-        system_python = "/usr/bin/python3"
-        if (os.path.exists(system_python) and os.path.realpath(sys.executable) !=
-                os.path.realpath(system_python) and not os.environ.get("DEFT_TOT_REEXEC")):
-            os.environ["DEFT_TOT_REEXEC"] = "1"
-            os.execv(system_python, [system_python, os.path.abspath(__file__)] + sys.argv[1:])
-        sys.exit("tot_bfs.py needs grpcio (Debian: apt-get install python3-grpcio)")
-    sys.path.insert(0, os.path.join(REPO, "clients", "python"))
-    try:
-        importlib.import_module("deft.v1.deft_pb2")
-    except ImportError:
-        built = sorted(glob.glob(os.path.join(REPO, "build*", "tests", "integration",
-                                              "python_stubs")))
-        found = [d for d in built if os.path.exists(os.path.join(d, "deft", "v1", "deft_pb2.py"))]
-        if found:
-            sys.path.insert(0, found[0])
-        else:
-            try:
-                from grpc_tools import protoc
-            except ImportError:
-                sys.exit("no deft.v1 stubs: build the project, put its python_stubs folder on "
-                         "PYTHONPATH, or install python3-grpc-tools")
-            out = tempfile.mkdtemp(prefix="deft-stubs-")
-            proto_dir = os.path.join(REPO, "proto")
-            if protoc.main(["protoc", f"-I{proto_dir}", f"--python_out={out}",
-                            f"--grpc_python_out={out}", "deft/v1/deft.proto"]) != 0:
-                sys.exit("grpc_tools.protoc failed on proto/deft/v1/deft.proto")
-            sys.path.insert(0, out)
-        importlib.invalidate_caches()
-    return importlib.import_module("deft_client")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from client_import import import_client  # noqa: E402
 
 
 def main() -> int:
@@ -89,7 +49,7 @@ def main() -> int:
         parser.error("--depth, --branch, --keep and --step-tokens must be >= 1")
     delimiter = args.delimiter.encode().decode("unicode_escape")  # "\\n" -> newline
 
-    deft_client = _import_client()
+    deft_client = import_client()
     pb = deft_client.deft_pb2
     suffixes = [args.evaluation] + ([args.contrast] if args.contrast else [])
     with deft_client.DeftClient(args.server, timeout=args.timeout) as client:
