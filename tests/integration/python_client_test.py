@@ -461,6 +461,21 @@ class TreeClientTest(unittest.TestCase):
         self.assertIn("best text: " + prompt, result.stdout)
 
 
+    def test_speculative_example(self):
+        # This server has no draft model: prompt lookup, which needs none.
+        script = os.path.join(SOURCE_DIR, "examples", "speculative.py")
+        result = subprocess.run(
+            [sys.executable, script, "--server", server.address, "--policy", "ngram",
+             "--max-tokens", "32", "--prompt", "Once upon a time there was a tree. Once upon"],
+            capture_output=True, text=True, timeout=240)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("same tokens: True", result.stdout)
+        result = subprocess.run([sys.executable, script, "--server", server.address],
+                                capture_output=True, text=True, timeout=240)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("no draft model", result.stderr)
+
+
 def make_certificates(directory):
     """A CA, a server certificate for localhost/127.0.0.1 and a client certificate of that CA,
     made with the openssl command line."""
