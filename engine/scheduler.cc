@@ -101,6 +101,9 @@ absl::Status Scheduler::open_session(uint64_t id, std::shared_ptr<SessionEvents>
 
 void Scheduler::session_command(uint64_t id, SessionCommand command) {
   auto it = sessions_.find(id);
+  if (it != sessions_.end() && it->second->closing() && command.counted) {
+    it->second->events().inflow_taken();
+  }
   if (it == sessions_.end() || it->second->closing()) {
     const absl::Status status =
         absl::NotFoundError(absl::StrCat("no open session ", id));

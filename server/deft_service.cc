@@ -789,6 +789,14 @@ grpc::Status DeftService::tree_session(
       command.invalid = key_limits_.check_tokens(caller.key_id);
     }
     closed = std::holds_alternative<engine::CloseCommand>(command.op) && command.invalid.ok();
+    // At most EventQueue::kInflowLimit commands wait for the engine: reading stops until it
+    // takes one (engine/works/event_queue.h).
+    while (!events->wait_inflow_room(kPollInterval)) {
+      if (client_gone.load() || context->IsCancelled()) break;
+    }
+    if (client_gone.load() || context->IsCancelled()) break;
+    events->inflow_added();
+    command.counted = true;
     engine_->session_command(session, std::move(command));
     if (closed) break;
   }

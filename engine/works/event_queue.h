@@ -76,15 +76,47 @@ class EventQueue {
       status_ = std::move(status);
     }
     ready_.notify_all();
+    room_.notify_all();
   }
   bool finished() const {
     std::lock_guard lock(mutex_);
     return finished_;
   }
 
+  // Inflow, the other direction (a tree session's commands, which its handler reads from the
+  // client and the engine takes in turn): at most kInflowLimit may wait, so a client that
+  // pipelines commands faster than they run (each up to the request size limit, megabytes)
+  // cannot grow server memory. The handler stops reading once the limit is reached, and gRPC's
+  // flow control then holds the client back.
+  static constexpr int32_t kInflowLimit = 64;
+  // Handler: waits up to `timeout` for room; true when there is (or the stream ended). Then
+  // inflow_added() for the input it passes on.
+  bool wait_inflow_room(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return room_.wait_for(lock, timeout, [&] { return finished_ || inflow_ < kInflowLimit; });
+  }
+  void inflow_added() {
+    std::lock_guard lock(mutex_);
+    ++inflow_;
+  }
+  // Engine: `count` inputs taken (started, answered, refused or dropped).
+  void inflow_taken(int32_t count = 1) {
+    {
+      std::lock_guard lock(mutex_);
+      inflow_ -= count;
+    }
+    room_.notify_all();
+  }
+  int32_t inflow() const {
+    std::lock_guard lock(mutex_);
+    return inflow_;
+  }
+
  private:
   mutable std::mutex mutex_;
   std::condition_variable ready_;
+  std::condition_variable room_;  // inflow below its limit
+  int32_t inflow_ = 0;
   std::deque<Event> events_;
   bool finished_ = false;
   absl::Status status_;

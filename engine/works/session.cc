@@ -51,6 +51,7 @@ std::optional<SessionCommand> Session::next_command(Forest& forest) {
   while (!busy_ && !closing_ && !commands_.empty()) {
     SessionCommand command = std::move(commands_.front());
     commands_.pop_front();
+    if (command.counted) events_->inflow_taken();
     absl::Status status = command.invalid;
     if (const std::shared_ptr<VerifyReply> reply = command.verify_reply();
         reply != nullptr && reply->cancelled()) {
@@ -241,6 +242,7 @@ void Session::close(Forest& forest, const absl::Status& status) {
   for (const auto& [node, logits] : nodes_) forest.release(node);
   nodes_.clear();
   for (const SessionCommand& command : commands_) {
+    if (command.counted) events_->inflow_taken();
     if (const std::shared_ptr<VerifyReply> reply = command.verify_reply(); reply != nullptr) {
       reply->finish(
           absl::NotFoundError(absl::StrCat("session ", id_, " closed before the verify ran")));

@@ -114,6 +114,9 @@ struct VerifyCommand {
 
 struct SessionCommand {
   uint64_t request_id = 0;
+  // Counted in the session's inflow (EventQueue::inflow_added by the stream's handler): the
+  // session gives it back when it takes or drops the command.
+  bool counted = false;
   // Not OK: the request was malformed; the session answers this error in its turn.
   absl::Status invalid;
   std::variant<CreateCommand, ExtendCommand, DecodeCommand, BranchCommand, PruneCommand,

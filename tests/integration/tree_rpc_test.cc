@@ -636,6 +636,49 @@ TEST_F(TreeRpcTest, SessionEveryCommand) {
   EXPECT_TRUE(session.finish().ok());
 }
 
+// A client that pipelines far more commands than the server lets wait (64, then it stops
+// reading: engine/works/event_queue.h's inflow bound) while reading the answers on another
+// thread: every command is answered, in order, and the session closes cleanly.
+TEST_F(TreeRpcTest, SessionPipelinedCommandsAreAllAnsweredInOrder) {
+  constexpr int kScores = 400;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto stream = stub_->TreeSession(&context);
+  v1::SessionResponse response;
+  v1::SessionRequest create;
+  create.set_request_id(1);
+  create.mutable_create()->mutable_prompt()->set_text("Once upon a time");
+  ASSERT_TRUE(stream->Write(create));
+  // The session id arrives first; then the created node.
+  int64_t root = -1;
+  while (root < 0 && stream->Read(&response)) {
+    if (response.has_created_node()) root = response.created_node();
+  }
+  ASSERT_GE(root, 0);
+  std::thread writer([&] {
+    for (int i = 0; i < kScores; ++i) {
+      v1::SessionRequest score;
+      score.set_request_id(100 + static_cast<uint64_t>(i));
+      score.mutable_score()->set_node(root);
+      score.mutable_score()->mutable_continuation()->set_text(" there was a tree");
+      if (!stream->Write(score)) return;
+    }
+    stream->WritesDone();
+  });
+  std::vector<uint64_t> answered;
+  bool closed = false;
+  while (stream->Read(&response)) {
+    if (response.has_scored()) answered.push_back(response.request_id());
+    EXPECT_FALSE(response.has_error()) << response.error().message();
+    closed = closed || response.has_closed();
+  }
+  writer.join();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_TRUE(closed);
+  ASSERT_EQ(answered.size(), static_cast<size_t>(kScores));
+  for (int i = 0; i < kScores; ++i) EXPECT_EQ(answered[i], 100u + static_cast<uint64_t>(i));
+}
+
 TEST_F(TreeRpcTest, SessionExtendDecodeAndScoreEqualGenerate) {
   const std::vector<int32_t> prompt = story_prompt(*stub_);
   TestSession session(*stub_);
