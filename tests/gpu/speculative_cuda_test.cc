@@ -80,10 +80,16 @@ std::vector<std::vector<std::vector<TokenId>>> run(Scheduler& scheduler, const T
     scheduler.prepare();
     (void)scheduler.step();
   }
-  EXPECT_TRUE(done());
+  EXPECT_TRUE(done()) << "live " << scheduler.live() << ", queued " << scheduler.queued();
   std::vector<std::vector<std::vector<TokenId>>> out;
   for (size_t j = 0; j < jobs.size(); ++j) {
     std::vector<std::vector<TokenId>> branches(static_cast<size_t>(jobs[j].n));
+    // An unfinished job's queue never ends: take what it has without waiting for its end.
+    if (!events[j]->finished()) events[j]->cancel();
+    if (!events[j]->finished()) {
+      out.push_back(std::move(branches));
+      continue;
+    }
     std::vector<GenerateEvent> batch;
     while (events[j]->next(batch, std::chrono::milliseconds(0))) {
       for (const GenerateEvent& event : batch) {
