@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bench/bench_result.h"
+#include "bench/llama3_2_1b_config.h"
 #include "bench/llama3_8b_config.h"
 #include "engine/attention_planner.h"
 #include "engine/kv_cache_manager.h"
@@ -59,19 +60,6 @@ void must(const absl::Status& status, const char* what) {
     std::fprintf(stderr, "%s: %s\n", what, status.ToString().c_str());
     std::exit(1);
   }
-}
-
-models::ModelConfig llama3_2_1b_config() {
-  models::ModelConfig c = llama3_8b_config();
-  c.hidden_size = 2048;
-  c.intermediate_size = 8192;
-  c.num_hidden_layers = 16;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 8;
-  c.head_dim = 64;
-  c.tie_word_embeddings = true;
-  c.max_position_embeddings = 131072;
-  return c;
 }
 
 struct Case {
