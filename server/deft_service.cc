@@ -954,6 +954,8 @@ grpc::Status DeftService::ModelInfo(grpc::ServerContext* context, const v1::Mode
   response->set_max_branches(config_.max_branches);
   response->set_draft_model(model_.draft_model);
   response->set_max_speculative_tokens(config_.max_speculative_tokens);
+  response->set_max_verify_entries(config_.max_verify_entries);
+  response->set_max_verify_distribution_tokens(config_.max_verify_distribution_tokens);
   return done(call, caller, grpc::Status::OK);
 }
 

@@ -91,6 +91,8 @@ TEST_F(SpeculativeServer, ModelInfoNamesTheDraftModel) {
   ASSERT_TRUE(stub->ModelInfo(&context, {}, &info).ok());
   EXPECT_EQ(info.draft_model(), "default-draft");
   EXPECT_EQ(info.max_speculative_tokens(), 128);
+  EXPECT_EQ(info.max_verify_entries(), 256);
+  EXPECT_EQ(info.max_verify_distribution_tokens(), 16384);
 }
 
 TEST_F(SpeculativeServer, ConcurrentSpeculativeJobsGiveThePlainTokens) {
