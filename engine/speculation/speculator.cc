@@ -151,8 +151,10 @@ absl::Status Speculator::take_tree_rows(StepContext& step, const SampledToken& a
     stats_.drafted += tree_rows_;
     stats_.accepted += static_cast<int64_t>(path_.size()) - 1;
   }
-  last_accepted_ = tree_rows_ > 0 ? static_cast<int32_t>(path_.size()) - 1 : -1;
-  last_drafted_ = tree_rows_;
+  if (tree_rows_ > 0) {
+    step.accepted_lengths.push_back(static_cast<int32_t>(path_.size()) - 1);
+    step.drafted += tree_rows_;
+  }
   drop_tree(step.forest, draft_);
   return absl::OkStatus();
 }

@@ -59,8 +59,9 @@ class Speculator {
   // Entries add_tree_rows() would add at most (pages and rows the scheduler makes room for).
   int32_t tree_bound() const;
   // Step 3: `anchor` is the target's draw at the anchor row; the entries' draws are read from
-  // `step` in row order. Appends the committed tokens (at least `anchor`) to `committed` and
-  // discards the drafted nodes of both forests.
+  // `step` in row order. Appends the committed tokens (at least `anchor`) to `committed`,
+  // counts the verified tree in the step's metrics (StepContext::accepted_lengths, drafted)
+  // and discards the drafted nodes of both forests.
   absl::Status take_tree_rows(StepContext& step, const SampledToken& anchor,
                               std::vector<SampledToken>* committed);
   // Drops this step's drafted nodes without a verdict (the work skipped the target step, was
@@ -72,9 +73,6 @@ class Speculator {
   std::span<const TokenId> context() const { return context_; }
 
   const SpeculationStats& stats() const { return stats_; }
-  // Entries the last take_tree_rows() accepted; -1 when it verified no tree.
-  int32_t last_accepted() const { return last_accepted_; }
-  int32_t last_drafted() const { return last_drafted_; }  // entries it verified
 
  private:
   void drop_draft_entries(Forest& draft);
@@ -99,8 +97,6 @@ class Speculator {
   std::vector<SampledToken> draws_;
   std::vector<int32_t> path_;
   SpeculationStats stats_;
-  int32_t last_accepted_ = -1;
-  int32_t last_drafted_ = 0;
 };
 
 }  // namespace deft::engine

@@ -319,7 +319,7 @@ absl::Status GenerateWork::take_logits(StepContext& step) {
       prompt_draft_.reset();
     }
   } else {
-    std::vector<SampledToken> committed;
+    std::vector<SampledToken>& committed = committed_;
     for (int32_t i = 0; i < static_cast<int32_t>(branches_.size()); ++i) {
       Branch& branch = branches_[i];
       if (!branch.live) continue;
@@ -330,10 +330,6 @@ absl::Status GenerateWork::take_logits(StepContext& step) {
         if (absl::Status status = branch.speculator->take_tree_rows(step, *sampled, &committed);
             !status.ok()) {
           return status;
-        }
-        if (const int32_t accepted = branch.speculator->last_accepted(); accepted >= 0) {
-          step.accepted_lengths.push_back(accepted);
-          step.drafted += branch.speculator->last_drafted();
         }
       } else {
         committed.push_back(*std::move(sampled));

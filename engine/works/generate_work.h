@@ -111,6 +111,7 @@ class GenerateWork final : public Work {
   bool finished_ = false;
   Forest* draft_ = nullptr;  // the draft model's forest, when the job drafts with it
   std::unique_ptr<Speculator> prompt_draft_;  // the prompt's draft KV until the job branches
+  std::vector<SampledToken> committed_;  // a step's tokens of one branch (storage kept)
 };
 
 }  // namespace deft::engine

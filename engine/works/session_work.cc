@@ -246,7 +246,7 @@ class DecodeWork final : public SessionWork {
   absl::Status take_logits(StepContext& step) override {
     if (!in_step_) return absl::OkStatus();
     bool all_done = true;
-    std::vector<SampledToken> committed;
+    std::vector<SampledToken>& committed = committed_;
     for (Live& live_node : nodes_) {
       if (live_node.done) continue;
       if (live_node.ending) {
@@ -262,10 +262,6 @@ class DecodeWork final : public SessionWork {
         if (absl::Status status = live_node.speculator->take_tree_rows(step, *sampled, &committed);
             !status.ok()) {
           return status;
-        }
-        if (const int32_t accepted = live_node.speculator->last_accepted(); accepted >= 0) {
-          step.accepted_lengths.push_back(accepted);
-          step.drafted += live_node.speculator->last_drafted();
         }
       } else {
         committed.push_back(*std::move(sampled));
@@ -358,6 +354,7 @@ class DecodeWork final : public SessionWork {
   std::vector<Live> nodes_;
   bool in_step_ = false;
   Forest* draft_ = nullptr;
+  std::vector<SampledToken> committed_;  // a step's tokens of one node (storage kept)
 };
 
 // score: the continuation runs under a temporary child of the node (its KV freed at the end);

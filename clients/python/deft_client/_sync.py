@@ -243,6 +243,23 @@ def _pem(value: Union[None, str, bytes]) -> Optional[bytes]:
         return file.read()
 
 
+def _channel_credentials(tls: bool, tls_ca, tls_cert, tls_key):
+    """The channel credentials of the clients' TLS arguments: None for plaintext (no TLS asked
+    for); ValueError for a client certificate without its key or the reverse."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key go together (a client certificate and its key)")
+    if not (tls or tls_ca is not None or tls_cert is not None):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca),
+                                        private_key=_pem(tls_key),
+                                        certificate_chain=_pem(tls_cert))
+
+
+def _api_key(api_key: Optional[str]) -> Optional[str]:
+    """The key given, else $DEFT_API_KEY, else None."""
+    return api_key if api_key is not None else (os.environ.get("DEFT_API_KEY") or None)
+
+
 class DeftClient:
     """Blocking client; every method raises grpc.RpcError (with .code() and .details()) when
     the server refuses a request.
@@ -259,17 +276,10 @@ class DeftClient:
                  api_key: Optional[str] = None):
         self.address = address
         self.timeout = timeout
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert and tls_key go together (a client certificate and its key)")
-        if tls or tls_ca is not None or tls_cert is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
-                certificate_chain=_pem(tls_cert))
-            self._raw_channel = grpc.secure_channel(address, credentials)
-        else:
-            self._raw_channel = grpc.insecure_channel(address)
-        if api_key is None:
-            api_key = os.environ.get("DEFT_API_KEY") or None
+        credentials = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
+        self._raw_channel = (grpc.secure_channel(address, credentials) if credentials
+                             else grpc.insecure_channel(address))
+        api_key = _api_key(api_key)
         self.channel = (grpc.intercept_channel(self._raw_channel, _BearerKey(api_key))
                         if api_key else self._raw_channel)
         self.stub = deft_pb2_grpc.DeftStub(self.channel)

@@ -23,7 +23,6 @@ raises SessionError and the session stays usable."""
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -44,7 +43,8 @@ from ._sync import (
     _decode_health_response,
     _encode_health_request,
     _add_response,
-    _pem,
+    _api_key,
+    _channel_credentials,
     _prompt,
     generate_request,
     run_tree_request,
@@ -66,17 +66,10 @@ class AsyncDeftClient:
                  api_key: Optional[str] = None):
         self.address = address
         self.timeout = timeout
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert and tls_key go together (a client certificate and its key)")
-        if tls or tls_ca is not None or tls_cert is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
-                certificate_chain=_pem(tls_cert))
-            self.channel = grpc.aio.secure_channel(address, credentials)
-        else:
-            self.channel = grpc.aio.insecure_channel(address)
-        if api_key is None:
-            api_key = os.environ.get("DEFT_API_KEY") or None
+        credentials = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
+        self.channel = (grpc.aio.secure_channel(address, credentials) if credentials
+                        else grpc.aio.insecure_channel(address))
+        api_key = _api_key(api_key)
         self._metadata: Tuple[Tuple[str, str], ...] = (
             (("authorization", f"Bearer {api_key}"),) if api_key else ())
         self.stub = deft_pb2_grpc.DeftStub(self.channel)
