@@ -135,6 +135,10 @@ def main():
     parser.add_argument("--hardware", default="")
     parser.add_argument("--commit", default=os.environ.get("DEFT_COMMIT", ""))
     args = parser.parse_args()
+    if not args.hardware and args.backend == "cpu":
+        with open("/proc/cpuinfo") as cpuinfo:
+            models = [l.split(":", 1)[1].strip() for l in cpuinfo if l.startswith("model name")]
+        args.hardware = f"{models[0]} ({len(models)} cores)" if models else "cpu"
 
     http_port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     server_args = [args.server, "--listen", f"127.0.0.1:{grpc_port}",
@@ -181,8 +185,8 @@ def main():
                "date": datetime.date.today().isoformat(),
                "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
                "floor": {}, "rows": rows}
-        name = f"spec_serve-{args.hardware.split()[-1].lower() if args.hardware else 'cpu'}-" \
-               f"{datetime.date.today().strftime('%Y%m%d')}.json"
+        tag = "cpu" if args.backend == "cpu" or not args.hardware else args.hardware.split()[-1].lower()
+        name = f"spec_serve-{tag}-{datetime.date.today().strftime('%Y%m%d')}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(out, f, indent=1)
         print("wrote", name)
