@@ -296,10 +296,11 @@ def write_result(args, figures, samples, backend):
 
 def main():
     args = parse_args()
-    # The checkout's commit when the run starts (the server binary should be built from it).
+    # The checkout's commit when the run starts (the server binary should be built from it);
+    # DEFT_COMMIT names it where the checkout is a copy without git (a GPU machine).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    args.commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip()
+    args.commit = os.environ.get("DEFT_COMMIT") or subprocess.run(
+        ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     levels = [int(level) for level in args.concurrency.split(",")]
     kinds = args.mix.split(",")
     for kind in kinds:

@@ -12,11 +12,13 @@
 //     logprobs of the same job run alone (disabled for now: see the test).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -172,6 +174,101 @@ TEST(CudaDeterministicEngine, DISABLED_ConcurrentCopiesOfAGenerateEqualItAlone) 
       EXPECT_EQ(sampled_equal, 8);
     }
   }
+}
+
+// A runner that never times attention (the scheduler times every 16th step, eagerly).
+class UntimedRunner : public engine::ModelRunner {
+ public:
+  explicit UntimedRunner(engine::ModelRunner& inner) : inner_(inner) {}
+  const engine::ModelInfo& info() const override { return inner_.info(); }
+  absl::Status forward(const engine::StepBatch& batch, std::span<float> logits) override {
+    return inner_.forward(batch, logits);
+  }
+  absl::Status forward_sampled(const engine::StepBatch& batch,
+                               std::span<const engine::RowSampling> rows,
+                               std::span<engine::SampledToken> out,
+                               std::span<float> logits) override {
+    return inner_.forward_sampled(batch, rows, out, logits);
+  }
+  bool samples_on_device() const override { return inner_.samples_on_device(); }
+  std::span<float> logits_buffer(size_t floats) override { return inner_.logits_buffer(floats); }
+  engine::AttentionWave attention_wave() const override { return inner_.attention_wave(); }
+
+ private:
+  engine::ModelRunner& inner_;
+};
+
+// Diagnosis, not a requirement: the engine-level comparison above under variants that each
+// remove one thing the engine does and the runner-level harness does not; prints, per variant,
+// the copies equal to the job alone and the first difference of the others.
+TEST(CudaDeterministicEngine, DISABLED_WhereCopiesDiffer) {
+  DEFT_SKIP_WITHOUT_DETERMINISTIC();
+  absl::StatusOr<std::unique_ptr<engine::Tokenizer>> tokenizer =
+      engine::load_tokenizer(DEFT_SOURCE_DIR "/models/default");
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const uint64_t seed = kernels::fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  const testing::TinyLlama model = testing::make_tiny_llama({.hidden = 512,
+                                                             .heads = 8,
+                                                             .kv_heads = 2,
+                                                             .head_dim = 128,
+                                                             .intermediate = 1408,
+                                                             .layers = 2,
+                                                             .vocab = 512,
+                                                             .seed = seed});
+  engine::GenerateJob greedy;
+  greedy.prompt.resize(150);
+  for (engine::TokenId& t : greedy.prompt) {
+    t = static_cast<engine::TokenId>(std::uniform_int_distribution<int>(3, 500)(rng));
+  }
+  greedy.n = 1;
+  greedy.max_tokens = 48;
+  greedy.sampling = {.temperature = 0.0f};
+  greedy.limits.ignore_eos = true;
+  engine::GenerateJob sampled = greedy;
+  sampled.n = 2;
+  sampled.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = rng()};
+  std::unique_ptr<LlamaCudaRunner> runner = make_runner(
+      model, int64_t{test::kPages} * test::kPageTokens, test::kPageTokens, /*deterministic=*/true);
+  ASSERT_NE(runner, nullptr);
+  UntimedRunner untimed(*runner);
+  struct Variant {
+    const char* name;
+    test::MixOptions mix;
+    bool graphs = true;
+    bool timed = true;
+    int32_t copies = 16;
+  };
+  const std::vector<Variant> variants = {
+      {"as the test", {}},
+      {"copies only", {.random_jobs = 0}},
+      {"one copy among random jobs", {}, true, true, 1},
+      {"no chunked prefill", {.max_step_tokens = 512}},
+      {"no prefix cache", {.prefix_cache_pages = 0}},
+      {"no CUDA graphs", {}, false},
+      {"no timed steps", {}, true, false},
+      {"no graphs, no timed steps, no prefix cache", {.prefix_cache_pages = 0}, false, false},
+      {"alone vs alone", {.max_step_tokens = 512, .random_jobs = 0}, true, true, 1},
+  };
+  for (const Variant& v : variants) {
+    runner->set_cuda_graphs(v.graphs);
+    engine::ModelRunner& used = v.timed ? static_cast<engine::ModelRunner&>(*runner) : untimed;
+    for (const engine::GenerateJob* job : {&greedy, &sampled}) {
+      std::vector<std::string> differences;
+      const int32_t copies = job == &greedy ? v.copies : std::max(1, v.copies / 2);
+      const int32_t equal =
+          test::copies_equal_alone(used, **tokenizer, true, *job, copies, rng, v.mix, &differences);
+      std::printf("[ diagnose ] %-45s %-7s %2d of %2d equal%s%s\n", v.name,
+                  job == &greedy ? "greedy" : "sampled", equal, copies,
+                  differences.empty() ? "" : "; first: ",
+                  differences.empty() ? "" : differences.front().c_str());
+      for (size_t i = 1; i < differences.size() && i < 4; ++i) {
+        std::printf("[ diagnose ]     also: %s\n", differences[i].c_str());
+      }
+    }
+  }
+  runner->set_cuda_graphs(true);
 }
 
 }  // namespace

@@ -142,6 +142,13 @@ void ServerProcess::start(std::vector<std::string> extra_args, bool wait_serving
   std::vector<std::string> argv = {DEFT_SERVER_BINARY, "--listen",    "127.0.0.1:0",
                                    "--metrics-listen", "127.0.0.1:0", "--port-file",
                                    port_file.string(), "--log-level", "info"};
+  // DEFT_TEST_SERVER_ARGS (space-separated) come before the test's own: the same suite against
+  // another backend, e.g. "--backend cuda --tensor-parallel 2" on a GPU machine (a later flag
+  // wins, so a test that names a flag keeps its value).
+  if (const char* env = std::getenv("DEFT_TEST_SERVER_ARGS"); env != nullptr) {
+    std::istringstream words(env);
+    for (std::string word; words >> word;) argv.push_back(word);
+  }
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   pid_ = spawn(argv, dir_ / "server.log");
   ASSERT_GT(pid_, 0) << "fork failed";

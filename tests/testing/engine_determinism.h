@@ -7,10 +7,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "engine/model_runner.h"
@@ -42,10 +45,12 @@ struct JobResult {
 class EngineDeterminism {
  public:
   EngineDeterminism(engine::ModelRunner& runner, const engine::Tokenizer& tokenizer,
-                    bool deterministic, int32_t max_step_tokens)
+                    bool deterministic, int32_t max_step_tokens, int64_t prefix_cache_pages = -1)
       : runner_(runner), tokenizer_(tokenizer) {
-    engine::SchedulerOptions options{
-        .page_tokens = kPageTokens, .kv_pages = kPages, .max_step_tokens = max_step_tokens};
+    engine::SchedulerOptions options{.page_tokens = kPageTokens,
+                                     .kv_pages = kPages,
+                                     .max_step_tokens = max_step_tokens,
+                                     .prefix_cache_pages = prefix_cache_pages};
     options.planner.deterministic = deterministic;
     options.planner.min_prefill_run = 64;
     scheduler_ = std::make_unique<engine::Scheduler>(options, runner_, tokenizer_);
@@ -104,23 +109,53 @@ class EngineDeterminism {
   std::unique_ptr<engine::Scheduler> scheduler_;
 };
 
-// Copies of `job` (16 greedy, 8 seeded) alone and among each other and random jobs; returns how
-// many copies equal the job alone.
+// How the copies run among each other (the defaults: the test's mix).
+struct MixOptions {
+  int32_t max_step_tokens = 96;     // of the mixed run: chunked prefill
+  int32_t random_jobs = 12;         // greedy and sampled, 1-4 branches
+  int64_t prefix_cache_pages = -1;  // of the mixed run (-1: the whole pool; 0: none)
+};
+
+// Where `got` first differs from `want`: "" when equal.
+inline std::string first_difference(const JobResult& want, const JobResult& got) {
+  for (size_t b = 0; b < want.tokens.size() && b < got.tokens.size(); ++b) {
+    const size_t n = std::min(want.tokens[b].size(), got.tokens[b].size());
+    for (size_t i = 0; i < n; ++i) {
+      const bool token = want.tokens[b][i] != got.tokens[b][i];
+      const bool logprob = i < want.logprobs[b].size() && i < got.logprobs[b].size() &&
+                           std::memcmp(&want.logprobs[b][i], &got.logprobs[b][i], sizeof(float));
+      if (token || logprob) {
+        std::ostringstream out;
+        out << "branch " << b << " token " << i << ": " << (token ? "token" : "logprob only")
+            << " (alone " << want.tokens[b][i] << " " << want.logprobs[b][i] << ", mixed "
+            << got.tokens[b][i] << " " << got.logprobs[b][i] << ")";
+        return out.str();
+      }
+    }
+    if (want.tokens[b].size() != got.tokens[b].size()) return "a branch length differs";
+  }
+  return want == got ? "" : "the branch count or logprob counts differ";
+}
+
+// Copies of `job` alone and among each other and random jobs; returns how many copies equal the
+// job alone (the first difference of each other copy goes to `differences` when given).
 inline int32_t copies_equal_alone(engine::ModelRunner& runner, const engine::Tokenizer& tokenizer,
                                   bool deterministic, const engine::GenerateJob& job,
-                                  int32_t copies, std::mt19937_64& rng) {
+                                  int32_t copies, std::mt19937_64& rng, const MixOptions& mix = {},
+                                  std::vector<std::string>* differences = nullptr) {
   JobResult reference;
   {
     // Alone on a fresh scheduler (an empty prefix cache).
     EngineDeterminism engine(runner, tokenizer, deterministic, /*max_step_tokens=*/512);
     reference = engine.alone(job);
   }
-  // Mixed on another (a small step budget: chunked prefill), the copies submitted together with
-  // 12 random jobs (greedy and sampled, 1-4 branches).
-  EngineDeterminism engine(runner, tokenizer, deterministic, /*max_step_tokens=*/96);
+  // Mixed on another (by default a small step budget: chunked prefill), the copies submitted
+  // together with the random jobs.
+  EngineDeterminism engine(runner, tokenizer, deterministic, mix.max_step_tokens,
+                           mix.prefix_cache_pages);
   std::vector<std::shared_ptr<engine::GenerateEvents>> all;
   std::vector<int32_t> branches;
-  for (int32_t i = 0; i < copies + 12; ++i) {
+  for (int32_t i = 0; i < copies + mix.random_jobs; ++i) {
     const bool is_copy = i < copies;
     if (is_copy) {
       all.push_back(engine.submit(job));
@@ -141,7 +176,11 @@ inline int32_t copies_equal_alone(engine::ModelRunner& runner, const engine::Tok
   }
   const std::vector<JobResult> results = engine.run_until_done(all, branches);
   int32_t equal = 0;
-  for (int32_t i = 0; i < copies; ++i) equal += results[i] == reference ? 1 : 0;
+  for (int32_t i = 0; i < copies; ++i) {
+    const std::string difference = first_difference(reference, results[i]);
+    equal += difference.empty() ? 1 : 0;
+    if (differences != nullptr && !difference.empty()) differences->push_back(difference);
+  }
   return equal;
 }
 
