@@ -519,15 +519,20 @@ size_t sampling_workspace_bytes(int32_t num_rows, int32_t vocab_size) {
 
 void launch_sample_rows(const SamplingDims& dims, const float* logits,
                         const RowSamplingParams* params, float* workspace, SampledRow* out,
-                        SampledTop* top, cudaStream_t stream, bool drop_logits) {
+                        SampledTop* top, cudaStream_t stream, bool drop_logits,
+                        bool batch_invariant) {
   if (dims.num_rows <= 0) return;
-  // Two blocks an SM (the kernel's launch bounds).
+  // Two blocks an SM (the kernel's launch bounds). Batch-invariant launches keep the widest
+  // split, the one decode-sized steps (up to 33 rows on an H200) use anyway.
   const int64_t resident_blocks = int64_t{2} * current_device_sm_count();
-  int split = kRowSplits[std::size(kRowSplits) - 1];
-  for (int candidate : kRowSplits) {
-    if (int64_t{dims.num_rows} * candidate <= resident_blocks) {
-      split = candidate;
-      break;
+  int split = kRowSplits[0];
+  if (!batch_invariant) {
+    split = kRowSplits[std::size(kRowSplits) - 1];
+    for (int candidate : kRowSplits) {
+      if (int64_t{dims.num_rows} * candidate <= resident_blocks) {
+        split = candidate;
+        break;
+      }
     }
   }
   cudaLaunchAttribute attribute{};

@@ -81,8 +81,14 @@ size_t sampling_workspace_bytes(int32_t num_rows, int32_t vocab_size);
 // without top logprobs or keep_logits drop theirs from L2 unwritten once read (their contents are
 // undefined afterwards), so 33 MB of a 64-row step's fp32 logits are not written back to DRAM
 // during the next step's first GEMMs.
+// batch_invariant: every row's log-probabilities (and token) are the same bits whatever the
+// launch's row count. A row is split over a fixed number of blocks (the softmax normaliser's sum
+// is partitioned by that split); otherwise the split shrinks as rows grow, so that the rows' blocks
+// fit in one wave, and a log-probability may differ in its last bits between row counts (the
+// token never does: it is chosen from exact keys and weights).
 void launch_sample_rows(const SamplingDims& dims, const float* logits,
                         const RowSamplingParams* params, float* workspace, SampledRow* out,
-                        SampledTop* top, cudaStream_t stream, bool drop_logits = false);
+                        SampledTop* top, cudaStream_t stream, bool drop_logits = false,
+                        bool batch_invariant = false);
 
 }  // namespace deft::kernels

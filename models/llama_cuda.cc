@@ -193,7 +193,7 @@ void LlamaCudaRunner::State::launch_step(const ModelConfig& c, const StepLaunch&
                                   sampled.as<kernels::SampledRow>() + begin,
                                   sampled_top.as<kernels::SampledTop>() +
                                       static_cast<size_t>(begin) * kernels::kSamplingMaxTopLogprobs,
-                                  stream, /*drop_logits=*/true);
+                                  stream, /*drop_logits=*/true, batch_invariant);
       timer.mark(StepPhase::kSampling);
       // The chunk's rows that want their logits (sampling read them and left them intact).
       for (size_t k = 0; k < launch.kept_rows.size(); ++k) {

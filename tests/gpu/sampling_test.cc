@@ -101,7 +101,8 @@ struct GpuRows {
 // buffer then holds NaN first and gets the logits from a device-to-device copy, so a read of a
 // dropped line is likely to see the NaN still in DRAM.
 GpuRows sample_on_gpu(const std::vector<float>& logits, int32_t vocab,
-                      const std::vector<RowSamplingParams>& params, bool drop_logits = false) {
+                      const std::vector<RowSamplingParams>& params, bool drop_logits = false,
+                      bool batch_invariant = false) {
   const auto rows = static_cast<int32_t>(params.size());
   DeviceBuffer d_logits = to_device(logits);
   if (drop_logits) {
@@ -117,7 +118,8 @@ GpuRows sample_on_gpu(const std::vector<float>& logits, int32_t vocab,
   DeviceBuffer d_top(sizeof(SampledTop) * rows * kSamplingMaxTopLogprobs);
   launch_sample_rows({.num_rows = rows, .vocab_size = vocab, .row_stride = vocab},
                      d_logits.as<float>(), d_params.as<RowSamplingParams>(), workspace.as<float>(),
-                     d_out.as<SampledRow>(), d_top.as<SampledTop>(), nullptr, drop_logits);
+                     d_out.as<SampledRow>(), d_top.as<SampledTop>(), nullptr, drop_logits,
+                     batch_invariant);
   DEFT_CUDA_CHECK(cudaDeviceSynchronize());
   return {to_host<SampledRow>(d_out, rows),
           to_host<SampledTop>(d_top, static_cast<size_t>(rows) * kSamplingMaxTopLogprobs)};
@@ -301,6 +303,64 @@ TEST(SamplingGpu, TiesGoToTheLowerTokenId) {
     ASSERT_TRUE(ref.ok());
     EXPECT_EQ(gpu.rows[i].token, ref->token) << "seed " << p.seed;
     EXPECT_TRUE(gpu.rows[i].token == 0 || gpu.rows[i].token == 30000 || gpu.rows[i].token == 40000);
+  }
+}
+
+// Batch-invariant launches (deterministic mode): a row's token, log-probability and top list are
+// the same bits in a launch of 1, 30, 70 or 200 rows (the default launch splits a row over fewer
+// blocks as rows grow, so its log-probabilities may differ in the last bits: counted, printed).
+TEST(SamplingGpu, BatchInvariantRowsKeepTheirBitsAtAnyRowCount) {
+  DEFT_SKIP_WITHOUT_GPU();
+  const int32_t vocab = 128256;
+  const uint32_t seed = static_cast<uint32_t>(fresh_seed());
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int32_t total = 200;
+  std::vector<float> logits;
+  std::vector<RowSamplingParams> params;
+  for (int32_t r = 0; r < total; ++r) {
+    const std::vector<float> row = random_row(vocab, r % 5, rng);
+    logits.insert(logits.end(), row.begin(), row.end());
+    const Config& c = kConfigs[r % std::size(kConfigs)];
+    params.push_back({.temperature = c.temperature,
+                      .top_k = c.top_k,
+                      .top_p = c.top_p,
+                      .top_logprobs = c.top_logprobs,
+                      .seed = rng(),
+                      .step = static_cast<uint64_t>(r)});
+  }
+  const auto same = [](const GpuRows& a, int32_t ra, const GpuRows& b, int32_t rb) {
+    const SampledRow& x = a.rows[ra];
+    const SampledRow& y = b.rows[rb];
+    if (x.token != y.token || std::memcmp(&x.logprob, &y.logprob, sizeof(float)) != 0 ||
+        x.num_top != y.num_top) {
+      return false;
+    }
+    const size_t k = kSamplingMaxTopLogprobs;
+    return std::memcmp(&a.top[ra * k], &b.top[rb * k], sizeof(SampledTop) * x.num_top) == 0;
+  };
+  for (const bool batch_invariant : {true, false}) {
+    const GpuRows all = sample_on_gpu(logits, vocab, params, false, batch_invariant);
+    int32_t differ = 0, compared = 0;
+    for (const int32_t count : {1, 30, 70}) {
+      for (int32_t first = 0; first + count <= total; first += 67) {
+        const std::vector<float> part(logits.begin() + static_cast<int64_t>(first) * vocab,
+                                      logits.begin() + static_cast<int64_t>(first + count) * vocab);
+        const std::vector<RowSamplingParams> part_params(params.begin() + first,
+                                                         params.begin() + first + count);
+        const GpuRows some = sample_on_gpu(part, vocab, part_params, false, batch_invariant);
+        for (int32_t r = 0; r < count; ++r, ++compared) {
+          ASSERT_EQ(all.rows[first + r].status, kSampledOk);
+          EXPECT_EQ(all.rows[first + r].token, some.rows[r].token) << "row " << first + r;
+          if (!same(all, first + r, some, r)) ++differ;
+        }
+      }
+    }
+    std::printf("[ batch invariance ] %s launch: %d of %d rows differ from the 200-row launch\n",
+                batch_invariant ? "batch-invariant" : "default", differ, compared);
+    if (batch_invariant) {
+      EXPECT_EQ(differ, 0);
+    }
   }
 }
 

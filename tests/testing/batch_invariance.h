@@ -44,6 +44,7 @@ struct BatchInvarianceOptions {
 struct BatchInvarianceReport {
   int64_t steps = 0;           // mixed steps run
   int64_t max_step_rows = 0;   // the largest mixed step
+  int64_t max_step_sampled = 0;  // the most sampled rows of a mixed step
   int64_t logit_rows = 0;      // probe logit rows compared
   int64_t sampled_rows = 0;    // probe sampled rows compared
   int64_t mismatches = 0;      // rows whose bits differ
@@ -124,7 +125,10 @@ class BatchInvarianceHarness {
   }
   engine::SamplingParams random_params() {
     engine::SamplingParams p;
-    p.temperature = static_cast<float>(0.5 + 0.7 * std::uniform_real_distribution<>(0, 1)(rng_));
+    // One in five greedy: such rows' log-probabilities come from the device sampler too.
+    p.temperature =
+        coin(0.2) ? 0.0f
+                  : static_cast<float>(0.5 + 0.7 * std::uniform_real_distribution<>(0, 1)(rng_));
     p.top_k = coin(0.5) ? static_cast<int32_t>(uniform(2, 50)) : 0;
     p.top_p = coin(0.5) ? 0.9f : 1.0f;
     p.seed = rng_();
@@ -276,13 +280,15 @@ class BatchInvarianceHarness {
                                          last ? static_cast<int32_t>(uniform(-1, 1)) : -1,
                                          &n.params, 0));
         n.prompt_done += static_cast<int32_t>(count);
-        if (last) n.branches = n.tree->branch(n.prompt_node, uniform(1, 4)).value();
+        // Up to 40 branches, most of them sampling: a step's sampled rows then range past
+        // what a GPU sampler launches in one wave, where its row split would change.
+        if (last) n.branches = n.tree->branch(n.prompt_node, uniform(1, 40)).value();
       } else {
         for (NodeId branch : n.branches) {
           const std::vector<TokenId> token = random_tokens(1);
-          ASSERT_NO_FATAL_FAILURE(add_rows(part, branch, token,
-                                           static_cast<int32_t>(uniform(-1, 1)), &n.params,
-                                           static_cast<uint64_t>(n.steps_left)));
+          const int32_t want = coin(0.6) ? 1 : static_cast<int32_t>(uniform(-1, 0));
+          ASSERT_NO_FATAL_FAILURE(
+              add_rows(part, branch, token, want, &n.params, static_cast<uint64_t>(n.steps_left)));
         }
         --n.steps_left;
       }
@@ -340,6 +346,8 @@ class BatchInvarianceHarness {
     if (mixed) {
       ++report.steps;
       report.max_step_rows = std::max<int64_t>(report.max_step_rows, row);
+      report.max_step_sampled = std::max<int64_t>(report.max_step_sampled,
+                                                  static_cast<int64_t>(sampling.size() - wanted));
     }
     size_t logit_index = 0;
     for (size_t i = 0; i < sampling.size(); ++i) {

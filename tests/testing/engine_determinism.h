@@ -45,12 +45,10 @@ struct JobResult {
 class EngineDeterminism {
  public:
   EngineDeterminism(engine::ModelRunner& runner, const engine::Tokenizer& tokenizer,
-                    bool deterministic, int32_t max_step_tokens, int64_t prefix_cache_pages = -1)
+                    bool deterministic, int32_t max_step_tokens)
       : runner_(runner), tokenizer_(tokenizer) {
-    engine::SchedulerOptions options{.page_tokens = kPageTokens,
-                                     .kv_pages = kPages,
-                                     .max_step_tokens = max_step_tokens,
-                                     .prefix_cache_pages = prefix_cache_pages};
+    engine::SchedulerOptions options{
+        .page_tokens = kPageTokens, .kv_pages = kPages, .max_step_tokens = max_step_tokens};
     options.planner.deterministic = deterministic;
     options.planner.min_prefill_run = 64;
     scheduler_ = std::make_unique<engine::Scheduler>(options, runner_, tokenizer_);
@@ -109,13 +107,6 @@ class EngineDeterminism {
   std::unique_ptr<engine::Scheduler> scheduler_;
 };
 
-// How the copies run among each other (the defaults: the test's mix).
-struct MixOptions {
-  int32_t max_step_tokens = 96;     // of the mixed run: chunked prefill
-  int32_t random_jobs = 12;         // greedy and sampled, 1-4 branches
-  int64_t prefix_cache_pages = -1;  // of the mixed run (-1: the whole pool; 0: none)
-};
-
 // Where `got` first differs from `want`: "" when equal.
 inline std::string first_difference(const JobResult& want, const JobResult& got) {
   for (size_t b = 0; b < want.tokens.size() && b < got.tokens.size(); ++b) {
@@ -137,11 +128,12 @@ inline std::string first_difference(const JobResult& want, const JobResult& got)
   return want == got ? "" : "the branch count or logprob counts differ";
 }
 
-// Copies of `job` alone and among each other and random jobs; returns how many copies equal the
-// job alone (the first difference of each other copy goes to `differences` when given).
+// Copies of `job` (16 greedy, 8 seeded) alone and among each other and random jobs; returns how
+// many copies equal the job alone (the first difference of each other copy goes to
+// `differences` when given).
 inline int32_t copies_equal_alone(engine::ModelRunner& runner, const engine::Tokenizer& tokenizer,
                                   bool deterministic, const engine::GenerateJob& job,
-                                  int32_t copies, std::mt19937_64& rng, const MixOptions& mix = {},
+                                  int32_t copies, std::mt19937_64& rng,
                                   std::vector<std::string>* differences = nullptr) {
   JobResult reference;
   {
@@ -149,13 +141,12 @@ inline int32_t copies_equal_alone(engine::ModelRunner& runner, const engine::Tok
     EngineDeterminism engine(runner, tokenizer, deterministic, /*max_step_tokens=*/512);
     reference = engine.alone(job);
   }
-  // Mixed on another (by default a small step budget: chunked prefill), the copies submitted
-  // together with the random jobs.
-  EngineDeterminism engine(runner, tokenizer, deterministic, mix.max_step_tokens,
-                           mix.prefix_cache_pages);
+  // Mixed on another (a small step budget: chunked prefill), the copies submitted together with
+  // 12 random jobs (greedy and sampled, 1-4 branches).
+  EngineDeterminism engine(runner, tokenizer, deterministic, /*max_step_tokens=*/96);
   std::vector<std::shared_ptr<engine::GenerateEvents>> all;
   std::vector<int32_t> branches;
-  for (int32_t i = 0; i < copies + mix.random_jobs; ++i) {
+  for (int32_t i = 0; i < copies + 12; ++i) {
     const bool is_copy = i < copies;
     if (is_copy) {
       all.push_back(engine.submit(job));
