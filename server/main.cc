@@ -298,6 +298,8 @@ int main(int argc, char** argv) {
       seconds_since(load_start));
 
   // ---- The speculative draft model (optional): same backend, its own KV pool ----
+  // Whole on one device: the model's, or its first rank's under tensor parallelism (a draft is
+  // a few percent of the model: sharding it would add collectives to every draft pass).
   std::unique_ptr<deft::engine::ModelRunner> draft;
   std::string draft_name;
   if (!config.draft_model.empty()) {
@@ -306,16 +308,19 @@ int main(int argc, char** argv) {
         int64_t{config.draft_kv_pages > 0 ? config.draft_kv_pages : config.kv_pages} *
         config.page_tokens;
     const auto draft_start = std::chrono::steady_clock::now();
+    std::string draft_where = "the CPU backend";
 #ifdef DEFT_HAVE_CUDA
     if (backend == "cuda") {
+      const int draft_device = tp > 1 ? tp_devices.front() : config.device;
       absl::StatusOr<std::unique_ptr<deft::models::LlamaCudaRunner>> cuda =
           deft::models::LlamaCudaRunner::load(draft_dir, {.num_kv_slots = draft_slots,
                                                           .page_tokens = config.page_tokens,
                                                           .max_batch_rows = config.max_step_tokens,
-                                                          .device = config.device});
+                                                          .device = draft_device});
       if (!cuda.ok())
         return fail_loading(1, absl::StrCat("draft model: ", cuda.status().message()));
       draft = std::move(*cuda);
+      draft_where = absl::StrCat("CUDA device ", draft_device);
     }
 #endif
     if (draft == nullptr) {
@@ -333,8 +338,8 @@ int main(int argc, char** argv) {
     std::filesystem::path draft_path = draft_dir.lexically_normal();
     if (draft_path.filename().empty()) draft_path = draft_path.parent_path();
     draft_name = draft_path.filename().string();
-    spdlog::info("draft model: {} ({} layers, {} KV slots) on the {} backend, loaded in {:.2f} s",
-                 draft_dir.string(), draft->info().num_layers, draft_slots, backend,
+    spdlog::info("draft model: {} ({} layers, {} KV slots) on {}, loaded in {:.2f} s",
+                 draft_dir.string(), draft->info().num_layers, draft_slots, draft_where,
                  seconds_since(draft_start));
   }
   std::shared_ptr<const deft::engine::StaticTree> speculative_tree;

@@ -437,11 +437,6 @@ absl::Status validate_config(const ServerConfig& config) {
   if (absl::StatusOr<std::vector<int>> devices = tensor_parallel_devices(config); !devices.ok()) {
     return devices.status();
   }
-  if (!config.draft_model.empty() && config.tensor_parallel > 1) {
-    return absl::InvalidArgumentError(
-        "config: draft_model with tensor_parallel > 1 is not supported yet (the draft model "
-        "runs on one device)");
-  }
   if (config.backend != "auto" && config.backend != "cpu" && config.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(
         "config: backend \"", config.backend, "\" is not one of auto, cpu, cuda"));

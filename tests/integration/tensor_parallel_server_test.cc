@@ -14,8 +14,14 @@
 namespace deft::testing {
 namespace {
 
-std::vector<std::vector<int32_t>> greedy_branches(ServerProcess& server) {
+// A greedy Generate's tokens per branch (speculating with `policy` when set).
+std::vector<std::vector<int32_t>> greedy_branches(
+    ServerProcess& server,
+    v1::SpeculativeOptions::Policy policy = v1::SpeculativeOptions::POLICY_OFF) {
   v1::GenerateRequest request;
+  if (policy != v1::SpeculativeOptions::POLICY_OFF) {
+    request.mutable_speculative()->set_policy(policy);
+  }
   for (int32_t id : {1, 40, 41, 42, 43, 7}) request.mutable_prompt()->mutable_tokens()->add_ids(id);
   request.set_n(3);
   request.mutable_sampling()->set_temperature(0.0f);
@@ -52,6 +58,21 @@ TEST(TensorParallelServer, TwoRanksGenerateWhatOneRankDoes) {
   EXPECT_NE(sharded.log().find("tensor parallel"), std::string::npos) << sharded.log();
   EXPECT_EQ(sharded.stop(SIGTERM), 0) << sharded.log();
   EXPECT_EQ(whole.stop(SIGTERM), 0) << whole.log();
+}
+
+// The draft model runs whole on the first rank's device beside a sharded model: speculative
+// greedy output equals the plain output of the same server, with tokens accepted from drafts.
+TEST(TensorParallelServer, TwoRanksSpeculateWithADraftOnTheFirstDevice) {
+  ServerProcess sharded({"--backend", backend(), "--kv-pages", "256", "--tensor-parallel", "2",
+                         "--draft-model", DEFT_SOURCE_DIR "/models/default-draft"});
+  ASSERT_TRUE(sharded.running());
+  const std::vector<std::vector<int32_t>> plain = greedy_branches(sharded);
+  EXPECT_FALSE(plain[0].empty());
+  EXPECT_EQ(greedy_branches(sharded, v1::SpeculativeOptions::POLICY_STATIC_TREE), plain);
+  EXPECT_EQ(greedy_branches(sharded, v1::SpeculativeOptions::POLICY_DYNAMIC_TREE), plain);
+  EXPECT_GT(sharded.metrics()["deft_speculative_accepted_tokens_total"], 0) << sharded.log();
+  EXPECT_NE(sharded.log().find("draft model: "), std::string::npos) << sharded.log();
+  EXPECT_EQ(sharded.stop(SIGTERM), 0) << sharded.log();
 }
 
 TEST(TensorParallelServer, BadOptionsExitTwoNamingThem) {
