@@ -379,6 +379,7 @@ std::optional<StepStats> Scheduler::step() {
   stats.rows = static_cast<int64_t>(step_.tokens.size());
   stats.logit_rows = static_cast<int64_t>(step_.logit_rows.size());
   stats.generated = step_.generated;
+  stats.prompt_rows = step_.prompt_rows;
   stats.accepted_lengths = step_.accepted_lengths;
   stats.drafted = step_.drafted;
   stats.step_seconds = seconds_since(start);

@@ -85,6 +85,7 @@ struct StepStats {
   int64_t rows = 0;
   int64_t logit_rows = 0;
   int64_t generated = 0;  // tokens sampled
+  int64_t prompt_rows = 0;  // rows of tokens clients sent (StepContext::prompt_rows)
   int32_t works = 0;
   int64_t kv_tokens_read = 0;
   double plan_seconds = 0;

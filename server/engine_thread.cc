@@ -244,20 +244,19 @@ void EngineThread::run() {
     }
     if (stats.has_value()) {
       if (metrics_ != nullptr) {
-        metrics_->record_step(
-            {.step_seconds = stats->step_seconds,
-             .plan_seconds = stats->plan_seconds,
-             .forward_seconds = stats->forward_seconds,
-             .attention_seconds = stats->attention_seconds,
-             .prompt_tokens = std::max<int64_t>(0, stats->rows - stats->generated - stats->drafted),
-             .generated_tokens = stats->generated,
-             .kv_tokens_read = stats->kv_tokens_read,
-             .rows = stats->rows,
-             .logit_rows = stats->logit_rows,
-             .draft_seconds = stats->draft.seconds,
-             .draft_rows = stats->draft.rows,
-             .drafted_tokens = stats->drafted,
-             .accepted_lengths = stats->accepted_lengths});
+        metrics_->record_step({.step_seconds = stats->step_seconds,
+                               .plan_seconds = stats->plan_seconds,
+                               .forward_seconds = stats->forward_seconds,
+                               .attention_seconds = stats->attention_seconds,
+                               .prompt_tokens = stats->prompt_rows,
+                               .generated_tokens = stats->generated,
+                               .kv_tokens_read = stats->kv_tokens_read,
+                               .rows = stats->rows,
+                               .logit_rows = stats->logit_rows,
+                               .draft_seconds = stats->draft.seconds,
+                               .draft_rows = stats->draft.rows,
+                               .drafted_tokens = stats->drafted,
+                               .accepted_lengths = stats->accepted_lengths});
       }
       spdlog::trace("engine: step {} rows, {} works, {:.2f} ms", stats->rows, stats->works,
                     stats->step_seconds * 1e3);

@@ -40,7 +40,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                      .Register(r);
   steps_ = &counter(r, "deft_engine_steps_total", "Engine steps (forward passes)");
   generated_tokens_ = &counter(r, "deft_generated_tokens_total", "Tokens sampled");
-  prompt_tokens_ = &counter(r, "deft_prompt_tokens_total", "Prompt tokens prefilled");
+  prompt_tokens_ = &counter(r, "deft_prompt_tokens_total",
+                            "Tokens clients sent that the model was fed (prompts, extensions, "
+                            "scored continuations, Verify trees; cached prefixes not counted)");
   step_rows_ = &counter(r, "deft_step_rows_total",
                         "Query rows of all steps (mean rows per step: / deft_engine_steps_total)");
   step_logit_rows_ = &counter(r, "deft_step_logit_rows_total",

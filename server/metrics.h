@@ -29,7 +29,7 @@ struct StepRecord {
   double plan_seconds = 0;     // attention planning (host)
   double forward_seconds = 0;  // ModelRunner::forward
   double attention_seconds = -1;  // of which attention, when the runner timed it
-  int64_t prompt_tokens = 0;   // prefilled this step
+  int64_t prompt_tokens = 0;      // fed this step of tokens clients sent (StepStats::prompt_rows)
   int64_t generated_tokens = 0;
   int64_t kv_tokens_read = 0;  // the plan's KV IO (per layer and KV head)
   int64_t rows = 0;            // query rows (prefill and decode)

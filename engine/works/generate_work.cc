@@ -237,7 +237,7 @@ absl::Status GenerateWork::add_rows(StepContext& step) {
       if (!branch.live) continue;
       bool ended = false;
       if (absl::Status status = step.add_chunk(branch.node, branch.refill, &branch.refilled, &ended,
-                                               StepContext::Logits::kNone);
+                                               StepContext::Logits::kNone, /*recomputed=*/true);
           !status.ok()) {
         return status;
       }

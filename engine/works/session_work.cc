@@ -400,6 +400,7 @@ class ScoreWork final : public SessionWork {
         !status.ok()) {
       return status;
     }
+    step.prompt_rows += count;
     rows_ = count;
     return absl::OkStatus();
   }

@@ -45,6 +45,7 @@ class VerifyWork final : public SessionWork {
         !status.ok()) {
       return status;
     }
+    step.prompt_rows += static_cast<int64_t>(n);
     in_step_ = true;
     return absl::OkStatus();
   }

@@ -22,7 +22,7 @@ absl::Status StepContext::add_run(NodeId node, std::span<const TokenId> run, Log
 }
 
 absl::Status StepContext::add_chunk(NodeId node, std::span<const TokenId> tokens, int64_t* next,
-                                    bool* ended, Logits last_logits) {
+                                    bool* ended, Logits last_logits, bool recomputed) {
   *ended = false;
   const auto total = static_cast<int64_t>(tokens.size());
   const int64_t count = chunk_rows(total - *next);
@@ -34,6 +34,7 @@ absl::Status StepContext::add_chunk(NodeId node, std::span<const TokenId> tokens
     return status;
   }
   prefill_budget -= count;
+  if (!recomputed) prompt_rows += count;
   *next += count;
   *ended = last;
   return absl::OkStatus();
@@ -100,6 +101,7 @@ void StepContext::clear() {
   generated = 0;
   accepted_lengths.clear();
   drafted = 0;
+  prompt_rows = 0;
   queries.clear();
   tokens.clear();
   logit_rows.clear();

@@ -37,6 +37,9 @@ class StepContext {
   // Speculative decoding this step (metrics): per verified tree, the entries it accepted.
   std::vector<int32_t> accepted_lengths;
   int64_t drafted = 0;  // tree entries verified
+  // Rows of tokens a client sent (prompts, extensions, scored continuations, Verify trees), not
+  // of tokens the engine made or feeds again (decode rows, drafts, recomputed ones): metrics.
+  int64_t prompt_rows = 0;
 
   enum class Logits : uint8_t { kNone, kLast, kAll };
   // Appends `tokens` to leaf `node` (Forest::append: evicting cached KV for room) and adds one
@@ -47,8 +50,9 @@ class StepContext {
   // prefill budget: appends tokens [*next, *next + chunk) and advances *next; only the chunk
   // that ends `tokens` asks for logits (its last row's, unless `last_logits` is kNone). Sets
   // *ended to whether this call added that chunk; adds nothing when either budget is spent.
+  // The rows count as prompt_rows unless `recomputed` (tokens fed again after a preemption).
   absl::Status add_chunk(NodeId node, std::span<const TokenId> tokens, int64_t* next, bool* ended,
-                         Logits last_logits = Logits::kLast);
+                         Logits last_logits = Logits::kLast, bool recomputed = false);
   // Rows the next add_chunk() of `remaining` tokens would add.
   int64_t chunk_rows(int64_t remaining) const {
     return std::max<int64_t>(0, std::min({remaining, budget, prefill_budget}));

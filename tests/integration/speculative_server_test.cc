@@ -170,6 +170,31 @@ TEST_F(SpeculativeServer, BadOptionsAreRefusedByName) {
   expect(r, grpc::StatusCode::INVALID_ARGUMENT, "speculative.policy");
 }
 
+// The prompt counter counts the prompt once: a speculative branch feeds its accepted tokens
+// again as the next step's rows, which are neither prompt tokens nor newly generated ones.
+TEST_F(SpeculativeServer, PromptTokensCountOnlyThePrompt) {
+  std::unique_ptr<v1::Deft::Stub> stub = server_->stub();
+  v1::GenerateRequest plain;
+  // A prompt no other test sends (so the prefix cache holds none of it).
+  for (int32_t id = 300; id < 340; ++id) plain.mutable_prompt()->mutable_tokens()->add_ids(id);
+  plain.mutable_sampling()->set_max_tokens(64);
+  plain.mutable_sampling()->set_temperature(0.0f);
+  plain.mutable_sampling()->set_ignore_eos(true);
+  v1::GenerateRequest speculative = plain;
+  speculative.mutable_prompt()->mutable_tokens()->set_ids(0, 299);
+  speculative.mutable_speculative()->set_policy(v1::SpeculativeOptions::POLICY_STATIC_TREE);
+  for (const v1::GenerateRequest* request : {&plain, &speculative}) {
+    const std::map<std::string, double> before = server_->metrics();
+    const SpecResult result = generate(*stub, *request);
+    ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+    ASSERT_EQ(result.branches.at(0).ids.size(), 64u);
+    const std::map<std::string, double> after = server_->metrics();
+    EXPECT_EQ(after.at("deft_prompt_tokens_total") - before.at("deft_prompt_tokens_total"), 40);
+    EXPECT_EQ(after.at("deft_generated_tokens_total") - before.at("deft_generated_tokens_total"),
+              64);
+  }
+}
+
 TEST_F(SpeculativeServer, CancellingASpeculativeStreamFreesItsKv) {
   std::unique_ptr<v1::Deft::Stub> stub = server_->stub();
   v1::GenerateRequest r =
