@@ -117,10 +117,22 @@ class ChoiceBuilder {
   const OpenAiRequest& request_;
 };
 
+// A speculative request's choice, on its last message: "deft": {"speculative": {"steps",
+// "drafted", "accepted"}} (as GenerateResponse.speculative: target steps that verified a tree of
+// this choice, tree entries verified, of which accepted).
+void add_speculation(const OpenAiRequest& request, const engine::SpeculationStats& stats,
+                     json& choice) {
+  if (request.job.speculative == nullptr) return;
+  choice["deft"] = {
+      {"speculative",
+       {{"steps", stats.steps}, {"drafted", stats.drafted}, {"accepted", stats.accepted}}}};
+}
+
 // Everything of one accumulated (non-streamed) branch.
 struct Accumulated {
   engine::TokenDelta all;
   engine::FinishReason finish = engine::FinishReason::kNone;
+  engine::SpeculationStats speculation;  // from the last event
   void add(engine::TokenDelta& delta) {
     all.ids.insert(all.ids.end(), delta.ids.begin(), delta.ids.end());
     all.text += delta.text;
@@ -148,6 +160,7 @@ json choice(const OpenAiRequest& request, const ChoiceBuilder& builder, int32_t 
   }
   out["logprobs"] = builder.logprobs(branch.all, &offset);
   out["finish_reason"] = finish_reason(branch.finish);
+  add_speculation(request, branch.speculation, out);
   return out;
 }
 
@@ -359,7 +372,11 @@ void OpenAiApi::generate(const Caller& caller, OpenAiRequest request, httplib::R
       for (engine::GenerateEvent& event : batch) {
         completion_tokens += static_cast<int64_t>(event.delta.ids.size());
         count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
-        branches.at(static_cast<size_t>(event.branch)).add(event.delta);
+        Accumulated& accumulated = branches.at(static_cast<size_t>(event.branch));
+        if (event.delta.finish != engine::FinishReason::kNone) {
+          accumulated.speculation = event.speculation;
+        }
+        accumulated.add(event.delta);
       }
       batch.clear();
       if (!more) break;
@@ -443,6 +460,9 @@ void OpenAiApi::generate(const Caller& caller, OpenAiRequest request, httplib::R
           }
           one["logprobs"] = builder.logprobs(event.delta, &s.text_offsets.at(branch));
           one["finish_reason"] = finish_reason(event.delta.finish);
+          if (event.delta.finish != engine::FinishReason::kNone) {
+            add_speculation(request, event.speculation, one);
+          }
           if (!send(chunk_of(json::array({std::move(one)})))) {
             s.events->cancel();  // the client went away: free the job's KV
             return false;

@@ -193,6 +193,38 @@ describe('openai npm client, no keys', () => {
     assert.equal(answer.choices[0].text, bestText);
   });
 
+  test('the speculative extension: deft.speculative gives the plain tokens and its stats', async () => {
+    const prompt = 'the girl saw a big dog and the big dog saw the girl and the';
+    const plain = await client.completions.create({
+      model: MODEL, prompt, max_tokens: 24, temperature: 0, ignore_eos: true,
+    });
+    assert.equal(plain.choices[0].deft, undefined);
+    const speculative = { speculative: { policy: 'ngram' } };
+    const answer = await client.completions.create({
+      model: MODEL, prompt, max_tokens: 24, temperature: 0, ignore_eos: true, deft: speculative,
+    });
+    assert.equal(answer.choices[0].text, plain.choices[0].text);
+    const stats = answer.choices[0].deft.speculative;
+    assert.ok(stats.steps > 0 && stats.steps <= 24, JSON.stringify(stats));
+    assert.ok(stats.accepted >= 0 && stats.accepted <= stats.drafted, JSON.stringify(stats));
+    // Streamed: the chunk that finishes the choice carries its stats.
+    const stream = await client.completions.create({
+      model: MODEL, prompt, max_tokens: 24, temperature: 0, ignore_eos: true, deft: speculative,
+      stream: true,
+    });
+    let text = '';
+    let streamed;
+    for await (const chunk of stream) {
+      for (const choice of chunk.choices) {
+        text += choice.text;
+        if (choice.finish_reason) streamed = choice.deft?.speculative;
+      }
+    }
+    assert.equal(text, plain.choices[0].text);
+    assert.ok(streamed && streamed.steps > 0 && streamed.accepted <= streamed.drafted,
+      JSON.stringify(streamed));
+  });
+
   test('errors: OpenAI error classes with status, param and code', async () => {
     await assert.rejects(
       client.completions.create({ model: 'gpt-4', prompt: 'x' }),
