@@ -301,7 +301,9 @@ std::optional<StepStats> Scheduler::step() {
   });
   preempted_.assign(live_.size(), 0);
   absl::Status status;
-  if (draft_ != nullptr) {
+  step_.speculate = options_.speculative_max_batch <= 0 ||
+                    live_.size() <= static_cast<size_t>(options_.speculative_max_batch);
+  if (draft_ != nullptr && step_.speculate) {
     draft_works_.clear();
     for (size_t index : order) draft_works_.push_back(live_[index].work.get());
     status = draft_->run(draft_works_, &stats.draft);

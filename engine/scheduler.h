@@ -78,6 +78,10 @@ struct SchedulerOptions {
   // The draft model's KV pool in pages of page_tokens (0: kv_pages). A draft step short of
   // pages drafts less; admission does not count them.
   int32_t draft_kv_pages = 0;
+  // Speculation pauses in steps of more than this many live works (0: never): their requests
+  // decode plainly there, the same tokens. A verified tree costs its rows' compute, which is
+  // free beside a small batch's weight reads and not beside a large one's.
+  int32_t speculative_max_batch = 0;
 };
 
 // What one step did (metrics, logs).

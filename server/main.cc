@@ -395,6 +395,7 @@ int main(int argc, char** argv) {
                    .max_verify_entries = config.max_verify_entries,
                    .max_context = model_config->max_position_embeddings},
       .draft_kv_pages = config.draft_kv_pages,
+      .speculative_max_batch = config.speculative_max_batch,
   };
   engine_options.planner.chunk_tokens = config.chunk_tokens;
   engine_options.planner.min_prefill_run = config.min_prefill_run;

@@ -101,6 +101,9 @@ const std::vector<Field>& fields() {
        "the draft model's KV pool in pages; 0: kv_pages"},
       {"max_speculative_tokens", &ServerConfig::max_speculative_tokens,
        "most drafted tokens a speculative request verifies per step (its tree_tokens)"},
+      {"speculative_max_batch", &ServerConfig::speculative_max_batch,
+       "speculation pauses in steps of more than this many requests (they decode plainly, the "
+       "same tokens); 0: never"},
       {"plan", &ServerConfig::plan,
        "attention plan: deft_flatten | deft_node | deft_node_chunk | sequence | dense_mask"},
       {"chunk_tokens", &ServerConfig::chunk_tokens,
@@ -395,6 +398,7 @@ absl::Status validate_config(const ServerConfig& config) {
            at_least("max_tokens_per_minute_per_key", config.max_tokens_per_minute_per_key, 0),
            at_least("draft_kv_pages", config.draft_kv_pages, 0),
            at_least("max_speculative_tokens", config.max_speculative_tokens, 1),
+           at_least("speculative_max_batch", config.speculative_max_batch, 0),
        }) {
     if (!status.ok()) return status;
   }

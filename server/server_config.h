@@ -60,6 +60,7 @@ struct ServerConfig {
   std::string speculative_tree;
   int32_t draft_kv_pages = 0;
   int32_t max_speculative_tokens = 128;
+  int32_t speculative_max_batch = 0;   // engine::SchedulerOptions::speculative_max_batch
   std::string plan = "deft_flatten";   // attention plan kind (engine/attention_planner.h)
   int32_t chunk_tokens = 0;            // planner chunk size B; 0: adaptive
   int32_t min_prefill_run = 64;        // runs of >= this many new tokens use the prefill kernel; 0: off

@@ -122,6 +122,56 @@ def run_level(http_port, metrics_port, clients, seconds, tokens, temperature, sp
     }
 
 
+def run_server(args, max_batch, modes, specs, prompts):
+    """One server (--speculative-max-batch max_batch): every concurrency and mode; its rows."""
+    http_port, metrics_port, grpc_port = free_port(), free_port(), free_port()
+    server_args = [args.server, "--listen", f"127.0.0.1:{grpc_port}",
+                   "--metrics-listen", f"127.0.0.1:{metrics_port}",
+                   "--http-listen", f"127.0.0.1:{http_port}", "--backend", args.backend,
+                   "--draft-model", os.path.join(ROOT, "models/default-draft"),
+                   "--max-queued-jobs", "256", "--http-threads", "64", "--log-level", "warn",
+                   "--speculative-max-batch", str(max_batch)]
+    log = open(os.path.join(args.out, f"spec_serve_server_maxbatch{max_batch}.log"), "w")
+    server = subprocess.Popen(server_args, stdout=log, stderr=subprocess.STDOUT)
+    rows = []
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.1)
+        # Warm up every mode (CUDA graphs of each shape, the prefix cache).
+        for mode in modes:
+            run_level(http_port, metrics_port, 4, 1.0, args.tokens, args.temperature, specs[mode],
+                      prompts)
+        for clients in [int(c) for c in args.concurrency.split(",")]:
+            base = None
+            for mode in modes:
+                result = run_level(http_port, metrics_port, clients, args.seconds, args.tokens,
+                                   args.temperature, specs[mode], prompts)
+                if mode == "plain":
+                    base = result["tokens_per_s"]
+                result["speedup_vs_plain"] = result["tokens_per_s"] / base if base else None
+                result["speculative_max_batch"] = max_batch
+                method = mode if max_batch == 0 or mode == "plain" else f"{mode}_maxbatch{max_batch}"
+                print(f"c{clients} {method:16s} {result['tokens_per_s']:9.0f} tok/s  "
+                      f"x{result['speedup_vs_plain'] or 0:.2f}  tokens/step "
+                      f"{result['tokens_per_branch_step']:.2f}  step "
+                      f"{result['step_seconds_per_step'] * 1e6:.0f} us  draft share "
+                      f"{result['draft_seconds_share']:.2f}  errors {result['errors']}",
+                      flush=True)
+                if mode == "plain" and max_batch != 0:
+                    method = f"plain_server_maxbatch{max_batch}"
+                rows.append({"case": f"trained_pair_c{clients}", "method": method,
+                             "median_us": result["latency_median_s"] * 1e6,
+                             "repetitions": result["requests"], "extra": result})
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--server", required=True, help="the deft-server binary")
@@ -132,6 +182,9 @@ def main():
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--modes", default="plain,static,dynamic,ngram")
+    parser.add_argument("--max-batch", default="0",
+                        help="comma list of --speculative-max-batch values, one server each "
+                        "(0: speculation never pauses)")
     parser.add_argument("--hardware", default="")
     parser.add_argument("--commit", default=os.environ.get("DEFT_COMMIT", ""))
     args = parser.parse_args()
@@ -140,60 +193,22 @@ def main():
             models = [l.split(":", 1)[1].strip() for l in cpuinfo if l.startswith("model name")]
         args.hardware = f"{models[0]} ({len(models)} cores)" if models else "cpu"
 
-    http_port, metrics_port, grpc_port = free_port(), free_port(), free_port()
-    server_args = [args.server, "--listen", f"127.0.0.1:{grpc_port}",
-                   "--metrics-listen", f"127.0.0.1:{metrics_port}",
-                   "--http-listen", f"127.0.0.1:{http_port}", "--backend", args.backend,
-                   "--draft-model", os.path.join(ROOT, "models/default-draft"),
-                   "--max-queued-jobs", "256", "--http-threads", "64", "--log-level", "warn"]
-    log = open(os.path.join(args.out, "spec_serve_server.log"), "w")
-    server = subprocess.Popen(server_args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(0.1)
-        prompts = prompts_from_corpus(64, random.Random(1))
-        specs = {"plain": None, "static": {"policy": "static"}, "dynamic": {"policy": "dynamic"},
-                 "ngram": {"policy": "ngram"}}
-        modes = args.modes.split(",")
-        # Warm up every mode (CUDA graphs of each shape, the prefix cache).
-        for mode in modes:
-            run_level(http_port, metrics_port, 4, 1.0, args.tokens, args.temperature, specs[mode],
-                      prompts)
-        rows = []
-        for clients in [int(c) for c in args.concurrency.split(",")]:
-            base = None
-            for mode in modes:
-                result = run_level(http_port, metrics_port, clients, args.seconds, args.tokens,
-                                   args.temperature, specs[mode], prompts)
-                if mode == "plain":
-                    base = result["tokens_per_s"]
-                result["speedup_vs_plain"] = result["tokens_per_s"] / base if base else None
-                print(f"c{clients} {mode:8s} {result['tokens_per_s']:9.0f} tok/s  "
-                      f"x{result['speedup_vs_plain'] or 0:.2f}  tokens/step "
-                      f"{result['tokens_per_branch_step']:.2f}  step "
-                      f"{result['step_seconds_per_step'] * 1e6:.0f} us  draft share "
-                      f"{result['draft_seconds_share']:.2f}  errors {result['errors']}",
-                      flush=True)
-                rows.append({"case": f"trained_pair_c{clients}", "method": mode,
-                             "median_us": result["latency_median_s"] * 1e6,
-                             "repetitions": result["requests"], "extra": result})
-        out = {"benchmark": "spec_serve", "hardware": args.hardware, "commit": args.commit,
-               "date": datetime.date.today().isoformat(),
-               "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-               "floor": {}, "rows": rows}
-        tag = "cpu" if args.backend == "cpu" or not args.hardware else args.hardware.split()[-1].lower()
-        name = f"spec_serve-{tag}-{datetime.date.today().strftime('%Y%m%d')}.json"
-        with open(os.path.join(args.out, name), "w") as f:
-            json.dump(out, f, indent=1)
-        print("wrote", name)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
+    prompts = prompts_from_corpus(64, random.Random(1))
+    specs = {"plain": None, "static": {"policy": "static"}, "dynamic": {"policy": "dynamic"},
+             "ngram": {"policy": "ngram"}}
+    modes = args.modes.split(",")
+    rows = []
+    for max_batch in [int(v) for v in args.max_batch.split(",")]:
+        rows += run_server(args, max_batch, modes, specs, prompts)
+    out = {"benchmark": "spec_serve", "hardware": args.hardware, "commit": args.commit,
+           "date": datetime.date.today().isoformat(),
+           "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+           "floor": {}, "rows": rows}
+    tag = "cpu" if args.backend == "cpu" or not args.hardware else args.hardware.split()[-1].lower()
+    name = f"spec_serve-{tag}-{datetime.date.today().strftime('%Y%m%d')}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(out, f, indent=1)
+    print("wrote", name)
 
 if __name__ == "__main__":
     main()

@@ -127,7 +127,7 @@ int64_t GenerateWork::step_pages(const Forest& forest, const StepContext& step) 
     if (!branch.live) continue;
     pages += growth(branch.node, static_cast<int64_t>(branch.unfed.size()));
     // At most a page per drafted entry (a node each where the tree branches).
-    if (branch.speculator != nullptr) pages += branch.speculator->tree_bound();
+    if (branch.speculator != nullptr && step.speculate) pages += branch.speculator->tree_bound();
   }
   return pages;
 }
@@ -266,7 +266,7 @@ absl::Status GenerateWork::add_rows(StepContext& step) {
     const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
     params.seed = branch.seed;
     step.sample_last_row(params, position);
-    if (branch.speculator != nullptr) {
+    if (branch.speculator != nullptr && step.speculate) {
       // The tree gets the rows the other branches' uncommitted tokens leave.
       if (absl::Status status = branch.speculator->add_tree_rows(
               step, branch.node, params, position, step.budget - unfed, tree_depth(branch));

@@ -152,7 +152,7 @@ class DecodeWork final : public SessionWork {
       if (node.done) continue;
       pages += forest.append_pages(node.node,
                                    std::max<int64_t>(1, static_cast<int64_t>(node.unfed.size())));
-      if (node.speculator != nullptr) pages += node.speculator->tree_bound();
+      if (node.speculator != nullptr && step.speculate) pages += node.speculator->tree_bound();
     }
     return pages;
   }
@@ -229,7 +229,7 @@ class DecodeWork final : public SessionWork {
         const TreeNode& node = step.forest.tree().node(live_node.node);
         const auto position = static_cast<uint64_t>(node.depth_begin + node.tokens.size());
         step.sample_last_row(params_of(live_node), position);
-        if (live_node.speculator != nullptr) {
+        if (live_node.speculator != nullptr && step.speculate) {
           if (absl::Status status = live_node.speculator->add_tree_rows(
                   step, live_node.node, params_of(live_node), position, step.budget - later,
                   tree_depth(live_node));

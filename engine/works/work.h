@@ -40,6 +40,9 @@ class StepContext {
   // Rows of tokens a client sent (prompts, extensions, scored continuations, Verify trees), not
   // of tokens the engine made or feeds again (decode rows, drafts, recomputed ones): metrics.
   int64_t prompt_rows = 0;
+  // Whether speculating works draft and verify trees this step (set by the scheduler before
+  // any draft pass; SchedulerOptions::speculative_max_batch). When not, they decode plainly.
+  bool speculate = true;
 
   enum class Logits : uint8_t { kNone, kLast, kAll };
   // Appends `tokens` to leaf `node` (Forest::append: evicting cached KV for room) and adds one

@@ -8,10 +8,12 @@
 // either forest once the jobs end or are cancelled mid-speculation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,11 +73,13 @@ class SpeculativeTest : public ::testing::Test {
 
   static std::unique_ptr<Scheduler> make_scheduler(ModelRunner* draft,
                                                    int32_t max_step_tokens = 512,
-                                                   int32_t kv_pages = kPages) {
+                                                   int32_t kv_pages = kPages,
+                                                   int32_t speculative_max_batch = 0) {
     SchedulerOptions options{.page_tokens = kPageTokens,
                              .kv_pages = kv_pages,
                              .max_queued_works = 4096,
-                             .max_step_tokens = max_step_tokens};
+                             .max_step_tokens = max_step_tokens,
+                             .speculative_max_batch = speculative_max_batch};
     return std::make_unique<Scheduler>(options, *target_, *tokenizer_, draft);
   }
 
@@ -306,6 +310,45 @@ TEST_F(SpeculativeTest, TheDefaultStaticTreeAndLongRunsGiveThePlainTokens) {
   const std::vector<JobResult> got = run_jobs(*scheduler, jobs);
   expect_same_tokens(got, plain(jobs));
   expect_no_referenced_kv(*scheduler);
+}
+
+// Above SchedulerOptions::speculative_max_batch live works a step drafts nothing (no draft
+// pass, no tree rows); once the batch has shrunk to the limit, the rest speculate. The tokens
+// are the plain ones throughout, for a draft model's policy and for prompt lookup.
+TEST_F(SpeculativeTest, SpeculationPausesAboveTheBatchLimit) {
+  for (const TreePolicy policy : {TreePolicy::kStatic, TreePolicy::kNgram}) {
+    SCOPED_TRACE(static_cast<int>(policy));
+    const std::vector<Job> jobs = mixed_jobs(spec(policy), {.temperature = 0.0f});
+    std::unique_ptr<Scheduler> scheduler =
+        make_scheduler(self_draft_, 512, kPages, /*speculative_max_batch=*/3);
+    std::vector<std::shared_ptr<GenerateEvents>> events;
+    for (const Job& job : jobs) events.push_back(submit(*scheduler, job));
+    const auto all_finished = [&] {
+      return std::all_of(events.begin(), events.end(), [](const auto& e) { return e->finished(); });
+    };
+    int64_t paused_steps = 0, speculating_steps = 0;
+    for (int i = 0; i < 20000 && !all_finished(); ++i) {
+      scheduler->prepare();
+      const int32_t live = scheduler->live();
+      const std::optional<StepStats> stats = scheduler->step();
+      ASSERT_NO_FATAL_FAILURE(check_forests(*scheduler));
+      if (!stats.has_value()) continue;
+      if (live > 3) {
+        EXPECT_EQ(stats->drafted, 0) << "step " << i << " of " << live << " works";
+        EXPECT_EQ(stats->draft.passes, 0) << "step " << i << " of " << live << " works";
+        ++paused_steps;
+      } else if (stats->drafted > 0) {
+        ++speculating_steps;
+      }
+    }
+    ASSERT_TRUE(all_finished());
+    EXPECT_GT(paused_steps, 0);
+    EXPECT_GT(speculating_steps, 0);
+    std::vector<JobResult> got;
+    for (size_t j = 0; j < jobs.size(); ++j) got.push_back(collect(*events[j], jobs[j].n));
+    expect_same_tokens(got, plain(jobs));
+    expect_no_referenced_kv(*scheduler);
+  }
 }
 
 TEST_F(SpeculativeTest, PreemptedSpeculativeJobsGiveThePlainTokens) {
