@@ -298,10 +298,11 @@ absl::Status LlamaCudaRunner::finish_setup(const LlamaCudaOptions& options) {
           c.head_dim, ") and a compute 9.0 GPU with this binary's sm_90a code (skinny GEMM: ",
           kernels::skinny_gemm_available() ? "yes" : "no", ")"));
     }
-    if (s.tp.ranks > 1) {
-      return absl::InvalidArgumentError(
-          "llama_cuda: deterministic mode runs on one GPU (the tensor-parallel all-reduce sums in "
-          "an order that depends on the step's size)");
+    if (s.tp.ranks > 2 && s.peer_table.ranks <= 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "llama_cuda: deterministic mode at tensor parallel ", s.tp.ranks,
+          " needs peer access between the GPUs (NCCL's summation order over more than two ranks "
+          "depends on the step's size)"));
     }
     for (const int64_t in :
          {int64_t{c.hidden_size}, int64_t{c.q_size()}, int64_t{c.intermediate_size}}) {

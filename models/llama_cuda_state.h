@@ -227,12 +227,18 @@ struct LlamaCudaRunner::State {
     }
   }
   // Tensor parallel: the residual `x` [rows][hidden] (fp32) summed over the ranks in place, on the
-  // stream (captured into a step's graph like any launch); nothing at one rank.
+  // stream (captured into a step's graph like any launch); nothing at one rank. Batch-invariant
+  // steps of any size stay on the peer kernel (in pieces of its capacity): it sums each element
+  // in rank order, where NCCL's order over more than two ranks depends on the size (over two, a
+  // sum is one addition either way; llama_cuda_load.cc refuses more without peer access).
   void all_reduce_residual(float* x, int32_t rows, int32_t hidden) const {
     if (tp.ranks == 1) return;
     const int64_t count = int64_t{rows} * hidden;
-    if (peer_table.ranks > 1 && count <= peer_table.capacity) {
-      kernels::launch_peer_all_reduce(peer_table, tp.rank, x, count, stream);
+    if (peer_table.ranks > 1 && (count <= peer_table.capacity || batch_invariant)) {
+      for (int64_t begin = 0; begin < count; begin += peer_table.capacity) {
+        kernels::launch_peer_all_reduce(peer_table, tp.rank, x + begin,
+                                        std::min(peer_table.capacity, count - begin), stream);
+      }
       return;
     }
     DEFT_NCCL_CHECK(

@@ -407,11 +407,6 @@ absl::Status validate_config(const ServerConfig& config) {
                                                    " must be <= 2^62 = ", engine::kMaxFirstNodeId,
                                                    " (ids must never run out)"));
   }
-  if (config.deterministic && config.tensor_parallel > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config: deterministic = true runs on one GPU, not tensor_parallel = ",
-        config.tensor_parallel, " (the all-reduce's order depends on the step's size)"));
-  }
   if (config.listen.empty()) return absl::InvalidArgumentError("config: listen is empty");
   if (config.kv_admission != "step" && config.kv_admission != "worst_case") {
     return absl::InvalidArgumentError(absl::StrCat("config: kv_admission \"", config.kv_admission,

@@ -10,6 +10,7 @@
 //     step budget, the prefix cache), 16 concurrent copies of a greedy 48-token Generate and
 //     8 seeded-sampling copies among other random jobs must give each copy the tokens and
 //     logprobs of the same job run alone.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -171,6 +172,92 @@ TEST(CudaDeterministicEngine, ConcurrentCopiesOfAGenerateEqualItAlone) {
       EXPECT_EQ(sampled_equal, 8);
     }
   }
+}
+
+// Tensor parallel 2 in deterministic mode: the residual all-reduce sums every element in rank
+// order at any step size (the peer kernel in pieces, or NCCL's one addition over two ranks), so
+// the runner harness and the engine's concurrent copies hold as at one rank.
+TEST(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
+  DEFT_SKIP_WITHOUT_DETERMINISTIC();
+  int gpus = 0;
+  if (!LlamaCudaRunner::tensor_parallel_available() || cudaGetDeviceCount(&gpus) != cudaSuccess ||
+      gpus < 2) {
+    GTEST_SKIP() << "needs 2 CUDA devices and NCCL";
+  }
+  const uint64_t seed = kernels::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const testing::TinyLlama model = testing::make_tiny_llama({.hidden = 512,
+                                                             .heads = 8,
+                                                             .kv_heads = 2,
+                                                             .head_dim = 128,
+                                                             .intermediate = 1408,
+                                                             .layers = 2,
+                                                             .vocab = 1000,
+                                                             .seed = seed});
+  const int devices[] = {0, 1};
+  const auto make = [&](int64_t slots, int32_t page_tokens) {
+    absl::StatusOr<std::unique_ptr<engine::ModelRunner>> runner =
+        LlamaCudaRunner::create_tensor_parallel(model.config, model.checkpoint,
+                                                {.num_kv_slots = slots,
+                                                 .page_tokens = page_tokens,
+                                                 .max_batch_rows = 1024,
+                                                 .deterministic = true},
+                                                devices);
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    return runner.ok() ? std::move(*runner) : nullptr;
+  };
+  {
+    test::BatchInvarianceOptions options;
+    options.num_pages = 1024;
+    options.max_step_rows = 600;
+    options.planner = engine::PlannerOptions{.chunk_tokens = 64, .deterministic = true};
+    std::unique_ptr<engine::ModelRunner> runner =
+        make(int64_t{options.num_pages} * options.page_tokens, options.page_tokens);
+    ASSERT_NE(runner, nullptr);
+    test::BatchInvarianceReport report;
+    test::BatchInvarianceHarness harness(*runner, options, seed);
+    for (int32_t p = 0; p < 6 && !::testing::Test::HasFatalFailure(); ++p)
+      harness.run_probe(report);
+    std::printf(
+        "[ batch invariance ] deterministic TP 2: %lld mixed steps (largest %lld rows, at most "
+        "%lld sampled), %lld logit rows and %lld sampled rows compared, %lld differ%s%s\n",
+        static_cast<long long>(report.steps), static_cast<long long>(report.max_step_rows),
+        static_cast<long long>(report.max_step_sampled), static_cast<long long>(report.logit_rows),
+        static_cast<long long>(report.sampled_rows), static_cast<long long>(report.mismatches),
+        report.mismatches > 0 ? ": first " : "", report.first_mismatch.c_str());
+    EXPECT_EQ(report.mismatches, 0) << report.first_mismatch;
+    EXPECT_GT(report.max_step_rows, 256);  // steps past the peer kernel's one-piece capacity
+  }
+  absl::StatusOr<std::unique_ptr<engine::Tokenizer>> tokenizer =
+      engine::load_tokenizer(DEFT_SOURCE_DIR "/models/default");
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  std::unique_ptr<engine::ModelRunner> runner =
+      make(int64_t{test::kPages} * test::kPageTokens, test::kPageTokens);
+  ASSERT_NE(runner, nullptr);
+  std::mt19937_64 rng(seed);
+  engine::GenerateJob greedy;
+  greedy.prompt.resize(150);
+  for (engine::TokenId& t : greedy.prompt) {
+    t = static_cast<engine::TokenId>(std::uniform_int_distribution<int>(3, 500)(rng));
+  }
+  greedy.max_tokens = 48;
+  greedy.sampling = {.temperature = 0.0f};
+  greedy.limits.ignore_eos = true;
+  engine::GenerateJob sampled = greedy;
+  sampled.n = 2;
+  sampled.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = rng()};
+  std::vector<std::string> differences;
+  const int32_t greedy_equal =
+      test::copies_equal_alone(*runner, **tokenizer, true, greedy, 16, rng, &differences);
+  const int32_t sampled_equal =
+      test::copies_equal_alone(*runner, **tokenizer, true, sampled, 8, rng, &differences);
+  std::printf(
+      "[ engine determinism ] deterministic TP 2: greedy %d of 16 copies equal alone, seeded "
+      "sampling %d of 8%s%s\n",
+      greedy_equal, sampled_equal, differences.empty() ? "" : "; first difference: ",
+      differences.empty() ? "" : differences.front().c_str());
+  EXPECT_EQ(greedy_equal, 16);
+  EXPECT_EQ(sampled_equal, 8);
 }
 
 }  // namespace

@@ -75,6 +75,20 @@ TEST(TensorParallelServer, TwoRanksSpeculateWithADraftOnTheFirstDevice) {
   EXPECT_EQ(sharded.stop(SIGTERM), 0) << sharded.log();
 }
 
+// Deterministic mode with tensor parallelism: the server starts (the residual all-reduce sums in
+// rank order at any step size) and gives the greedy tokens of a deterministic server at TP 1.
+TEST(TensorParallelServer, TwoRanksRunInDeterministicMode) {
+  ServerProcess whole({"--backend", backend(), "--kv-pages", "64", "--deterministic"});
+  ServerProcess sharded(
+      {"--backend", backend(), "--kv-pages", "64", "--deterministic", "--tensor-parallel", "2"});
+  ASSERT_TRUE(whole.running());
+  ASSERT_TRUE(sharded.running());
+  EXPECT_EQ(greedy_branches(sharded), greedy_branches(whole));
+  EXPECT_NE(sharded.log().find("deterministic mode"), std::string::npos) << sharded.log();
+  EXPECT_EQ(sharded.stop(SIGTERM), 0) << sharded.log();
+  EXPECT_EQ(whole.stop(SIGTERM), 0) << whole.log();
+}
+
 TEST(TensorParallelServer, BadOptionsExitTwoNamingThem) {
   struct Case {
     std::vector<std::string> args;
