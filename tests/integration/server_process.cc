@@ -172,8 +172,12 @@ void ServerProcess::start(std::vector<std::string> extra_args, bool wait_serving
   ASSERT_GT(grpc_port_, 0) << read_file(port_file);
   channel_ = grpc::CreateChannel(address(), credentials);
   while (wait_serving && !serving()) {
+    // A model that fails to load ends the server after it listened: say so at once.
+    if (const std::optional<int> exit = wait_exit(pid_, std::chrono::milliseconds(20))) {
+      pid_ = -1;
+      GTEST_FAIL() << "deft-server exited with " << *exit << " while loading:\n" << log();
+    }
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "never SERVING:\n" << log();
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
 

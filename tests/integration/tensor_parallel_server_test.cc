@@ -78,6 +78,10 @@ TEST(TensorParallelServer, TwoRanksSpeculateWithADraftOnTheFirstDevice) {
 // Deterministic mode with tensor parallelism: the server starts (the residual all-reduce sums in
 // rank order at any step size) and gives the greedy tokens of a deterministic server at TP 1.
 TEST(TensorParallelServer, TwoRanksRunInDeterministicMode) {
+  if (backend() == "cuda") {
+    GTEST_SKIP() << "the default model's head_dim 32 has no deterministic CUDA path; "
+                    "tests/gpu's CudaDeterministicTp covers TP 2 on the GPUs";
+  }
   ServerProcess whole({"--backend", backend(), "--kv-pages", "64", "--deterministic"});
   ServerProcess sharded(
       {"--backend", backend(), "--kv-pages", "64", "--deterministic", "--tensor-parallel", "2"});
