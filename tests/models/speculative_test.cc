@@ -475,6 +475,18 @@ TEST_F(SpeculativeTest, SpeculativeSessionDecodesGiveThePlainTokens) {
               plain);
     expect_no_referenced_kv(*scheduler);
   }
+  // With speculation paused above one live work: a plain Generate beside the session pauses it
+  // for the Generate's steps, and the session speculates once it is alone; the same tokens.
+  std::unique_ptr<Scheduler> scheduler =
+      make_scheduler(self_draft_, 512, kPages, /*speculative_max_batch=*/1);
+  const std::shared_ptr<GenerateEvents> beside =
+      submit(*scheduler, {.prompt = encode("The little fox"), .n = 2, .max_tokens = 30});
+  EXPECT_EQ(
+      session_decodes(*this, *scheduler, prompt,
+                      std::make_shared<const SpeculativeOptions>(spec(TreePolicy::kStatic)), 3),
+      plain);
+  EXPECT_TRUE(beside->finished());
+  expect_no_referenced_kv(*scheduler);
 }
 
 // The χ² test: tokens 1-3 of sampled speculative decoding across thousands of seeds (token 3 is
