@@ -133,12 +133,16 @@ struct Accumulated {
   engine::TokenDelta all;
   engine::FinishReason finish = engine::FinishReason::kNone;
   engine::SpeculationStats speculation;  // from the last event
-  void add(engine::TokenDelta& delta) {
+  void add(engine::GenerateEvent& event) {
+    engine::TokenDelta& delta = event.delta;
     all.ids.insert(all.ids.end(), delta.ids.begin(), delta.ids.end());
     all.text += delta.text;
     all.logprobs.insert(all.logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
     for (auto& top : delta.top_logprobs) all.top_logprobs.push_back(std::move(top));
-    if (delta.finish != engine::FinishReason::kNone) finish = delta.finish;
+    if (delta.finish != engine::FinishReason::kNone) {
+      finish = delta.finish;
+      speculation = event.speculation;
+    }
   }
 };
 
@@ -372,11 +376,7 @@ void OpenAiApi::generate(const Caller& caller, OpenAiRequest request, httplib::R
       for (engine::GenerateEvent& event : batch) {
         completion_tokens += static_cast<int64_t>(event.delta.ids.size());
         count_tokens(caller, static_cast<int64_t>(event.delta.ids.size()));
-        Accumulated& accumulated = branches.at(static_cast<size_t>(event.branch));
-        if (event.delta.finish != engine::FinishReason::kNone) {
-          accumulated.speculation = event.speculation;
-        }
-        accumulated.add(event.delta);
+        branches.at(static_cast<size_t>(event.branch)).add(event);
       }
       batch.clear();
       if (!more) break;

@@ -72,16 +72,10 @@ test::BatchInvarianceReport run_harness(const testing::TinyLlama& model, bool de
     if (::testing::Test::HasFatalFailure()) break;
   }
   const CudaGraphStats& graphs = runner->cuda_graph_stats();
-  std::printf(
-      "[ batch invariance ] %s head_dim %d: %lld mixed steps (largest %lld rows; %lld graph, "
-      "%lld eager; at most %lld rows sampled in a step), %lld logit rows and %lld sampled rows "
-      "compared, %lld differ%s%s\n",
-      deterministic ? "deterministic" : "default path", model.config.head_dim,
-      static_cast<long long>(report.steps), static_cast<long long>(report.max_step_rows),
-      static_cast<long long>(graphs.graph_steps), static_cast<long long>(graphs.eager_steps),
-      static_cast<long long>(report.max_step_sampled), static_cast<long long>(report.logit_rows),
-      static_cast<long long>(report.sampled_rows), static_cast<long long>(report.mismatches),
-      report.mismatches > 0 ? ": first " : "", report.first_mismatch.c_str());
+  std::printf("[ batch invariance ] %s head_dim %d (%lld graph steps, %lld eager): %s\n",
+              deterministic ? "deterministic" : "default path", model.config.head_dim,
+              static_cast<long long>(graphs.graph_steps),
+              static_cast<long long>(graphs.eager_steps), report.summary().c_str());
   return report;
 }
 
@@ -140,36 +134,22 @@ TEST(CudaDeterministicEngine, ConcurrentCopiesOfAGenerateEqualItAlone) {
                                                              .layers = 2,
                                                              .vocab = 512,
                                                              .seed = seed});
-  engine::GenerateJob greedy;
-  greedy.prompt.resize(150);
-  for (engine::TokenId& t : greedy.prompt) {
-    t = static_cast<engine::TokenId>(std::uniform_int_distribution<int>(3, 500)(rng));
-  }
-  greedy.n = 1;
-  greedy.max_tokens = 48;
-  greedy.sampling = {.temperature = 0.0f};
-  greedy.limits.ignore_eos = true;
-  engine::GenerateJob sampled = greedy;
-  sampled.n = 2;
-  sampled.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = rng()};
+  const test::DeterminismJobs jobs = test::determinism_jobs(rng, /*max_tokens=*/48);
   for (const bool deterministic : {true, false}) {
     std::unique_ptr<LlamaCudaRunner> runner = make_runner(
         model, int64_t{test::kPages} * test::kPageTokens, test::kPageTokens, deterministic);
     ASSERT_NE(runner, nullptr);
-    std::vector<std::string> differences;
-    const int32_t greedy_equal = test::copies_equal_alone(*runner, **tokenizer, deterministic,
-                                                          greedy, 16, rng, &differences);
-    const int32_t sampled_equal = test::copies_equal_alone(*runner, **tokenizer, deterministic,
-                                                           sampled, 8, rng, &differences);
+    const test::CopiesEqual equal =
+        test::copies_of_both_equal_alone(*runner, **tokenizer, deterministic, jobs, 16, 8, rng);
     std::printf(
         "[ engine determinism ] %s: greedy 48 tokens %d of 16 copies equal alone, "
         "seeded sampling %d of 8%s%s\n",
-        deterministic ? "deterministic" : "default path", greedy_equal, sampled_equal,
-        differences.empty() ? "" : "; first difference: ",
-        differences.empty() ? "" : differences.front().c_str());
+        deterministic ? "deterministic" : "default path", equal.greedy, equal.sampled,
+        equal.first_difference.empty() ? "" : "; first difference: ",
+        equal.first_difference.c_str());
     if (deterministic) {
-      EXPECT_EQ(greedy_equal, 16);
-      EXPECT_EQ(sampled_equal, 8);
+      EXPECT_EQ(equal.greedy, 16);
+      EXPECT_EQ(equal.sampled, 8);
     }
   }
 }
@@ -218,13 +198,7 @@ TEST(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
     test::BatchInvarianceHarness harness(*runner, options, seed);
     for (int32_t p = 0; p < 6 && !::testing::Test::HasFatalFailure(); ++p)
       harness.run_probe(report);
-    std::printf(
-        "[ batch invariance ] deterministic TP 2: %lld mixed steps (largest %lld rows, at most "
-        "%lld sampled), %lld logit rows and %lld sampled rows compared, %lld differ%s%s\n",
-        static_cast<long long>(report.steps), static_cast<long long>(report.max_step_rows),
-        static_cast<long long>(report.max_step_sampled), static_cast<long long>(report.logit_rows),
-        static_cast<long long>(report.sampled_rows), static_cast<long long>(report.mismatches),
-        report.mismatches > 0 ? ": first " : "", report.first_mismatch.c_str());
+    std::printf("[ batch invariance ] deterministic TP 2: %s\n", report.summary().c_str());
     EXPECT_EQ(report.mismatches, 0) << report.first_mismatch;
     EXPECT_GT(report.max_step_rows, 256);  // steps past the peer kernel's one-piece capacity
   }
@@ -235,29 +209,15 @@ TEST(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
       make(int64_t{test::kPages} * test::kPageTokens, test::kPageTokens);
   ASSERT_NE(runner, nullptr);
   std::mt19937_64 rng(seed);
-  engine::GenerateJob greedy;
-  greedy.prompt.resize(150);
-  for (engine::TokenId& t : greedy.prompt) {
-    t = static_cast<engine::TokenId>(std::uniform_int_distribution<int>(3, 500)(rng));
-  }
-  greedy.max_tokens = 48;
-  greedy.sampling = {.temperature = 0.0f};
-  greedy.limits.ignore_eos = true;
-  engine::GenerateJob sampled = greedy;
-  sampled.n = 2;
-  sampled.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = rng()};
-  std::vector<std::string> differences;
-  const int32_t greedy_equal =
-      test::copies_equal_alone(*runner, **tokenizer, true, greedy, 16, rng, &differences);
-  const int32_t sampled_equal =
-      test::copies_equal_alone(*runner, **tokenizer, true, sampled, 8, rng, &differences);
+  const test::CopiesEqual equal = test::copies_of_both_equal_alone(
+      *runner, **tokenizer, true, test::determinism_jobs(rng, /*max_tokens=*/48), 16, 8, rng);
   std::printf(
       "[ engine determinism ] deterministic TP 2: greedy %d of 16 copies equal alone, seeded "
       "sampling %d of 8%s%s\n",
-      greedy_equal, sampled_equal, differences.empty() ? "" : "; first difference: ",
-      differences.empty() ? "" : differences.front().c_str());
-  EXPECT_EQ(greedy_equal, 16);
-  EXPECT_EQ(sampled_equal, 8);
+      equal.greedy, equal.sampled,
+      equal.first_difference.empty() ? "" : "; first difference: ", equal.first_difference.c_str());
+  EXPECT_EQ(equal.greedy, 16);
+  EXPECT_EQ(equal.sampled, 8);
 }
 
 }  // namespace

@@ -54,19 +54,9 @@ TEST(CpuBatchInvariance, ConcurrentCopiesOfAGenerateEqualItAlone) {
   absl::StatusOr<std::unique_ptr<LlamaCpuRunner>> runner = LlamaCpuRunner::create(
       model.config, model.checkpoint, int64_t{test::kPages} * test::kPageTokens, "tiny");
   ASSERT_TRUE(runner.ok()) << runner.status();
-  engine::GenerateJob greedy;
-  greedy.prompt.resize(150);
-  for (engine::TokenId& t : greedy.prompt) {
-    t = static_cast<engine::TokenId>(std::uniform_int_distribution<int>(3, 500)(rng));
-  }
-  greedy.max_tokens = 24;
-  greedy.sampling = {.temperature = 0.0f};
-  greedy.limits.ignore_eos = true;
-  engine::GenerateJob sampled = greedy;
-  sampled.n = 2;
-  sampled.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 77};
-  EXPECT_EQ(test::copies_equal_alone(**runner, **tokenizer, true, greedy, 8, rng), 8);
-  EXPECT_EQ(test::copies_equal_alone(**runner, **tokenizer, true, sampled, 4, rng), 4);
+  const test::DeterminismJobs jobs = test::determinism_jobs(rng, /*max_tokens=*/24);
+  EXPECT_EQ(test::copies_equal_alone(**runner, **tokenizer, true, jobs.greedy, 8, rng), 8);
+  EXPECT_EQ(test::copies_equal_alone(**runner, **tokenizer, true, jobs.sampled, 4, rng), 4);
 }
 
 }  // namespace

@@ -49,6 +49,17 @@ struct BatchInvarianceReport {
   int64_t sampled_rows = 0;    // probe sampled rows compared
   int64_t mismatches = 0;      // rows whose bits differ
   std::string first_mismatch;  // where
+
+  // "N mixed steps (largest R rows, at most S sampled), L logit rows and M sampled rows
+  // compared, D differ[: first ...]", for the tests' output.
+  std::string summary() const {
+    std::ostringstream out;
+    out << steps << " mixed steps (largest " << max_step_rows << " rows, at most "
+        << max_step_sampled << " sampled), " << logit_rows << " logit rows and " << sampled_rows
+        << " sampled rows compared, " << mismatches << " differ";
+    if (mismatches > 0) out << ": first " << first_mismatch;
+    return out.str();
+  }
 };
 
 // Drives `runner` (whose KV holds options.num_pages * page_tokens slots) with random probes and

@@ -175,4 +175,48 @@ inline int32_t copies_equal_alone(engine::ModelRunner& runner, const engine::Tok
   return equal;
 }
 
+// The jobs the determinism tests copy: on one random 150-token prompt, a greedy job (n 1) and a
+// seeded-sampling one (n 2, temperature 0.9, top-k 40, top-p 0.95), `max_tokens` each, EOS
+// ignored.
+struct DeterminismJobs {
+  engine::GenerateJob greedy;
+  engine::GenerateJob sampled;
+};
+inline DeterminismJobs determinism_jobs(std::mt19937_64& rng, int32_t max_tokens) {
+  DeterminismJobs jobs;
+  jobs.greedy.prompt.resize(150);
+  for (engine::TokenId& t : jobs.greedy.prompt) {
+    t = static_cast<engine::TokenId>(std::uniform_int_distribution<int>(3, 500)(rng));
+  }
+  jobs.greedy.max_tokens = max_tokens;
+  jobs.greedy.sampling = {.temperature = 0.0f};
+  jobs.greedy.limits.ignore_eos = true;
+  jobs.sampled = jobs.greedy;
+  jobs.sampled.n = 2;
+  jobs.sampled.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = rng()};
+  return jobs;
+}
+
+// copies_equal_alone() of both jobs: how many copies of each equal it alone, and the first
+// difference seen ("" when none), for the test's message.
+struct CopiesEqual {
+  int32_t greedy = 0;
+  int32_t sampled = 0;
+  std::string first_difference;
+};
+inline CopiesEqual copies_of_both_equal_alone(engine::ModelRunner& runner,
+                                              const engine::Tokenizer& tokenizer,
+                                              bool deterministic, const DeterminismJobs& jobs,
+                                              int32_t greedy_copies, int32_t sampled_copies,
+                                              std::mt19937_64& rng) {
+  std::vector<std::string> differences;
+  CopiesEqual out;
+  out.greedy = copies_equal_alone(runner, tokenizer, deterministic, jobs.greedy, greedy_copies, rng,
+                                  &differences);
+  out.sampled = copies_equal_alone(runner, tokenizer, deterministic, jobs.sampled, sampled_copies,
+                                   rng, &differences);
+  if (!differences.empty()) out.first_difference = differences.front();
+  return out;
+}
+
 }  // namespace deft::test
