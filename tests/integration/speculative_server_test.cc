@@ -188,10 +188,11 @@ TEST_F(SpeculativeServer, PromptTokensCountOnlyThePrompt) {
     const SpecResult result = generate(*stub, *request);
     ASSERT_TRUE(result.status.ok()) << result.status.error_message();
     ASSERT_EQ(result.branches.at(0).ids.size(), 64u);
-    const std::map<std::string, double> after = server_->metrics();
-    EXPECT_EQ(after.at("deft_prompt_tokens_total") - before.at("deft_prompt_tokens_total"), 40);
-    EXPECT_EQ(after.at("deft_generated_tokens_total") - before.at("deft_generated_tokens_total"),
-              64);
+    // The step's counters are recorded after its tokens reach the client, so wait for them.
+    const double generated = before.at("deft_generated_tokens_total") + 64;
+    EXPECT_EQ(server_->wait_metric("deft_generated_tokens_total", generated), generated);
+    const double prompt = before.at("deft_prompt_tokens_total") + 40;
+    EXPECT_EQ(server_->wait_metric("deft_prompt_tokens_total", prompt), prompt);
   }
 }
 
