@@ -83,10 +83,12 @@ struct LlamaCudaOptions {
   // of 64 rows (kernels/skinny_gemm.h: its grid and reduction order depend only on the weight's
   // shape) instead of cuBLAS, whose algorithm, tiles and split-K change with the row count; the
   // attention's stage 1 runs every pass on warpgroup MMAs (kernels::PlanShape::batch_invariant).
-  // The other kernels (RMSNorm, RoPE, SiLU·mul, sampling) already compute each row alone. Needs
-  // a compute 9.0 GPU and the DeFT kernels (load fails otherwise) and one GPU (no tensor
-  // parallelism). tune_gemms, skinny_lm_head and set_skinny_gemm / set_gemm_tuning then change
-  // nothing. Cost: bench/results/e2e_step-h200-notes.md.
+  // The sampler keeps its widest split of a row at any row count (kernels/sampling.h,
+  // batch_invariant); the other kernels (RMSNorm, RoPE, SiLU·mul) already compute each row
+  // alone. With tensor parallelism every step's residual all-reduce stays on the peer kernel
+  // (see peer_all_reduce). Needs a compute 9.0 GPU and the DeFT kernels (load fails otherwise).
+  // tune_gemms, skinny_lm_head and set_skinny_gemm / set_gemm_tuning then change nothing. Cost:
+  // bench/results/deterministic_step-h200-notes.md, sampling-h200-notes.md.
   bool deterministic = false;
   // Tensor parallelism (models/tensor_parallel.h): this runner is rank `tp.rank` of `tp.ranks` on
   // `device`, holding that rank's shard of the weights and KV heads, and meets the other ranks
@@ -97,8 +99,9 @@ struct LlamaCudaOptions {
   TensorParallelRank tp;
   ncclComm* nccl_comm = nullptr;
   // Decode-sized steps (<= 256 rows) sum the residual with kernels/peer_all_reduce.h (one kernel
-  // reading the peers' memory over NVLink) instead of NCCL, where every pair of GPUs has peer
-  // access; larger steps, and false, use NCCL. load_tensor_parallel() sets `peer_table`.
+  // writing into the peers' memory over NVLink) instead of NCCL, where every pair of GPUs has
+  // peer access; larger steps (but in deterministic mode, which stays on the peer kernel in
+  // pieces), and false, use NCCL. load_tensor_parallel() sets `peer_table`.
   bool peer_all_reduce = true;
   const kernels::PeerAllReduceTable* peer_table = nullptr;
 };

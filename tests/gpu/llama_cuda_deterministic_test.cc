@@ -84,8 +84,9 @@ class CudaBatchInvariance : public ::testing::TestWithParam<int32_t> {};
 TEST_P(CudaBatchInvariance, ProbesAloneEqualProbesInRandomMixes) {
   DEFT_SKIP_WITHOUT_DETERMINISTIC();
   const int32_t head_dim = GetParam();
+  const char* all_reduce = GetParam() ? "peer kernel" : "NCCL";
   const uint64_t seed = kernels::fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << ", " << all_reduce);
   const testing::TinyLlama model = testing::make_tiny_llama({.hidden = 512,
                                                              .heads = 8,
                                                              .kv_heads = 2,
@@ -155,17 +156,21 @@ TEST(CudaDeterministicEngine, ConcurrentCopiesOfAGenerateEqualItAlone) {
 }
 
 // Tensor parallel 2 in deterministic mode: the residual all-reduce sums every element in rank
-// order at any step size (the peer kernel in pieces, or NCCL's one addition over two ranks), so
-// the runner harness and the engine's concurrent copies hold as at one rank.
-TEST(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
+// order at any step size (the peer kernel in pieces, or NCCL's one addition over two ranks, the
+// path of GPUs without peer access: LlamaCudaOptions::peer_all_reduce false), so the runner
+// harness and the engine's concurrent copies hold as at one rank.
+class CudaDeterministicTp : public ::testing::TestWithParam<bool> {};
+
+TEST_P(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
   DEFT_SKIP_WITHOUT_DETERMINISTIC();
   int gpus = 0;
   if (!LlamaCudaRunner::tensor_parallel_available() || cudaGetDeviceCount(&gpus) != cudaSuccess ||
       gpus < 2) {
     GTEST_SKIP() << "needs 2 CUDA devices and NCCL";
   }
+  const char* all_reduce = GetParam() ? "peer kernel" : "NCCL";
   const uint64_t seed = kernels::fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << ", " << all_reduce);
   const testing::TinyLlama model = testing::make_tiny_llama({.hidden = 512,
                                                              .heads = 8,
                                                              .kv_heads = 2,
@@ -181,7 +186,8 @@ TEST(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
                                                 {.num_kv_slots = slots,
                                                  .page_tokens = page_tokens,
                                                  .max_batch_rows = 1024,
-                                                 .deterministic = true},
+                                                 .deterministic = true,
+                                                 .peer_all_reduce = GetParam()},
                                                 devices);
     EXPECT_TRUE(runner.ok()) << runner.status();
     return runner.ok() ? std::move(*runner) : nullptr;
@@ -198,7 +204,8 @@ TEST(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
     test::BatchInvarianceHarness harness(*runner, options, seed);
     for (int32_t p = 0; p < 6 && !::testing::Test::HasFatalFailure(); ++p)
       harness.run_probe(report);
-    std::printf("[ batch invariance ] deterministic TP 2: %s\n", report.summary().c_str());
+    std::printf("[ batch invariance ] deterministic TP 2 (%s): %s\n", all_reduce,
+                report.summary().c_str());
     EXPECT_EQ(report.mismatches, 0) << report.first_mismatch;
     EXPECT_GT(report.max_step_rows, 256);  // steps past the peer kernel's one-piece capacity
   }
@@ -212,13 +219,18 @@ TEST(CudaDeterministicTp, ProbesAndCopiesEqualThemselvesAloneAtTp2) {
   const test::CopiesEqual equal = test::copies_of_both_equal_alone(
       *runner, **tokenizer, true, test::determinism_jobs(rng, /*max_tokens=*/48), 16, 8, rng);
   std::printf(
-      "[ engine determinism ] deterministic TP 2: greedy %d of 16 copies equal alone, seeded "
-      "sampling %d of 8%s%s\n",
-      equal.greedy, equal.sampled,
+      "[ engine determinism ] deterministic TP 2 (%s): greedy %d of 16 copies equal alone, "
+      "seeded sampling %d of 8%s%s\n",
+      all_reduce, equal.greedy, equal.sampled,
       equal.first_difference.empty() ? "" : "; first difference: ", equal.first_difference.c_str());
   EXPECT_EQ(equal.greedy, 16);
   EXPECT_EQ(equal.sampled, 8);
 }
+
+INSTANTIATE_TEST_SUITE_P(AllReduce, CudaDeterministicTp, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Peer" : "Nccl";
+                         });
 
 }  // namespace
 }  // namespace deft::models
