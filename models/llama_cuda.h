@@ -88,7 +88,7 @@ struct LlamaCudaOptions {
   // alone. With tensor parallelism every step's residual all-reduce stays on the peer kernel
   // (see peer_all_reduce). Needs a compute 9.0 GPU and the DeFT kernels (load fails otherwise).
   // tune_gemms, skinny_lm_head and set_skinny_gemm / set_gemm_tuning then change nothing. Cost:
-  // bench/results/deterministic_step-h200-notes.md, sampling-h200-notes.md.
+  // bench/results/deterministic_step-h200-notes.md (the sampler alone: bench/sampling_bench.cu).
   bool deterministic = false;
   // Tensor parallelism (models/tensor_parallel.h): this runner is rank `tp.rank` of `tp.ranks` on
   // `device`, holding that rank's shard of the weights and KV heads, and meets the other ranks
