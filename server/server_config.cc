@@ -113,7 +113,7 @@ const std::vector<Field>& fields() {
        "the tiled prefill kernel; 0: every row by the DeFT kernel"},
       {"deterministic", &ServerConfig::deterministic,
        "true: a request's tokens and logprobs are the same bits whatever other requests share its "
-       "steps (batch-invariant GEMMs and attention; CUDA: one compute 9.0 GPU; min_prefill_run "
+       "steps (batch-invariant GEMMs and attention; CUDA: compute 9.0 GPUs; min_prefill_run "
        "and plan are then ignored; slower, see the README); --deterministic alone means true"},
       {"shutdown_grace_seconds", &ServerConfig::shutdown_grace_seconds,
        "on SIGTERM/SIGINT, live jobs may finish this long before they are cancelled"},
