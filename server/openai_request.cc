@@ -102,9 +102,12 @@ std::optional<Refusal> check_unsupported(const json& body, int64_t n) {
       return unsupported(name, "no tool calling");
     }
   }
-  if (const json* format = field(body, "response_format");
-      format != nullptr && !(format->is_object() && format->value("type", "text") == "text")) {
-    return unsupported("response_format", "only {\"type\": \"text\"}");
+  if (const json* format = field(body, "response_format")) {
+    // Compared as JSON: a "type" of another JSON type is refused, never converted.
+    const json* type = format->is_object() ? field(*format, "type") : nullptr;
+    if (!format->is_object() || (type != nullptr && *type != "text")) {
+      return unsupported("response_format", "only {\"type\": \"text\"}");
+    }
   }
   return std::nullopt;
 }
@@ -183,11 +186,12 @@ std::optional<Refusal> chat_prompt(const json& body, const OpenAiLimits& limits,
       for (size_t p = 0; p < content->size(); ++p) {
         const json& part = (*content)[p];
         const std::string part_name = absl::StrCat(name, ".content[", p, "]");
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string()) {
+        const json* type = part.is_object() ? field(part, "type") : nullptr;
+        const json* text = part.is_object() ? field(part, "text") : nullptr;
+        if (type == nullptr || *type != "text" || text == nullptr || !text->is_string()) {
           return unsupported(part_name, "only {\"type\": \"text\", \"text\": ...} parts");
         }
-        turn.content += part["text"].get<std::string>();
+        turn.content += text->get_ref<const std::string&>();
       }
     } else {
       return wrong_type(name + ".content", "a string or a list of text parts", *content);
@@ -441,8 +445,16 @@ std::optional<Refusal> parse(const json& body, bool chat, const OpenAiLimits& li
                      absl::StrCat("stop_token_ids lists ", ids->size(), " ids; the limit is ",
                                   config.max_stop_sequences)};
     }
-    for (const json& id : *ids) {
-      if (!id.is_number_integer()) return wrong_type("stop_token_ids", "token ids", id);
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const json& id = (*ids)[i];
+      // Checked before the cast: 2^32 + 2 must not become token 2 (and an unsigned value past
+      // INT64_MAX reads as negative).
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+          id.get<int64_t>() >= limits.vocab_size) {
+        return Refusal{"stop_token_ids",
+                       absl::StrCat("stop_token_ids[", i, "] = ", id.dump(),
+                                    " is not a token id in [0, ", limits.vocab_size, ")")};
+      }
       job.sampling.stop_token_ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
     }
   }

@@ -188,6 +188,14 @@ class HttpHardeningTest(unittest.TestCase):
             (b'{"model": "default", "prompt": "x", "logprobs": 99}', "logprobs"),
             (b'{"model": "default", "prompt": "x", "deft": {"tree": {"max_depth": 99}}}', "deft.tree"),
             (b'{"model": "default", "messages": "hi"}', None),
+            # Fields of the wrong JSON type inside objects (once a 500 from a throwing lookup).
+            (b'{"model": "default", "prompt": "x", "response_format": {"type": 5}}',
+             "response_format"),
+            (b'{"model": "default", "messages": [{"role": "user", "content": '
+             b'[{"type": 7, "text": "a"}]}]}', "messages[0].content[0]"),
+            # An id past int32 is refused, not wrapped (2^32 + 2 is not token 2).
+            (b'{"model": "default", "prompt": "x", "stop_token_ids": [4294967298]}',
+             "stop_token_ids"),
         ]
         for body, param in cases:
             path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
