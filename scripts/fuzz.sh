@@ -36,16 +36,21 @@ for harness in "${harnesses[@]}"; do
   cp -r "$root/tests/fuzz/corpus/$harness/." "$corpus/"
   regressions=()
   [[ -d $root/tests/fuzz/regressions/$harness ]] && regressions=("$root/tests/fuzz/regressions/$harness")
-  # rpc_request loads the sentencepiece plugin deep-bound (engine/tokenizer/sentencepiece_backend.cc):
+  # rpc_request and openai_request load the default model's tokenizer, whose sentencepiece
+  # plugin is deep-bound (engine/tokenizer/sentencepiece_backend.cc):
   # with clang's static ASan runtime, libstdc++'s operator new inside it reaches the runtime
   # through malloc, which the runtime records as a malloc; the memory is the runtime's all the
   # same, so only that pairing check is off, and only there.
   asan_options=
-  [[ $harness == rpc_request ]] && asan_options=alloc_dealloc_mismatch=0
+  [[ $harness == rpc_request || $harness == openai_request ]] && asan_options=alloc_dealloc_mismatch=0
+  # A dictionary of the format's tokens, where one is committed, steers the byte mutations.
+  dictionary=()
+  [[ -f $root/tests/fuzz/dictionaries/$harness.dict ]] &&
+    dictionary=("-dict=$root/tests/fuzz/dictionaries/$harness.dict")
   echo "== fuzz $harness: ${seconds} s =="
   # The regression inputs are merged into the working corpus first, so they run every time.
   if ! ASAN_OPTIONS=$asan_options "$binary" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 \
-      -artifact_prefix="$artifacts/$harness/" "$corpus" "${regressions[@]}" \
+      "${dictionary[@]}" -artifact_prefix="$artifacts/$harness/" "$corpus" "${regressions[@]}" \
       >"$work/$harness.log" 2>&1; then
     tail -n 60 "$work/$harness.log"
     failed+=("$harness")

@@ -1,5 +1,5 @@
 // libFuzzer harness: config.json parsing (models/model_config.h), the input being the file's
-// text.
+// text; half of the mutations JSON-aware (tests/fuzz/json_mutator.h).
 // Contracts checked:
 //   - parse_model_config refuses with INVALID_ARGUMENT and never throws or crashes;
 //   - an accepted config is one the runners can size themselves from: positive sizes, KV heads
@@ -18,6 +18,7 @@
 #include "models/llama_checkpoint.h"
 #include "models/model_config.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/json_mutator.h"
 
 namespace {
 
@@ -91,4 +92,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   check_config(*config);
   return 0;
+}
+
+extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max_size,
+                                          unsigned int seed) {
+  return deft::fuzz::mutate_json(data, size, max_size, seed, /*prefix_bytes=*/0);
 }
