@@ -81,13 +81,22 @@ inline json edge_value(std::mt19937& rng, const json& old) {
 
 }  // namespace json_mutator_detail
 
+// `ends_at_nul`: the document ends at the first NUL byte after the prefix (what follows is kept
+// as it is), else at the end of the input.
 inline size_t mutate_json(uint8_t* data, size_t size, size_t max_size, unsigned int seed,
-                          size_t prefix_bytes) {
+                          size_t prefix_bytes, bool ends_at_nul = false) {
   using json_mutator_detail::json;
   std::mt19937 rng(seed);
   if (size > prefix_bytes && rng() % 2 == 0) {
-    json document = json::parse(data + prefix_bytes, data + size, nullptr,
-                                /*allow_exceptions=*/false);
+    const uint8_t* end = data + size;
+    if (ends_at_nul) {
+      const void* nul = std::memchr(data + prefix_bytes, 0, size - prefix_bytes);
+      if (nul != nullptr) end = static_cast<const uint8_t*>(nul);
+    }
+    const std::string tail(reinterpret_cast<const char*>(end),
+                           static_cast<size_t>(data + size - end));
+    const uint8_t* begin = data + prefix_bytes;
+    json document = json::parse(begin, end, nullptr, /*allow_exceptions=*/false);
     if (!document.is_discarded()) {
       std::vector<json*> nodes;
       json_mutator_detail::collect(document, 0, &nodes);
@@ -99,7 +108,7 @@ inline size_t mutate_json(uint8_t* data, size_t size, size_t max_size, unsigned 
       } else {
         target = json_mutator_detail::edge_value(rng, target);
       }
-      const std::string text = document.dump(-1, ' ', false, json::error_handler_t::replace);
+      const std::string text = document.dump(-1, ' ', false, json::error_handler_t::replace) + tail;
       if (prefix_bytes + text.size() <= max_size) {
         std::memcpy(data + prefix_bytes, text.data(), text.size());
         return prefix_bytes + text.size();

@@ -1,6 +1,7 @@
 // libFuzzer harness: tokenizer.json loading and use (engine/tokenizer/hf_tokenizer.h). The input
 // is a tokenizer.json document, then a NUL byte, then a text (no NUL: the whole input is the
-// document and the text is empty).
+// document and the text is empty). Half of the mutations are JSON-aware on the document
+// (tests/fuzz/json_mutator.h).
 // Contracts checked (engine/tokenizer/tokenizer.h):
 //   - from_json refuses with INVALID_ARGUMENT naming the file, never crashes or throws;
 //   - a loaded tokenizer encodes any valid UTF-8 text (with and without BOS and special-token
@@ -31,6 +32,7 @@
 #include "engine/tokenizer/utf8.h"
 #include "tests/engine/tokenizer_test_util.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/json_mutator.h"
 
 namespace {
 
@@ -159,4 +161,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   return 0;
+}
+
+extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max_size,
+                                          unsigned int seed) {
+  return deft::fuzz::mutate_json(data, size, max_size, seed, /*prefix_bytes=*/0,
+                                 /*ends_at_nul=*/true);
 }
