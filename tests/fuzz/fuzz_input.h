@@ -16,6 +16,12 @@
 
 #include "absl/status/status.h"
 
+// libFuzzer's own byte mutation, for the harnesses' custom mutators (json_mutator.h,
+// rpc_request); weak, so that the replay build (replay_main.cc) links without libFuzzer and
+// never calls it.
+extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size)
+    __attribute__((weak));
+
 namespace deft::fuzz {
 
 class FuzzInput {

@@ -24,10 +24,7 @@
 #include <vector>
 
 #include "nlohmann/json.hpp"
-
-// libFuzzer's byte mutator; weak, so that the replay build links without libFuzzer.
-extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size)
-    __attribute__((weak));
+#include "tests/fuzz/fuzz_input.h"
 
 namespace deft::fuzz {
 

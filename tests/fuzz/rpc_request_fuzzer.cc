@@ -8,7 +8,9 @@
 // protobuf encoding; for TreeSession it is up to 8 length-prefixed SessionRequest encodings
 // (tests/fuzz/fuzz_input.h take_bytes), sent in order on one stream, then a half-close. Bytes
 // that do not parse as the request are skipped (Debian has no libprotobuf-mutator; libFuzzer's
-// byte mutations of the committed encodings still reach every field).
+// byte mutations of the committed encodings still reach every field). Half of the mutations are
+// structural (LLVMFuzzerCustomMutator, tests/fuzz/proto_mutator.h): the request, or one command
+// of a session, is decoded, one of its fields gets an edge value, and it is encoded again.
 //
 // Contracts checked (DESIGN.md "Bad input and faults"): every call ends with OK or a client-error
 // status (INVALID_ARGUMENT, OUT_OF_RANGE, NOT_FOUND, FAILED_PRECONDITION, RESOURCE_EXHAUSTED),
@@ -18,7 +20,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -34,6 +38,7 @@
 #include "server/server_config.h"
 #include "spdlog/spdlog.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/proto_mutator.h"
 #include "tests/testing/client_error_codes.h"
 
 namespace {
@@ -139,6 +144,35 @@ void check_status(const char* rpc, const grpc::Status& status) {
                           status.error_message()));
 }
 
+constexpr int kRpcs = 7;  // the first byte's choice, in LLVMFuzzerTestOneInput's order
+constexpr int kTreeSessionRpc = 2;
+
+// A message of the request type of RPC `rpc` (not TreeSession).
+std::unique_ptr<google::protobuf::Message> request_of(int rpc) {
+  switch (rpc) {
+    case 0:
+      return std::make_unique<v1::GenerateRequest>();
+    case 1:
+      return std::make_unique<v1::RunTreeRequest>();
+    case 3:
+      return std::make_unique<v1::VerifyRequest>();
+    case 4:
+      return std::make_unique<v1::TokenizeRequest>();
+    case 5:
+      return std::make_unique<v1::DetokenizeRequest>();
+    default:
+      return std::make_unique<v1::ModelInfoRequest>();
+  }
+}
+
+// A session command's length as FuzzInput::take_bytes(kMaxSessionRequestBytes) reads it back:
+// two bytes, high first.
+void append_session_request(const std::string& bytes, std::string* out) {
+  out->push_back(static_cast<char>(bytes.size() >> 8));
+  out->push_back(static_cast<char>(bytes.size() & 0xff));
+  *out += bytes;
+}
+
 void set_deadline(grpc::ClientContext& context) {
   context.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
 }
@@ -180,8 +214,12 @@ void tree_session(deft::fuzz::FuzzInput& input, v1::Deft::Stub& stub) {
   grpc::ClientContext context;
   set_deadline(context);
   auto stream = stub.TreeSession(&context);
+  // Nothing after a `close`: the server reads no further (deft.proto), and the in-process
+  // transport buffers nothing, so a write it never reads would block this thread, which reads
+  // the answers only after writing, while the server blocks writing them: a deadlock of the
+  // harness's making, not of the server's (a real client's writes fail once the call ends).
   for (const v1::SessionRequest& request : requests) {
-    if (!stream->Write(request)) break;
+    if (!stream->Write(request) || request.has_close()) break;
   }
   stream->WritesDone();
   v1::SessionResponse response;
@@ -206,7 +244,7 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   v1::Deft::Stub& stub = *harness().stub;
   deft::fuzz::FuzzInput input(data, size);
-  switch (input.take_index(7)) {
+  switch (input.take_index(kRpcs)) {
     case 0:
       server_streaming<v1::GenerateRequest, v1::GenerateResponse>(
           "Generate", input.take_rest(),
@@ -221,7 +259,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             return stub.RunTree(context, request);
           });
       break;
-    case 2:
+    case kTreeSessionRpc:
       tree_session(input, stub);
       break;
     case 3:
@@ -256,4 +294,49 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
   }
   return 0;
+}
+
+extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max_size,
+                                          unsigned int seed) {
+  std::mt19937 rng(seed);
+  if (size == 0 || rng() % 2 == 0) return LLVMFuzzerMutate(data, size, max_size);
+  deft::fuzz::FuzzInput input(data, size);
+  const auto rpc = static_cast<int>(input.take_index(kRpcs));
+  std::string out(1, static_cast<char>(data[0]));
+  if (rpc == kTreeSessionRpc) {
+    std::vector<std::string> commands;
+    while (!input.empty() && commands.size() < kMaxSessionRequests) {
+      commands.push_back(input.take_bytes(kMaxSessionRequestBytes));
+    }
+    if (commands.empty()) commands.emplace_back();
+    std::string& command = commands[rng() % commands.size()];
+    v1::SessionRequest request;
+    if (!request.ParseFromString(command)) return LLVMFuzzerMutate(data, size, max_size);
+    switch (rng() % 4) {
+      case 0:  // one more command: a copy of this one, mutated
+        deft::fuzz::mutate_message(request, rng);
+        if (commands.size() < kMaxSessionRequests) commands.push_back(request.SerializeAsString());
+        break;
+      case 1:  // one command fewer
+        if (commands.size() > 1) commands.erase(commands.begin() + (&command - commands.data()));
+        break;
+      default:
+        deft::fuzz::mutate_message(request, rng);
+        command = request.SerializeAsString();
+    }
+    for (const std::string& bytes : commands) {
+      if (bytes.size() > kMaxSessionRequestBytes) return LLVMFuzzerMutate(data, size, max_size);
+      append_session_request(bytes, &out);
+    }
+  } else {
+    std::unique_ptr<google::protobuf::Message> request = request_of(rpc);
+    if (!request->ParseFromString(input.take_rest())) {
+      return LLVMFuzzerMutate(data, size, max_size);
+    }
+    deft::fuzz::mutate_message(*request, rng);
+    out += request->SerializeAsString();
+  }
+  if (out.size() > max_size) return LLVMFuzzerMutate(data, size, max_size);
+  std::memcpy(data, out.data(), out.size());
+  return out.size();
 }
