@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 namespace deft::bench {
 namespace {
@@ -54,6 +56,23 @@ std::string BenchResult::cpu_name() {
     if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
   }
   return "unknown CPU";
+}
+
+std::string BenchResult::gpu_tag(const std::string& gpu_name, int gpus) {
+  std::string tag = "gpu";
+  std::string spaced = gpu_name;  // "A100-SXM4-80GB": the model is the part before the dash
+  std::replace(spaced.begin(), spaced.end(), '-', ' ');
+  std::istringstream words(spaced);
+  for (std::string word; words >> word;) {
+    if (std::any_of(word.begin(), word.end(), [](unsigned char c) { return std::isdigit(c); })) {
+      tag.clear();
+      for (unsigned char c : word) {
+        if (std::isalnum(c)) tag += static_cast<char>(std::tolower(c));
+      }
+      break;
+    }
+  }
+  return gpus > 1 ? tag + "x" + std::to_string(gpus) : tag;
 }
 
 std::string BenchResult::write(const std::string& dir) const {

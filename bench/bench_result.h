@@ -44,6 +44,11 @@ class BenchResult {
   std::string write(const std::string& dir = "") const;
 
   static std::string cpu_name();  // "model name" of /proc/cpuinfo
+  // The file-name tag of `gpus` GPUs named `gpu_name` by the driver: the first word of the name
+  // (words split at spaces and dashes) with a digit in it, in lower case ("NVIDIA H100 80GB
+  // HBM3" -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100"), "x<gpus>" appended for more than one
+  // ("h200x2"); "gpu" when no word has a digit.
+  static std::string gpu_tag(const std::string& gpu_name, int gpus = 1);
   static constexpr double kHbmBytesPerS = 3.0e12;
   static constexpr double kFlopsPerS = 7.0e14;
   // The floor of work that reads `bytes` and does `flops`: max(bytes / bandwidth, flops /

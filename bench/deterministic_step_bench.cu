@@ -252,7 +252,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string gpu = prop.name;
-  const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
+  const std::string tag = BenchResult::gpu_tag(gpu);
   BenchResult result("deterministic_step", gpu, tag, argc, argv);
   const std::vector<Case> cases = {
       {.name = "decode_b1_p1000", .sequences = 1, .prompt = 1000},

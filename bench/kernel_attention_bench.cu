@@ -199,7 +199,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string gpu = prop.name;
-  const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
+  const std::string tag = BenchResult::gpu_tag(gpu);
   BenchResult result("kernel_attention", gpu, tag, argc, argv);
 
   kernels::AttentionDims dims;

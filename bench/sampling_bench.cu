@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string gpu = prop.name;
-  const std::string tag = gpu.find("H200") != std::string::npos ? "h200" : "h100";
+  const std::string tag = BenchResult::gpu_tag(gpu);
   BenchResult result("sampling", gpu, tag, argc, argv);
   const double measured_bw = measure_and_print_device_read_bandwidth();
   cudaStream_t stream;

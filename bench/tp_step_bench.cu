@@ -354,7 +354,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   DEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, devices[0]));
   const std::string gpu = prop.name;
-  const std::string tag = gpu.find("H200") != std::string::npos ? "h200x2" : "h100x2";
+  const std::string tag = BenchResult::gpu_tag(gpu, static_cast<int>(devices.size()));
   BenchResult result("tp_step", gpu + " x" + std::to_string(devices.size()), tag, argc, argv);
 
   struct Model {

@@ -48,9 +48,7 @@ std::string gpu_name() {
 std::pair<std::string, std::string> hardware(const v1::ModelInfoResponse& info) {
   if (info.backend() != "cuda") return {BenchResult::cpu_name(), "cpu"};
   const std::string gpu = gpu_name();
-  if (gpu.find("H200") != std::string::npos) return {gpu, "h200"};
-  if (gpu.find("H100") != std::string::npos) return {gpu, "h100"};
-  return {gpu.empty() ? "unknown NVIDIA GPU" : gpu, "gpu"};
+  return {gpu.empty() ? "unknown NVIDIA GPU" : gpu, BenchResult::gpu_tag(gpu)};
 }
 
 absl::StatusOr<v1::ModelInfoResponse> model_info(const std::string& address) {
