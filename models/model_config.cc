@@ -223,8 +223,11 @@ absl::Status read_rope(const json& config, ModelConfig* out) {
     return absl::OkStatus();
   };
   if (absl::Status status = read_number("factor", &scaling.factor); !status.ok()) return status;
-  if (scaling.factor < 1.0) {
-    return refuse(prefix + ".factor", (*rope)["factor"], "expected a factor >= 1");
+  // Published models stretch their context up to 64x; past kMaxRopeScalingFactor the fp32 RoPE
+  // frequencies divided by the factor underflow to 0 (a factor of 1e300 is inf in fp32).
+  if (!(scaling.factor >= 1.0 && scaling.factor <= kMaxRopeScalingFactor)) {
+    return refuse(prefix + ".factor", (*rope)["factor"],
+                  str_cat("expected a factor in [1, ", kMaxRopeScalingFactor, "]"));
   }
   if (scaling.type != RopeScalingType::kLlama3) return absl::OkStatus();
 

@@ -30,6 +30,9 @@ enum class RopeScalingType : uint8_t {
   kLlama3,  // Llama 3.1: low frequencies divided by `factor`, a smooth ramp in between
 };
 
+// The largest RoPE scaling factor parse_model_config accepts.
+inline constexpr double kMaxRopeScalingFactor = 1024.0;
+
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
   double factor = 1.0;

@@ -229,6 +229,9 @@ TEST(ModelConfigTest, RefusesUnsupportedRopeScaling) {
                  {"rope_scaling.original_max_position_embeddings", "missing"});
   expect_refused(kLlama31_8B, [](json& c) { c["rope_scaling"]["high_freq_factor"] = 0.5; },
                  {"high_freq_factor"});
+  // A factor whose fp32 frequencies underflow to 0 (found by the model_config fuzzer).
+  expect_refused(kLlama31_8B, [](json& c) { c["rope_scaling"]["factor"] = 1e300; },
+                 {"factor", "1024"});
 }
 
 // Query width past int32 would overflow q_size() (UBSan found it through the model_config fuzz
