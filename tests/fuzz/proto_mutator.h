@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace deft::fuzz {
@@ -95,84 +96,75 @@ inline std::string edge_string(std::mt19937& rng) {
   }
 }
 
+// Stores `value` through the Reflection setter of the field's kind: appended to a repeated
+// field when `index` is -1, at `index` of it otherwise, or set on a singular field.
+template <typename T>
+void store(Message& message, const FieldDescriptor* field, int index, T value,
+           void (Reflection::*add)(Message*, const FieldDescriptor*, T) const,
+           void (Reflection::*set_repeated)(Message*, const FieldDescriptor*, int, T) const,
+           void (Reflection::*set)(Message*, const FieldDescriptor*, T) const) {
+  const Reflection* r = message.GetReflection();
+  if (!field->is_repeated()) {
+    (r->*set)(&message, field, std::move(value));
+  } else if (index < 0) {
+    (r->*add)(&message, field, std::move(value));
+  } else {
+    (r->*set_repeated)(&message, field, index, std::move(value));
+  }
+}
+
 // Sets `field` of `message` (an element of it when repeated: `index`, or a new one at -1).
 inline void set_edge(Message& message, const FieldDescriptor* field, int index, std::mt19937& rng) {
-  const Reflection* r = message.GetReflection();
-  const bool add = field->is_repeated() && index < 0;
-  const bool set = field->is_repeated() && index >= 0;
   switch (field->cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT32: {
-      const auto v = static_cast<int32_t>(edge_integer(rng));
-      add   ? r->AddInt32(&message, field, v)
-      : set ? r->SetRepeatedInt32(&message, field, index, v)
-            : r->SetInt32(&message, field, v);
+    case FieldDescriptor::CPPTYPE_INT32:
+      store(message, field, index, static_cast<int32_t>(edge_integer(rng)), &Reflection::AddInt32,
+            &Reflection::SetRepeatedInt32, &Reflection::SetInt32);
       break;
-    }
-    case FieldDescriptor::CPPTYPE_INT64: {
-      const int64_t v = edge_integer(rng);
-      add   ? r->AddInt64(&message, field, v)
-      : set ? r->SetRepeatedInt64(&message, field, index, v)
-            : r->SetInt64(&message, field, v);
+    case FieldDescriptor::CPPTYPE_INT64:
+      store(message, field, index, edge_integer(rng), &Reflection::AddInt64,
+            &Reflection::SetRepeatedInt64, &Reflection::SetInt64);
       break;
-    }
-    case FieldDescriptor::CPPTYPE_UINT32: {
-      const auto v = static_cast<uint32_t>(edge_integer(rng));
-      add   ? r->AddUInt32(&message, field, v)
-      : set ? r->SetRepeatedUInt32(&message, field, index, v)
-            : r->SetUInt32(&message, field, v);
+    case FieldDescriptor::CPPTYPE_UINT32:
+      store(message, field, index, static_cast<uint32_t>(edge_integer(rng)),
+            &Reflection::AddUInt32, &Reflection::SetRepeatedUInt32, &Reflection::SetUInt32);
       break;
-    }
-    case FieldDescriptor::CPPTYPE_UINT64: {
-      const auto v = static_cast<uint64_t>(edge_integer(rng));
-      add   ? r->AddUInt64(&message, field, v)
-      : set ? r->SetRepeatedUInt64(&message, field, index, v)
-            : r->SetUInt64(&message, field, v);
+    case FieldDescriptor::CPPTYPE_UINT64:
+      store(message, field, index, static_cast<uint64_t>(edge_integer(rng)),
+            &Reflection::AddUInt64, &Reflection::SetRepeatedUInt64, &Reflection::SetUInt64);
       break;
-    }
-    case FieldDescriptor::CPPTYPE_FLOAT: {
-      const auto v = static_cast<float>(edge_real(rng));
-      add   ? r->AddFloat(&message, field, v)
-      : set ? r->SetRepeatedFloat(&message, field, index, v)
-            : r->SetFloat(&message, field, v);
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      store(message, field, index, static_cast<float>(edge_real(rng)), &Reflection::AddFloat,
+            &Reflection::SetRepeatedFloat, &Reflection::SetFloat);
       break;
-    }
-    case FieldDescriptor::CPPTYPE_DOUBLE: {
-      const double v = edge_real(rng);
-      add   ? r->AddDouble(&message, field, v)
-      : set ? r->SetRepeatedDouble(&message, field, index, v)
-            : r->SetDouble(&message, field, v);
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      store(message, field, index, edge_real(rng), &Reflection::AddDouble,
+            &Reflection::SetRepeatedDouble, &Reflection::SetDouble);
       break;
-    }
-    case FieldDescriptor::CPPTYPE_BOOL: {
-      const bool v = rng() % 2 == 0;
-      add   ? r->AddBool(&message, field, v)
-      : set ? r->SetRepeatedBool(&message, field, index, v)
-            : r->SetBool(&message, field, v);
+    case FieldDescriptor::CPPTYPE_BOOL:
+      store(message, field, index, rng() % 2 == 0, &Reflection::AddBool,
+            &Reflection::SetRepeatedBool, &Reflection::SetBool);
       break;
-    }
     case FieldDescriptor::CPPTYPE_ENUM: {
       // A named value, or a number the proto does not name (proto3 enums are open).
       const google::protobuf::EnumDescriptor* type = field->enum_type();
-      const int v = rng() % 2 == 0
-                        ? type->value(static_cast<int>(rng() % type->value_count()))->number()
-                        : static_cast<int>(rng() % 8) - 2 + type->value_count();
-      add   ? r->AddEnumValue(&message, field, v)
-      : set ? r->SetRepeatedEnumValue(&message, field, index, v)
-            : r->SetEnumValue(&message, field, v);
+      const int value = rng() % 2 == 0
+                            ? type->value(static_cast<int>(rng() % type->value_count()))->number()
+                            : static_cast<int>(rng() % 8) - 2 + type->value_count();
+      store(message, field, index, value, &Reflection::AddEnumValue,
+            &Reflection::SetRepeatedEnumValue, &Reflection::SetEnumValue);
       break;
     }
-    case FieldDescriptor::CPPTYPE_STRING: {
-      std::string v = edge_string(rng);
-      add   ? r->AddString(&message, field, std::move(v))
-      : set ? r->SetRepeatedString(&message, field, index, std::move(v))
-            : r->SetString(&message, field, std::move(v));
+    case FieldDescriptor::CPPTYPE_STRING:
+      store(message, field, index, edge_string(rng), &Reflection::AddString,
+            &Reflection::SetRepeatedString, &Reflection::SetString);
       break;
-    }
     case FieldDescriptor::CPPTYPE_MESSAGE:
-      if (add) {
-        r->AddMessage(&message, field);
-      } else if (!set) {
-        r->MutableMessage(&message, field);  // set (and, in a oneof, chosen)
+      // A repeated message gains an element; a singular one is set (and, in a oneof, chosen).
+      // An element's own fields are mutated as fields of their own (collect()).
+      if (!field->is_repeated()) {
+        message.GetReflection()->MutableMessage(&message, field);
+      } else if (index < 0) {
+        message.GetReflection()->AddMessage(&message, field);
       }
       break;
   }
@@ -202,10 +194,8 @@ inline void mutate_message(google::protobuf::Message& message, std::mt19937& rng
     case 0:  // add
       set_edge(owner, pick.field, -1, rng);
       break;
-    case 1:  // change one
-      if (pick.field->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) {
-        set_edge(owner, pick.field, static_cast<int>(rng() % size), rng);
-      }
+    case 1:  // change one (a message element: nothing here, its fields are picked on their own)
+      set_edge(owner, pick.field, static_cast<int>(rng() % size), rng);
       break;
     case 2:  // remove the last
       r->RemoveLast(&owner, pick.field);
