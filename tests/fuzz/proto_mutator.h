@@ -125,12 +125,12 @@ inline void set_edge(Message& message, const FieldDescriptor* field, int index, 
             &Reflection::SetRepeatedInt64, &Reflection::SetInt64);
       break;
     case FieldDescriptor::CPPTYPE_UINT32:
-      store(message, field, index, static_cast<uint32_t>(edge_integer(rng)),
-            &Reflection::AddUInt32, &Reflection::SetRepeatedUInt32, &Reflection::SetUInt32);
+      store(message, field, index, static_cast<uint32_t>(edge_integer(rng)), &Reflection::AddUInt32,
+            &Reflection::SetRepeatedUInt32, &Reflection::SetUInt32);
       break;
     case FieldDescriptor::CPPTYPE_UINT64:
-      store(message, field, index, static_cast<uint64_t>(edge_integer(rng)),
-            &Reflection::AddUInt64, &Reflection::SetRepeatedUInt64, &Reflection::SetUInt64);
+      store(message, field, index, static_cast<uint64_t>(edge_integer(rng)), &Reflection::AddUInt64,
+            &Reflection::SetRepeatedUInt64, &Reflection::SetUInt64);
       break;
     case FieldDescriptor::CPPTYPE_FLOAT:
       store(message, field, index, static_cast<float>(edge_real(rng)), &Reflection::AddFloat,
